@@ -35,6 +35,9 @@ class ServerArgs:
     )
     tokenizer_path: str | None = field(default=None, metadata=_opt("Tokenizer folder (default: the model folder)"))
     served_model_name: str | None = field(default=None, metadata=_opt("Model name the API reports"))
+    skip_tokenizer_init: bool = field(
+        default=False, metadata=_opt("Load no tokenizer: token ids in, token ids out (offline engine)")
+    )
     trust_remote_code: bool = field(default=False, metadata=_opt("Allow custom code in the model folder"))
     dtype: str = field(default="auto", metadata=_opt("Weight and activation dtype", DTYPE_CHOICES))
     device: str = field(default="auto", metadata=_opt("Device to run the model on", DEVICE_CHOICES))

@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+import sys
+
+from ftransformers.entrypoints.cli import main
+
+sys.exit(main())

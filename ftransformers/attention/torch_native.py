@@ -1,0 +1,74 @@
+"""Reference attention backend in plain PyTorch: one SDPA call per sequence over its paged KV.
+
+Correct for any mix of prefill chunks and decodes; not fast. Each sequence's cached K/V is
+gathered through `req_to_token[req_pool_idx, :seq_len]` after the new tokens are stored, so a
+query at position p attends to KV positions 0..p (prefix_len offsets the causal mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ftransformers.attention.backend import AttentionBackend, register_attention_backend
+from ftransformers.attention.forward_batch import ForwardBatch
+from ftransformers.cache.kv_pool import MHAKVPool
+
+
+def causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
+    # [extend_len, prefix_len + extend_len] bool: query i (position prefix_len + i) sees keys <= it
+    q_pos = torch.arange(extend_len, device=device) + prefix_len
+    k_pos = torch.arange(prefix_len + extend_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+@register_attention_backend("torch_native")
+class TorchNativeAttentionBackend(AttentionBackend):
+    def forward_mha(
+        self,
+        q: torch.Tensor,  # [T, H, D_k]
+        k: torch.Tensor,  # [T, H_kv, D_k]
+        v: torch.Tensor,  # [T, H_kv, D_v]
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H, D_v]
+        pool = batch.kv_pool
+        assert isinstance(pool, MHAKVPool), "forward_mha needs an MHA KV pool"
+        pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv(layer_id)
+        num_heads, num_kv_heads = q.shape[1], k_buf.shape[1]
+        group = num_heads // num_kv_heads
+        out = q.new_empty(q.shape[0], num_heads, v_buf.shape[-1])
+        start = 0
+        for i in range(batch.batch_size):
+            ext, pre, seq = batch.extend_lens_cpu[i], batch.prefix_lens_cpu[i], batch.seq_lens_cpu[i]
+            locs = batch.req_to_token[batch.req_pool_indices[i], :seq]  # [S]
+            ks = k_buf.index_select(0, locs).to(q.dtype)  # [S, H_kv, D_k]
+            vs = v_buf.index_select(0, locs).to(q.dtype)  # [S, H_kv, D_v]
+            if group > 1:
+                ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+            qs = q[start : start + ext]  # [E, H, D_k]
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1),  # [H, E, D_k]
+                ks.transpose(0, 1),  # [H, S, D_k]
+                vs.transpose(0, 1),  # [H, S, D_v]
+                attn_mask=causal_mask(pre, ext, q.device),
+                scale=scaling,
+            )
+            out[start : start + ext] = o.transpose(0, 1)
+            start += ext
+        return out
+
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        from ftransformers.attention.torch_native_mla import forward_mla
+
+        return forward_mla(q_nope, q_rope, latent, layer_id, scaling, batch)

@@ -1,0 +1,103 @@
+"""Linear layers with vLLM names and per-parameter `weight_loader`s.
+
+Tensor parallel size is 1 for now: every layer holds the whole weight, but the names (and the
+shard arguments of the loaders) are those of vLLM so that sharding can arrive without renames.
+Weights are [out, in] as in `nn.Linear`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftransformers.layers.weight_utils import check_shape, default_weight_loader
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *shard: Hashable) -> None:
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    pass
+
+
+class RowParallelLinear(LinearBase):
+    pass
+
+
+class _ShardedColumnLinear(LinearBase):
+    """A column linear made of named output shards stacked along dim 0."""
+
+    def __init__(self, input_size: int, shard_sizes: dict[Hashable, int], bias: bool) -> None:
+        super().__init__(input_size, sum(shard_sizes.values()), bias)
+        self.shard_offsets: dict[Hashable, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shard_sizes.items():
+            self.shard_offsets[shard_id] = (offset, size)
+            offset += size
+        for p in self.parameters():
+            p.weight_shards = set(shard_sizes)  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *shard: Hashable) -> None:
+        if not shard:
+            default_weight_loader(param, loaded_weight)
+            return
+        if shard[0] not in self.shard_offsets:
+            raise KeyError(f"unknown shard {shard[0]!r}; valid: {list(self.shard_offsets)}")
+        offset, size = self.shard_offsets[shard[0]]
+        dst = param.data.narrow(0, offset, size)
+        check_shape(dst, loaded_weight, f"shard {shard[0]!r}")
+        dst.copy_(loaded_weight)
+
+
+class MergedColumnParallelLinear(_ShardedColumnLinear):
+    """[gate | up] style fusion: shard i holds output_sizes[i] rows."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, dict(enumerate(output_sizes)), bias)
+
+
+class QKVParallelLinear(_ShardedColumnLinear):
+    """Fused q/k/v projection: rows [q: H*D | k: H_kv*D | v: H_kv*D_v]."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        v_head_size: int | None = None,
+    ) -> None:
+        self.head_size = head_size
+        self.v_head_size = v_head_size or head_size
+        self.num_heads = total_num_heads
+        self.num_kv_heads = total_num_kv_heads or total_num_heads
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        self.v_size = self.num_kv_heads * self.v_head_size
+        super().__init__(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.v_size}, bias)

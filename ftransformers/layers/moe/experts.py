@@ -1,0 +1,95 @@
+"""Stacked expert weights and the expert computation, chosen through a small backend registry.
+
+`FusedMoE` owns the weights of all experts in two stacked parameters (vLLM layout):
+  w13_weight [E, 2I, D]  rows [gate (w1) | up (w3)] of every expert
+  w2_weight  [E, D, I]   down projection
+A backend is a function `(hidden, w13, w2, topk_weights, topk_ids) -> out`; fused GPU kernels,
+expert-parallel or CPU-hybrid backends arrive as new entries, not branches here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ftransformers.layers.activation import silu_and_mul
+from ftransformers.layers.weight_utils import check_shape
+
+MoEBackendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MOE_BACKENDS: dict[str, MoEBackendFn] = {}
+
+
+def register_moe_backend(name: str) -> Callable[[MoEBackendFn], MoEBackendFn]:
+    def wrap(fn: MoEBackendFn) -> MoEBackendFn:
+        MOE_BACKENDS[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_moe_backend("torch_native")
+def moe_forward_native(
+    hidden: torch.Tensor,  # [T, D]
+    w13: torch.Tensor,  # [E, 2I, D]
+    w2: torch.Tensor,  # [E, D, I]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K]
+) -> torch.Tensor:  # [T, D]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1)
+    # Only the experts some token routed to; one host sync for the list is the price of the loop.
+    for expert in torch.unique(flat_ids).tolist():
+        token_idx, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
+        x = hidden.index_select(0, token_idx)  # [n, D]
+        y = silu_and_mul(x @ w13[expert].t()) @ w2[expert].t()  # [n, D]
+        weight = topk_weights[token_idx, slot].unsqueeze(-1)  # [n, 1]
+        out.index_add_(0, token_idx, y.float() * weight)
+    return out.to(hidden.dtype)
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str = "torch_native"
+    ) -> None:
+        super().__init__()
+        if backend not in MOE_BACKENDS:
+            raise ValueError(f"unknown MoE backend {backend!r}; valid: {', '.join(sorted(MOE_BACKENDS))}")
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size = intermediate_size
+        self.backend = backend
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        experts = range(num_experts)
+        self.w13_weight.weight_shards = {(e, s) for e in experts for s in ("w1", "w3")}  # type: ignore[attr-defined]
+        self.w2_weight.weight_shards = {(e, "w2") for e in experts}  # type: ignore[attr-defined]
+        for p in (self.w13_weight, self.w2_weight):
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, shard_id: str) -> None:
+        # loaded_weight: one expert's [I, D] (w1 gate / w3 up) or [D, I] (w2 down), HF layout.
+        if not 0 <= expert_id < self.num_experts:
+            raise KeyError(f"expert {expert_id} out of range (num_experts={self.num_experts})")
+        I = self.intermediate_size
+        if shard_id == "w1":
+            dst = param.data[expert_id, :I]
+        elif shard_id == "w3":
+            dst = param.data[expert_id, I:]
+        elif shard_id == "w2":
+            dst = param.data[expert_id]
+        else:
+            raise KeyError(f"unknown expert shard {shard_id!r}; valid: w1, w3, w2")
+        check_shape(dst, loaded_weight, f"expert {expert_id} {shard_id}")
+        dst.copy_(loaded_weight)
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, D]; topk_weights: [T, K]; topk_ids: [T, K] -> [T, D]
+        return MOE_BACKENDS[self.backend](hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    @staticmethod
+    def make_expert_params_mapping(
+        gate: str = "gate_proj", down: str = "down_proj", up: str = "up_proj"
+    ) -> list[tuple[str, str, str]]:
+        """(param_suffix, checkpoint_name_part, shard_id) for `experts.{e}.gate_proj.` style names."""
+        return [("w13_weight", f".{gate}.", "w1"), ("w13_weight", f".{up}.", "w3"), ("w2_weight", f".{down}.", "w2")]

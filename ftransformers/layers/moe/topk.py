@@ -1,0 +1,16 @@
+"""Softmax top-k routing (Mixtral / Qwen-MoE style)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_experts_softmax(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # router_logits: [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids

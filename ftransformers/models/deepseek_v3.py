@@ -1,0 +1,167 @@
+"""DeepSeek-V3 (and Kimi-K2, the same architecture with more experts) on the paged MLA latent cache.
+
+Multi-head latent attention, absorbed form: each token caches one row [c_kv (kv_lora_rank L) |
+k_pe (qk_rope_head_dim R)]. `kv_b_proj` [H*(N+V), L] is read as W_UK [H, N, L] and W_UV [H, V, L]:
+queries are pushed through W_UK into latent space before attention, the latent-space output is
+pulled back through W_UV, so the per-head K/V are never materialised.
+
+MoE layers (from `first_k_dense_replace` on): `noaux_tc` grouped top-k routing over sigmoid scores,
+routed experts in a FusedMoE, plus always-on shared experts. Multi-token-prediction layers
+(`model.layers.{i}` with i >= num_hidden_layers) are skipped on load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from ftransformers.attention.forward_batch import get_forward_batch
+from ftransformers.cache.kv_pool import MLAKVSpec
+from ftransformers.layers.linear import ReplicatedLinear, RowParallelLinear
+from ftransformers.layers.moe.experts import FusedMoE
+from ftransformers.layers.moe.grouped_topk import DeepseekTopkRouter
+from ftransformers.layers.norm import RMSNorm
+from ftransformers.layers.rotary_yarn import get_deepseek_rope
+from ftransformers.layers.weight_utils import LoadTracker, load_with_mapping
+from ftransformers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from ftransformers.models.qwen3_moe import _route_expert_weights
+from ftransformers.models.registry import register_model
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = int(config.num_attention_heads)
+        self.qk_nope_head_dim = int(config.qk_nope_head_dim)
+        self.qk_rope_head_dim = int(config.qk_rope_head_dim)
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.v_head_dim = int(config.v_head_dim)
+        self.kv_lora_rank = int(config.kv_lora_rank)
+        self.q_lora_rank: int | None = config.q_lora_rank
+        hidden, H = int(config.hidden_size), self.num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank is None:
+            self.q_proj = ReplicatedLinear(hidden, H * self.qk_head_dim)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)  # eps 1e-6, as the reference (not rms_norm_eps)
+            self.q_b_proj = ReplicatedLinear(self.q_lora_rank, H * self.qk_head_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = ReplicatedLinear(self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim))
+        self.o_proj = RowParallelLinear(H * self.v_head_dim, hidden, bias=bias)
+        self.rotary_emb, scale_multiplier = get_deepseek_rope(config)
+        self.scaling = self.qk_head_dim**-0.5 * scale_multiplier
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # kv_b_proj.weight: [H*(N+V), L] -> W_UK [H, N, L], W_UV [H, V, L] (views, no copy)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, D] -> [T, D]
+        T = hidden.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(T, self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # [T, H, N], [T, H, R]
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H, R], [T, R]
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H,T,N]@[H,N,L] -> [T, H, L]
+        latent = torch.cat([c_kv, k_pe], dim=-1)  # [T, L+R]
+        batch = get_forward_batch()
+        out_latent = batch.attn_backend.forward_mla(
+            q_latent, q_pe, latent, self.layer_id, self.scaling, batch
+        )  # [T, H, L]
+        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H,T,L]@[H,L,V] -> [H, T, V]
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * self.v_head_dim))
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        num_experts = int(config.n_routed_experts)
+        self.gate = DeepseekTopkRouter(
+            hidden_size=config.hidden_size,
+            num_experts=num_experts,
+            top_k=int(config.num_experts_per_tok),
+            num_expert_group=getattr(config, "n_group", None),
+            topk_group=getattr(config, "topk_group", None),
+            renormalize=bool(getattr(config, "norm_topk_prob", True)),
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+            topk_method=getattr(config, "topk_method", None) or "noaux_tc",
+            scoring_func=getattr(config, "scoring_func", None) or "sigmoid",
+        )
+        self.experts = FusedMoE(num_experts, config.hidden_size, config.moe_intermediate_size)
+        n_shared = int(getattr(config, "n_shared_experts", 0) or 0)
+        self.shared_experts = (
+            LlamaMLP(config.hidden_size, config.moe_intermediate_size * n_shared) if n_shared > 0 else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, D] -> [T, D]
+        topk_weights, topk_ids = self.gate(hidden)  # [T, k] float32, [T, k]
+        out = self.experts(hidden, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
+
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = DeepseekV3Attention  # type: ignore[assignment]
+
+    def make_mlp(self, config: PretrainedConfig, layer_id: int) -> nn.Module:
+        moe = getattr(config, "n_routed_experts", None) and layer_id >= int(config.first_k_dense_replace or 0)
+        if moe and layer_id % int(getattr(config, "moe_layer_freq", 1) or 1) == 0:
+            return DeepseekV3MoE(config)
+        return LlamaMLP(config.hidden_size, config.intermediate_size)
+
+
+class DeepseekV3Model(LlamaModel):
+    decoder_layer_cls = DeepseekV3DecoderLayer  # type: ignore[assignment]
+
+
+@register_model("DeepseekV3ForCausalLM")
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    model_cls = DeepseekV3Model  # type: ignore[assignment]
+    # Only the MLPs fuse; MLA projections keep their checkpoint names (q_proj must not become qkv_proj).
+    stacked_params_mapping: list[tuple[str, str, Any]] = [
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    @classmethod
+    def kv_spec(cls, config: PretrainedConfig) -> MLAKVSpec:  # type: ignore[override]
+        return MLAKVSpec(int(config.num_hidden_layers), int(config.kv_lora_rank), int(config.qk_rope_head_dim))
+
+    def skip_weight(self, name: str) -> bool:
+        m = _LAYER_RE.match(name)
+        if m is not None and int(m.group(1)) >= self.config.num_hidden_layers:
+            return True  # multi-token-prediction layer(s)
+        return super().skip_weight(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tracker = LoadTracker(self)
+
+        def non_expert() -> Iterator[tuple[str, torch.Tensor]]:
+            kept = ((n, t) for n, t in weights if not self.skip_weight(n))
+            for name, param_name, w, expert_id, shard_id in _route_expert_weights(kept):
+                if expert_id is None:
+                    yield name, w
+                else:
+                    tracker.load(param_name, name, w, expert_id, shard_id)
+
+        load_with_mapping(tracker, non_expert(), self.stacked_params_mapping)
+        tracker.check_complete()

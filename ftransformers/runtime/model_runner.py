@@ -1,0 +1,185 @@
+"""The model worker: weights, KV pool and the req_to_token table on one device; runs a StepBatch.
+
+`ModelRunner` implements `step_io.Worker`. Per step it writes the scheduler's slot lists into
+`req_to_token`, builds a `ForwardBatch` (all index tensors from one host->device copy), runs the
+model inside `forward_context`, computes logits only for the rows that sample and hands them to
+the `Sampler`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ftransformers.attention.backend import create_attention_backend
+from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, forward_context
+from ftransformers.cache.kv_pool import KVPool, make_kv_pool
+from ftransformers.config.model_config import ModelConfig
+from ftransformers.config.server_args import ServerArgs
+from ftransformers.models.loader import load_model
+from ftransformers.runtime.memory import kv_pool_tokens
+from ftransformers.runtime.sampler import Sampler, to_device
+from ftransformers.runtime.step_io import SeqResult, StepBatch, StepResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQ_SLOTS = {"cuda": 256, "cpu": 64}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used; one line fit to show a user."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError("--device cuda: no CUDA device is available (use --device cpu)")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def resolve_dtype(server_args: ServerArgs, model_config: ModelConfig) -> torch.dtype:
+    """--dtype wins; 'auto' keeps the checkpoint's dtype (a bf16 checkpoint stays bf16 on CPU too)."""
+    if server_args.dtype != "auto":
+        return _DTYPES[server_args.dtype]
+    return model_config.dtype
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+        self.server_args = server_args
+        self.model_config = model_config
+        self.device = resolve_device(server_args.device)
+        self.dtype = resolve_dtype(server_args, model_config)
+        torch.manual_seed(server_args.random_seed)
+
+        self.model = load_model(
+            model_config, self.device, self.dtype, server_args.load_format, seed=server_args.random_seed
+        )
+        self.attn_backend = create_attention_backend(server_args.attention_backend)
+        self._max_context_len = int(model_config.context_len)
+        self._max_req_slots = server_args.max_running_requests or DEFAULT_MAX_REQ_SLOTS.get(self.device.type, 64)
+        # req_to_token[r, p]: KV slot of position p of the sequence in request slot r (0 = unset/pad).
+        self.req_to_token = torch.zeros(
+            self._max_req_slots, self._max_context_len, dtype=torch.int64, device=self.device
+        )
+        kv_spec = type(self.model).kv_spec(model_config.hf_config)
+        size = kv_pool_tokens(
+            server_args, kv_spec, self.dtype, self.device, self._max_req_slots, self._max_context_len
+        )
+        self.kv_pool: KVPool = make_kv_pool(kv_spec, size, self.dtype, self.device)
+        self.sampler = Sampler(self.device, seed=server_args.random_seed)
+        logger.info(
+            "model %s on %s (%s): KV pool %d tokens (%.2f GiB), %d request slots, context %d",
+            model_config.architecture, self.device, self.dtype, size,
+            size * kv_spec.bytes_per_token(self.dtype) / (1 << 30), self._max_req_slots, self._max_context_len,
+        )  # fmt: skip
+
+    # step_io.Worker --------------------------------------------------------------------------
+    @property
+    def kv_capacity(self) -> int:
+        return self.kv_pool.size
+
+    @property
+    def max_req_slots(self) -> int:
+        return self._max_req_slots
+
+    @property
+    def max_context_len(self) -> int:
+        return self._max_context_len
+
+    def forward_step(self, batch: StepBatch) -> StepResult:
+        if not batch.seqs:
+            return StepResult(results=[])
+        fb, sample_rows = self._prepare(batch)
+        with torch.inference_mode():
+            with forward_context(fb):
+                hidden = self.model(fb.input_ids, fb.positions)  # [T, D]
+            if not sample_rows:
+                return StepResult(results=[None] * len(batch.seqs))
+            logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S, V] float32
+            sampled = self.sampler(logits, [batch.seqs[i] for i in sample_rows])
+        results: list[SeqResult | None] = [None] * len(batch.seqs)
+        for i, r in zip(sample_rows, sampled):
+            results[i] = r
+        return StepResult(results=results)
+
+    def reset_kv(self) -> None:
+        """Forget every cached token (e.g. after the scheduler flushes its prefix cache)."""
+        self.kv_pool.clear()
+        self.req_to_token.zero_()
+
+    # internals -------------------------------------------------------------------------------
+    def _prepare(self, batch: StepBatch) -> tuple[ForwardBatch, list[int]]:
+        """Write the slot lists into req_to_token and build the ForwardBatch (one H2D copy)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        out_cache_loc: list[int] = []
+        w_rows: list[int] = []
+        w_cols: list[int] = []
+        w_vals: list[int] = []
+        pool_idx: list[int] = []
+        seq_lens: list[int] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        logits_idx: list[int] = []
+        sample_rows: list[int] = []
+        num_tokens = 0
+        for i, s in enumerate(batch.seqs):
+            n, pre, start = len(s.input_ids), s.prefix_len, s.slots_start
+            end = start + len(s.slots)
+            # step_io invariant: the row ends up valid on [0, prefix_len + n).
+            if n < 1 or start > pre or end != pre + n or end > self._max_context_len:
+                raise ValueError(
+                    f"bad SeqStep {s.rid!r}: {n} new tokens, prefix_len={pre}, slots [{start}, {end}) "
+                    f"(context {self._max_context_len})"
+                )
+            if not 0 <= s.req_pool_idx < self._max_req_slots:
+                raise ValueError(f"bad SeqStep {s.rid!r}: req_pool_idx {s.req_pool_idx} of {self._max_req_slots}")
+            input_ids += s.input_ids
+            positions += range(pre, pre + n)
+            out_cache_loc += s.slots[pre - start :]
+            w_rows += [s.req_pool_idx] * len(s.slots)
+            w_cols += range(start, end)
+            w_vals += s.slots
+            pool_idx.append(s.req_pool_idx)
+            seq_lens.append(pre + n)
+            prefix_lens.append(pre)
+            extend_lens.append(n)
+            num_tokens += n
+            if s.sample:
+                logits_idx.append(num_tokens - 1)
+                sample_rows.append(i)
+        B, T, W = len(batch.seqs), num_tokens, len(w_vals)
+        packed = to_device(
+            input_ids + positions + out_cache_loc + w_rows + w_cols + w_vals
+            + pool_idx + seq_lens + prefix_lens + extend_lens + logits_idx,
+            torch.int64, self.device,
+        )  # fmt: skip
+        (ids_t, pos_t, loc_t, rows_t, cols_t, vals_t, pool_t, seq_t, pre_t, ext_t, logit_t) = packed.split(
+            [T, T, T, W, W, W, B, B, B, B, len(logits_idx)]
+        )
+        self.req_to_token[rows_t, cols_t] = vals_t
+        mode = ForwardMode.DECODE if T == B else ForwardMode.EXTEND
+        fb = ForwardBatch(
+            mode=mode,
+            input_ids=ids_t,
+            positions=pos_t,
+            out_cache_loc=loc_t,
+            req_pool_indices=pool_t,
+            seq_lens=seq_t,
+            prefix_lens=pre_t,
+            extend_lens=ext_t,
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=extend_lens,
+            logits_indices=logit_t,
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
+        return fb, sample_rows

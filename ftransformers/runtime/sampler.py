@@ -1,0 +1,188 @@
+"""Token sampler: penalties, bans, temperature, top-k / top-p / min-p, seeded draws and logprobs.
+
+One call handles a batch whose rows carry different `SamplingParams`. Per-row parameters become
+[S] tensors (one host->device copy each); every stage runs over the whole batch and is skipped when
+no row uses it. The only device->host transfer is the final `.tolist()` of the results.
+
+Semantics (vLLM / OpenAI):
+- logprobs are the log-softmax of the raw model logits (before penalties, bans and temperature).
+- repetition_penalty (HF): every token seen in prompt + output has its logit divided by the
+  penalty when positive, multiplied when negative. Then frequency_penalty subtracts
+  penalty * count(token in output) and presence_penalty subtracts penalty once if it occurs.
+- banned_token_ids get -inf (the scheduler bans EOS below min_tokens).
+- temperature 0 (or top_k 1) is greedy argmax over the penalised logits.
+- otherwise probs = softmax(logits / T); top-k keeps the k largest; top-p keeps the smallest
+  prefix (by descending probability, renormalised after top-k) whose mass reaches top_p, always
+  the top token; min-p keeps tokens with p >= min_p * max(p). The draw is exact categorical
+  sampling from the renormalised kept set via argmax(p / E), E ~ Exp(1).
+- seed: the noise of a seeded row comes from a generator seeded with (seed, len(output_ids)), so
+  the same seed and history give the same token and no per-request state is kept. Unseeded rows
+  share one engine generator seeded with `--random-seed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ftransformers.runtime.step_io import SeqResult, SeqStep
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """splitmix64 of (seed, step): decorrelates the generators of neighbouring steps and seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One host->device copy of a Python list; pinned + non_blocking on CUDA so it never syncs."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties in place on logits [S, V]."""
+    S, V = logits.shape
+    dev = logits.device
+    rows = [i for i, s in enumerate(seqs) if s.sampling.has_penalties]
+    if not rows:
+        return logits
+    out_rows: list[int] = []
+    out_toks: list[int] = []
+    seen_rows: list[int] = []
+    seen_toks: list[int] = []
+    for i in rows:
+        s = seqs[i]
+        out_rows += [i] * len(s.output_ids)
+        out_toks += s.output_ids
+        if s.sampling.repetition_penalty != 1.0:
+            seen_rows += [i] * (len(s.prompt_ids) + len(s.output_ids))
+            seen_toks += s.prompt_ids
+            seen_toks += s.output_ids
+    if seen_rows:
+        rep = to_device([s.sampling.repetition_penalty for s in seqs], torch.float32, dev)[:, None]  # [S, 1]
+        seen = torch.zeros(S, V, dtype=torch.bool, device=dev)
+        seen[to_device(seen_rows, torch.int64, dev), to_device(seen_toks, torch.int64, dev)] = True
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if out_rows:
+        counts = torch.zeros(S, V, dtype=torch.float32, device=dev)  # counts[i, t]: t in output of row i
+        idx = (to_device(out_rows, torch.int64, dev), to_device(out_toks, torch.int64, dev))
+        counts.index_put_(idx, torch.ones(len(out_rows), device=dev), accumulate=True)
+        freq = to_device([s.sampling.frequency_penalty for s in seqs], torch.float32, dev)[:, None]
+        pres = to_device([s.sampling.presence_penalty for s in seqs], torch.float32, dev)[:, None]
+        logits = logits - freq * counts - pres * (counts > 0).float()
+    return logits
+
+
+def apply_bans(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
+    rows: list[int] = []
+    toks: list[int] = []
+    for i, s in enumerate(seqs):
+        if s.banned_token_ids:
+            rows += [i] * len(s.banned_token_ids)
+            toks += s.banned_token_ids
+    if rows:
+        dev = logits.device
+        logits[to_device(rows, torch.int64, dev), to_device(toks, torch.int64, dev)] = float("-inf")
+    return logits
+
+
+def top_k_top_p_min_p_mask(
+    logits: torch.Tensor,  # [S, V], already divided by the temperature
+    top_k: torch.Tensor | None,  # [S] int64 in 1..V, or None (off for every row)
+    top_p: torch.Tensor | None,  # [S] float32 in (0, 1], or None
+    min_p: torch.Tensor | None,  # [S] float32 in [0, 1], or None
+) -> torch.Tensor:  # [S, V] bool, True where the token is kept
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if top_k is not None or top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]  # [1, V]
+        keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
+        if top_k is not None:
+            keep_sorted &= ranks < top_k[:, None]
+            sorted_logits = sorted_logits.masked_fill(~keep_sorted, float("-inf"))
+        if top_p is not None:
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # [S, V]: mass of the strictly better tokens
+            keep_sorted &= (mass_before < top_p[:, None]) | (ranks == 0)
+        keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return keep
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def _noise(self, seqs: Sequence[SeqStep], S: int, V: int) -> torch.Tensor:
+        """Exp(1) noise [S, V]: seeded rows from their own (seed, step) generator."""
+        q = torch.empty(S, V, dtype=torch.float32, device=self.device)
+        q.exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.sampling.seed is not None and not s.sampling.greedy:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(_mix_seed(s.sampling.seed, len(s.output_ids)))
+                q[i].exponential_(generator=g)
+        return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SeqStep]) -> list[SeqResult]:
+        # logits: [S, V] raw model logits for the rows of seqs (one row per sequence that samples)
+        S, V = logits.shape
+        if S == 0:
+            return []
+        raw = logits.float()
+        dev = raw.device
+        params = [s.sampling for s in seqs]
+        want_logprobs = [p.logprobs is not None for p in params]
+        logprobs = raw.log_softmax(dim=-1) if any(want_logprobs) else None  # [S, V]
+
+        logits = apply_penalties(raw.clone(), seqs)
+        logits = apply_bans(logits, seqs)
+        greedy = [p.greedy for p in params]
+        tokens = logits.argmax(dim=-1)  # [S]
+        if not all(greedy):
+            temps = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32, dev)
+            scaled = logits / temps[:, None]
+            top_k = top_p = min_p = None
+            if any(0 < p.top_k < V for p in params):
+                top_k = to_device([p.top_k if 0 < p.top_k < V else V for p in params], torch.int64, dev)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = to_device([p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32, dev)
+            if any(p.min_p > 0.0 for p in params):
+                min_p = to_device([p.min_p for p in params], torch.float32, dev)
+            probs = scaled.softmax(dim=-1)  # [S, V]
+            if top_k is not None or top_p is not None or min_p is not None:
+                probs = probs.masked_fill(~top_k_top_p_min_p_mask(scaled, top_k, top_p, min_p), 0.0)
+            sampled = (probs / self._noise(seqs, S, V)).argmax(dim=-1)  # exact draw from probs/sum(probs)
+            if any(greedy):
+                tokens = torch.where(to_device(greedy, torch.bool, dev), tokens, sampled)
+            else:
+                tokens = sampled
+
+        if logprobs is None:
+            return [SeqResult(token_id=t) for t in tokens.tolist()]
+        # One transfer: [S, 2 + 2K] float64 = token, its logprob, top-K ids, top-K logprobs.
+        max_k = max(p.logprobs or 0 for p in params)
+        chosen = logprobs.gather(-1, tokens[:, None])  # [S, 1]
+        top_vals, top_ids = logprobs.topk(max_k, dim=-1)  # [S, K]
+        packed = torch.cat([tokens[:, None].double(), chosen.double(), top_ids.double(), top_vals.double()], dim=1)
+        results: list[SeqResult] = []
+        for row, p in zip(packed.tolist(), params):
+            if p.logprobs is None:
+                results.append(SeqResult(token_id=int(row[0])))
+                continue
+            k = p.logprobs
+            top = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + max_k : 2 + max_k + k])]
+            results.append(SeqResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
+        return results
