@@ -6,10 +6,8 @@ and the engine's top-5 log-probabilities must match transformers' within 1e-3 at
 holds on a second pass served from the radix cache, and under a KV pool so small that running
 requests get retracted.
 
-`FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16` runs the same tests on a GPU in bfloat16 against the
-float32 reference, with the bfloat16 tolerance below; there a greedy divergence is accepted only at
-a step where the reference's two best tokens are within that tolerance (a genuine near-tie), and
-the comparison of that sequence stops there.
+`FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16` runs the same tests on a GPU in bfloat16, against the
+float32 reference with the looser rule of `_check`.
 """
 
 from __future__ import annotations
@@ -30,8 +28,9 @@ TOP = 5
 DEVICE = os.environ.get("FT_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("FT_TEST_DTYPE", "float32")
 # Log-softmax differences (the same scale as logits differences) allowed per engine dtype.
-LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 6e-2, "float16": 1e-2}[DTYPE]
 STRICT = DTYPE == "float32"
+LOGPROB_TOL = 1e-3  # float32: per log-prob (the same scale as a logits difference)
+CHOICE_GAP = 0.5  # bfloat16/float16: largest float32 gap a rounding-flipped greedy choice may have
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
@@ -40,39 +39,50 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _reference(path: Path, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy continuation and per-step log-softmax [NEW_TOKENS, V] from transformers, one prompt at a time."""
+def _teacher_forced(path: Path, prompts: list[list[int]], outputs: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """transformers' log-softmax [NEW_TOKENS, V] at each step of the engine's own sequences."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    results = []
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE).eval()
+    rows = []
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )
-            tokens = out[0, len(prompt):].tolist()
-            logits = model(out).logits[0, len(prompt) - 1 : -1].float()  # [NEW_TOKENS, V]
-            results.append((tokens, torch.log_softmax(logits, dim=-1)))
-    return results
+        for prompt, out in zip(prompts, outputs):
+            seq = torch.tensor([prompt + out.token_ids], device=DEVICE)
+            logits = model(seq).logits[0, len(prompt) - 1 : -1].float()  # [NEW_TOKENS, V]
+            rows.append(torch.log_softmax(logits, dim=-1).cpu())
+    return rows
 
 
-def _check(outputs: list, reference: list[tuple[list[int], torch.Tensor]], label: str) -> None:
-    for i, (out, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, reference)):
+def _check(path: Path, prompts: list[list[int]], outputs: list, label: str) -> None:
+    """float32: every greedy token is transformers' argmax given the same prefix (so the sequences are
+    identical to transformers' greedy ones) and every top-5 log-prob is within 1e-3.
+    bfloat16/float16: against the float32 reference the engine's mean top-5 error is at most twice
+    transformers' own error in that dtype (plus 0.01), and a greedy token other than float32's argmax
+    appears only where float32's gap to it is below CHOICE_GAP (a near-tie that rounding can flip)."""
+    reference = _teacher_forced(path, prompts, outputs, torch.float32)
+    low = None if STRICT else _teacher_forced(path, prompts, outputs, getattr(torch, DTYPE))
+    engine_err: list[float] = []
+    hf_err: list[float] = []
+    for i, out in enumerate(outputs):
         assert len(out.token_ids) == NEW_TOKENS and out.logprobs is not None and len(out.logprobs) == NEW_TOKENS
         for step, entry in enumerate(out.logprobs):
-            ref_row = ref_logprobs[step]
-            if out.token_ids[step] != ref_tokens[step]:
-                top2 = ref_row.topk(2).values
-                near_tie = (top2[0] - top2[1]).item() <= 2 * LOGPROB_TOL
-                assert not STRICT and near_tie, f"{label}: prompt {i} greedy tokens differ at step {step}"
-                break  # the sequences differ from here on; nothing left to compare
-            assert abs(entry.logprob - ref_row[out.token_ids[step]].item()) <= LOGPROB_TOL, f"{label}: p{i} s{step}"
-            for token, logprob in entry.top_logprobs:
-                diff = abs(logprob - ref_row[token].item())
-                assert diff <= LOGPROB_TOL, f"{label}: prompt {i} step {step} token {token} off by {diff:.2e}"
+            ref_row, token = reference[i][step], out.token_ids[step]
+            gap = (ref_row.max() - ref_row[token]).item()
+            if STRICT:
+                assert gap == 0.0, f"{label}: prompt {i} step {step}: greedy token differs from transformers'"
+            else:
+                assert gap <= CHOICE_GAP, f"{label}: prompt {i} step {step}: picked a token {gap:.3f} below the best"
+            for tok, logprob in [(token, entry.logprob), *entry.top_logprobs]:
+                diff = abs(logprob - ref_row[tok].item())
+                if STRICT:
+                    assert diff <= LOGPROB_TOL, f"{label}: prompt {i} step {step} token {tok} off by {diff:.2e}"
+                engine_err.append(diff)
+                if low is not None:
+                    hf_err.append(abs(low[i][step][tok].item() - ref_row[tok].item()))
+    if not STRICT:
+        mean_engine, mean_hf = sum(engine_err) / len(engine_err), sum(hf_err) / len(hf_err)
+        print(f"{label}: mean |logprob error| engine {mean_engine:.4f}, transformers {DTYPE} {mean_hf:.4f}")
+        assert mean_engine <= 2 * mean_hf + 0.01, f"{label}: engine error {mean_engine:.4f} vs transformers {mean_hf:.4f}"
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -91,14 +101,15 @@ def test_parity_chunked_then_radix_hit(checkpoint: tuple[str, Path]) -> None:
         str(path), dtype=DTYPE, device=DEVICE, chunked_prefill_size=8, max_total_tokens=4096, skip_tokenizer_init=True
     )
     prompts = _prompts(llm.model_config.vocab_size)
-    reference = _reference(path, prompts)
 
     first = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
-    _check(first, reference, f"{kind} cold")
+    _check(path, prompts, first, f"{kind} cold")
     assert all(o.finish_reason == "length" for o in first)
 
     second = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
-    _check(second, reference, f"{kind} radix hit")
+    if STRICT:
+        assert [o.token_ids for o in second] == [o.token_ids for o in first]
+    _check(path, prompts, second, f"{kind} radix hit")
     # Every prompt is cached now except the token that must be recomputed to sample from.
     assert [o.cached_tokens for o in second] == [len(p) - 1 for p in prompts]
 
@@ -113,4 +124,4 @@ def test_parity_under_retraction(checkpoint: tuple[str, Path]) -> None:
     prompts = _prompts(llm.model_config.vocab_size)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
     assert llm.scheduler.stats().num_retractions > 0, "the pool was meant to be too small for all four"
-    _check(outputs, _reference(path, prompts), f"{kind} retracted")
+    _check(path, prompts, outputs, f"{kind} retracted")

@@ -251,7 +251,6 @@ def test_client_disconnect_frees_request(server: dict[str, Any], http: httpx.Cli
                     got += 1
                     if got >= 3:
                         break
-    assert _stats(http)["num_running"] + _stats(http)["num_waiting"] >= 0
     deadline = time.monotonic() + 10
     while True:
         stats = _stats(http)

@@ -21,7 +21,8 @@ from ftransformers.config.server_args import ServerArgs
 from ftransformers.entrypoints.detokenizer import RequestState
 from ftransformers.entrypoints.metrics import ServerMetrics
 from ftransformers.entrypoints.openai_protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, UsageInfo, chat_logprobs,
+    APIError, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse, ChatResponseMessage,
+    CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageInfo, chat_logprobs,
     completion_logprobs, error_body,
 )
 from ftransformers.entrypoints.reasoning_parser import ReasoningParser
@@ -138,13 +139,13 @@ def create_app(server_args: ServerArgs, tm: TokenizerManager, metrics: ServerMet
             return Response(status_code=499)
         _raise_if_error(state)
         reasoning, content = ReasoningParser(reasoning_kind).parse(state.text) if use_parser else (None, state.text)
-        choice: dict[str, Any] = {
-            "index": 0, "finish_reason": state.finish_reason, "matched_stop": state.matched_stop,
-            "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
-            "logprobs": chat_logprobs(state.logprobs, tm.token_str) if state.logprobs is not None else None,
-        }
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_name,
-                "choices": [choice], "usage": _usage(state)}
+        choice = ChatCompletionChoice(
+            finish_reason=state.finish_reason, matched_stop=state.matched_stop,
+            message=ChatResponseMessage(content=content, reasoning_content=reasoning),
+            logprobs=chat_logprobs(state.logprobs, tm.token_str) if state.logprobs is not None else None,
+        )
+        usage = UsageInfo.make(state.prompt_tokens, len(state.token_ids), state.cached_tokens)
+        return ChatCompletionResponse(id=rid, model=served_name, choices=[choice], usage=usage).model_dump()
 
     async def _chat_stream(gen: Any, rid: str, parser: ReasoningParser | None, include_usage: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
@@ -199,19 +200,20 @@ def create_app(server_args: ServerArgs, tm: TokenizerManager, metrics: ServerMet
         states = await asyncio.gather(*(tm.generate_full(ids, sp, t, raw.is_disconnected) for t, ids in inputs))
         if any(s is None for s in states):
             return Response(status_code=499)
-        choices, prompt_toks, completion_toks, cached = [], 0, 0, 0
+        choices: list[CompletionChoice] = []
+        prompt_toks, completion_toks, cached = 0, 0, 0
         for i, ((text, ids), st) in enumerate(zip(inputs, states)):
             assert st is not None
             _raise_if_error(st)
             echo = (text if text is not None else tm.tokenizer.decode(ids)) if body.echo else ""
             lps = completion_logprobs(st.logprobs, tm.token_str, len(echo)) if st.logprobs is not None else None
-            choices.append({"index": i, "text": echo + st.text, "logprobs": lps, "finish_reason": st.finish_reason,
-                            "matched_stop": st.matched_stop})
+            choices.append(CompletionChoice(index=i, text=echo + st.text, logprobs=lps, finish_reason=st.finish_reason,
+                                            matched_stop=st.matched_stop))
             prompt_toks += st.prompt_tokens
             completion_toks += len(st.token_ids)
             cached += st.cached_tokens
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_name,
-                "choices": choices, "usage": UsageInfo.make(prompt_toks, completion_toks, cached).model_dump()}
+        usage = UsageInfo.make(prompt_toks, completion_toks, cached)
+        return CompletionResponse(id=rid, model=served_name, choices=choices, usage=usage).model_dump()
 
     async def _completion_stream(gen: Any, rid: str, echo: str, include_usage: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
