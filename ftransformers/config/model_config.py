@@ -98,7 +98,8 @@ def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
         if dtype not in _DTYPES:
             raise ModelConfigError(f"unknown dtype {dtype!r}; valid: auto, bfloat16, float16, float32")
         return _DTYPES[dtype]
-    found = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # vars(): reading `.torch_dtype` through getattr on transformers 5 prints a deprecation warning.
+    found = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
     if isinstance(found, torch.dtype):
         return found
     if isinstance(found, str):

@@ -44,6 +44,8 @@ def serve(argv: Sequence[str] | None, prog: str = "ftransformers serve") -> int:
     ns = parser.parse_args(argv)
     try:
         args = resolve_model_path(ServerArgs.from_cli_args(ns))
+        if args.skip_tokenizer_init:
+            raise CLIError("--skip-tokenizer-init is for the offline engine; the server needs a tokenizer")
         from ftransformers.config.model_config import ModelConfig, ModelConfigError
 
         try:
