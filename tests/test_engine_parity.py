@@ -58,7 +58,9 @@ def _check(path: Path, prompts: list[list[int]], outputs: list, label: str) -> N
     identical to transformers' greedy ones) and every top-5 log-prob is within 1e-3.
     bfloat16/float16: against the float32 reference the engine's mean top-5 error is at most twice
     transformers' own error in that dtype (plus 0.01), and a greedy token other than float32's argmax
-    appears only where float32's gap to it is below CHOICE_GAP (a near-tie that rounding can flip)."""
+    appears only where float32's gap to it is below CHOICE_GAP (a near-tie that rounding can flip) or
+    where transformers in the same dtype, given the same prefix, picks that token as well (bfloat16
+    rounding can flip an MoE routing decision and move a logit by more than the gap)."""
     reference = _teacher_forced(path, prompts, outputs, torch.float32)
     low = None if STRICT else _teacher_forced(path, prompts, outputs, getattr(torch, DTYPE))
     engine_err: list[float] = []
@@ -71,7 +73,12 @@ def _check(path: Path, prompts: list[list[int]], outputs: list, label: str) -> N
             if STRICT:
                 assert gap == 0.0, f"{label}: prompt {i} step {step}: greedy token differs from transformers'"
             else:
-                assert gap <= CHOICE_GAP, f"{label}: prompt {i} step {step}: picked a token {gap:.3f} below the best"
+                assert low is not None
+                same_as_hf = int(low[i][step].argmax()) == token  # transformers in DTYPE picks it too
+                assert gap <= CHOICE_GAP or same_as_hf, (
+                    f"{label}: prompt {i} step {step}: picked a token {gap:.3f} below float32's best, "
+                    f"which transformers in {DTYPE} does not pick either"
+                )
             for tok, logprob in [(token, entry.logprob), *entry.top_logprobs]:
                 diff = abs(logprob - ref_row[tok].item())
                 if STRICT:

@@ -13,7 +13,7 @@ routed experts in a FusedMoE, plus always-on shared experts. Multi-token-predict
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,9 +27,8 @@ from ftransformers.layers.moe.experts import FusedMoE
 from ftransformers.layers.moe.grouped_topk import DeepseekTopkRouter
 from ftransformers.layers.norm import RMSNorm
 from ftransformers.layers.rotary_yarn import get_deepseek_rope
-from ftransformers.layers.weight_utils import LoadTracker, load_with_mapping
 from ftransformers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
-from ftransformers.models.qwen3_moe import _route_expert_weights
+from ftransformers.models.moe_weights import load_moe_model_weights
 from ftransformers.models.registry import register_model
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -153,15 +152,4 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return super().skip_weight(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tracker = LoadTracker(self)
-
-        def non_expert() -> Iterator[tuple[str, torch.Tensor]]:
-            kept = ((n, t) for n, t in weights if not self.skip_weight(n))
-            for name, param_name, w, expert_id, shard_id in _route_expert_weights(kept):
-                if expert_id is None:
-                    yield name, w
-                else:
-                    tracker.load(param_name, name, w, expert_id, shard_id)
-
-        load_with_mapping(tracker, non_expert(), self.stacked_params_mapping)
-        tracker.check_complete()
+        load_moe_model_weights(self, weights, self.stacked_params_mapping)
