@@ -25,7 +25,6 @@ from ftransformers.runtime.step_io import SeqResult, StepBatch, StepResult
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQ_SLOTS = {"cuda": 256, "cpu": 64}
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class DeviceError(RuntimeError):
@@ -42,19 +41,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(server_args: ServerArgs, model_config: ModelConfig) -> torch.dtype:
-    """--dtype wins; 'auto' keeps the checkpoint's dtype (a bf16 checkpoint stays bf16 on CPU too)."""
-    if server_args.dtype != "auto":
-        return _DTYPES[server_args.dtype]
-    return model_config.dtype
-
-
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.server_args = server_args
         self.model_config = model_config
         self.device = resolve_device(server_args.device)
-        self.dtype = resolve_dtype(server_args, model_config)
+        self.dtype = model_config.dtype  # --dtype, or the checkpoint's for 'auto' (see ModelConfig)
         torch.manual_seed(server_args.random_seed)
 
         self.model = load_model(
