@@ -7,6 +7,7 @@ KV slots through `req_to_token`. Backends are picked by name through `ATTENTION_
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -16,6 +17,9 @@ from ftransformers.attention.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Called by the runner once per forward, before the model runs: derive whatever index
+        tensors the kernels need (e.g. cumulative offsets) so layers do not recompute them."""
     @abstractmethod
     def forward_mha(
         self,
@@ -42,6 +46,12 @@ class AttentionBackend(ABC):
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+# Modules that register a backend when imported; imported on first use so that, e.g., the CPU
+# engine never needs triton.
+_BACKEND_MODULES = {
+    "torch_native": "ftransformers.attention.torch_native",
+    "triton": "ftransformers.attention.triton_backend",
+}
 
 
 def register_attention_backend(name: str) -> Callable[[Callable[[], AttentionBackend]], Callable[[], AttentionBackend]]:
@@ -52,10 +62,15 @@ def register_attention_backend(name: str) -> Callable[[Callable[[], AttentionBac
     return wrap
 
 
-def create_attention_backend(name: str) -> AttentionBackend:
-    # Importing the module that defines a backend registers it.
-    import ftransformers.attention.torch_native  # noqa: F401
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    return name
 
+
+def create_attention_backend(name: str) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS and name in _BACKEND_MODULES:
+        importlib.import_module(_BACKEND_MODULES[name])
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(sorted(ATTENTION_BACKENDS))}")
     return ATTENTION_BACKENDS[name]()

@@ -43,6 +43,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [R, L] int64, row r: KV slot of every position of request slot r
     kv_pool: KVPool
     attn_backend: AttentionBackend
+    moe_backend: str = "torch_native"  # name in layers.moe's registry, resolved by the runner
 
     @property
     def batch_size(self) -> int:

@@ -15,7 +15,8 @@ from typing import Any
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
-ATTENTION_BACKEND_CHOICES = ("torch_native",)
+ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA, torch_native on CPU
+MOE_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
 
 
@@ -46,8 +47,13 @@ class ServerArgs:
         default="auto", metadata=_opt("Weight format; 'dummy' makes random weights", LOAD_FORMAT_CHOICES)
     )
     attention_backend: str = field(
-        default="torch_native", metadata=_opt("Attention kernels", ATTENTION_BACKEND_CHOICES)
+        default="auto", metadata=_opt("Attention kernels (auto: triton on CUDA)", ATTENTION_BACKEND_CHOICES)
     )
+    moe_backend: str = field(
+        default="auto", metadata=_opt("MoE expert kernels (auto: triton on CUDA)", MOE_BACKEND_CHOICES)
+    )
+    cuda_graph_max_bs: int = field(default=64, metadata=_opt("Largest decode batch captured in a CUDA graph"))
+    disable_cuda_graph: bool = field(default=False, metadata=_opt("Run decode eagerly, without CUDA graphs"))
     reasoning_parser: str = field(
         default="none", metadata=_opt("Split <think>...</think> into reasoning_content", REASONING_PARSER_CHOICES)
     )
@@ -89,6 +95,8 @@ class ServerArgs:
             raise ServerArgsError("--max-running-requests must be at least 1")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ServerArgsError("--mem-fraction-static must lie in (0, 1)")
+        if self.cuda_graph_max_bs < 1:
+            raise ServerArgsError("--cuda-graph-max-bs must be at least 1")
         if self.context_length is not None and self.context_length < 1:
             raise ServerArgsError("--context-length must be at least 1")
 

@@ -64,11 +64,19 @@ def serve(argv: Sequence[str] | None, prog: str = "ftransformers serve") -> int:
     return 0
 
 
+def bench_main(argv: Sequence[str]) -> int:
+    from ftransformers.bench.cli import main as bench
+
+    return bench(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve": serve}
+    commands = {"serve": serve, "bench": bench_main}
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ftransformers {serve} [flags]\n\n  serve   start the OpenAI-compatible server (demo model when no --model-path)")
+        print("usage: ftransformers {serve,bench} [flags]\n\n"
+              "  serve   start the OpenAI-compatible server (demo model when no --model-path)\n"
+              "  bench   measure a running OpenAI-compatible server (`bench report DIR...` re-renders runs)")
         return 0 if argv else 2
     command = commands.get(argv[0])
     if command is None:

@@ -9,16 +9,34 @@ expert-parallel or CPU-hybrid backends arrive as new entries, not branches here.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ftransformers.attention.forward_batch import get_forward_batch
 from ftransformers.layers.activation import silu_and_mul
 from ftransformers.layers.weight_utils import check_shape
 
 MoEBackendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MOE_BACKENDS: dict[str, MoEBackendFn] = {}
+# Modules that register a backend when imported, loaded on first use (the CPU engine needs no triton).
+_BACKEND_MODULES = {"triton": "ftransformers.layers.moe.fused_moe_triton"}
+
+
+def get_moe_backend(name: str) -> MoEBackendFn:
+    if name not in MOE_BACKENDS and name in _BACKEND_MODULES:
+        importlib.import_module(_BACKEND_MODULES[name])
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"unknown MoE backend {name!r}; valid: {', '.join(sorted({*MOE_BACKENDS, *_BACKEND_MODULES}))}")
+    return MOE_BACKENDS[name]
+
+
+def resolve_moe_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    return name
 
 
 def register_moe_backend(name: str) -> Callable[[MoEBackendFn], MoEBackendFn]:
@@ -51,11 +69,12 @@ def moe_forward_native(
 
 class FusedMoE(nn.Module):
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str = "torch_native"
+        self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str | None = None
     ) -> None:
+        """backend None: the forward context's `moe_backend` (the runner's --moe-backend) decides."""
         super().__init__()
-        if backend not in MOE_BACKENDS:
-            raise ValueError(f"unknown MoE backend {backend!r}; valid: {', '.join(sorted(MOE_BACKENDS))}")
+        if backend is not None:
+            get_moe_backend(backend)  # fail at construction on a bad name
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size
         self.backend = backend
@@ -85,7 +104,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D]; topk_weights: [T, K]; topk_ids: [T, K] -> [T, D]
-        return MOE_BACKENDS[self.backend](hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        name = self.backend if self.backend is not None else get_forward_batch().moe_backend
+        return get_moe_backend(name)(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     @staticmethod
     def make_expert_params_mapping(
