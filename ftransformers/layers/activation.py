@@ -15,4 +15,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one pass instead of three (kernels.triton_activation)
+            from ftransformers.kernels.triton_activation import silu_and_mul as silu_and_mul_triton
+
+            return silu_and_mul_triton(x)
         return silu_and_mul(x)

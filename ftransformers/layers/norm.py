@@ -23,6 +23,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x: [..., D]. With a residual: returns (norm(x + residual), x + residual).
+        if x.is_cuda:  # one fused pass (kernels.triton_norm); imported here so CPU needs no triton
+            from ftransformers.kernels.triton_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
         new_residual = x + residual

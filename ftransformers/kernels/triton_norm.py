@@ -1,0 +1,66 @@
+"""RMSNorm with the residual add fused (one pass: read x and residual, write out and x + residual).
+
+Same function as layers/norm.py: statistics in float32, the normalised row cast back to the input
+dtype before the weight multiplies, the output in promote(weight, x) dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, D, eps,
+    stride_x, stride_res, stride_out, stride_new_res,
+    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + row * stride_new_res + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps)
+    y = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., D]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x), or with a residual (norm(x + residual), x + residual)."""
+    shape, d = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(rows, d, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if residual is not None:
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual dtype {residual.dtype} != x dtype {x.dtype}")
+        res2 = residual.reshape(-1, d)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+        new_res = torch.empty(rows, d, dtype=x.dtype, device=x.device)
+    else:
+        res2 = new_res = x2
+    block_d = triton.next_power_of_2(d)
+    if rows > 0:
+        _rmsnorm_kernel[(rows,)](
+            x2, res2, weight, out, new_res, d, eps,
+            x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
+            HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
+        )
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), new_res.view(shape)

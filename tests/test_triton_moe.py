@@ -1,0 +1,144 @@
+"""Fused Triton MoE vs the torch_native backend, and the alignment invariants.
+
+CPU: TRITON_INTERPRET=1 with tiny shapes, float32 (tolerance 1e-4, IEEE dots) and bfloat16 (1e-2).
+CUDA: real-ish shapes in bfloat16 against torch_native on float32 upcasts (relative error <= 1e-2),
+plus a CUDA-graph capture replayed on refilled inputs. Errors are ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from ftransformers.kernels import triton_fused_moe as tfm
+from ftransformers.layers.moe.experts import get_moe_backend, moe_forward_native
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_routing(t: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Duplicate-free top-k ids [T, K] over a random subset of experts (the rest unused), weights [T, K]."""
+    allowed = torch.randperm(e, generator=gen)[: max(k, (3 * e) // 4)]
+    pick = torch.rand(t, allowed.numel(), generator=gen).topk(k, dim=-1).indices
+    weights = torch.rand(t, k, generator=gen) + 0.1
+    return (weights / weights.sum(-1, keepdim=True)).to(DEV), allowed[pick].to(DEV)
+
+
+def make_experts(t: int, d: int, inter: int, e: int, dtype: torch.dtype, gen: torch.Generator):
+    hidden = torch.randn(t, d, generator=gen).to(DEV, dtype)
+    w13 = (torch.randn(e, 2 * inter, d, generator=gen) / d**0.5).to(DEV, dtype)
+    w2 = (torch.randn(e, d, inter, generator=gen) / inter**0.5).to(DEV, dtype)
+    return hidden, w13, w2
+
+
+def check_alignment(topk_ids: torch.Tensor, e: int, block_m: int, sorted_ids, expert_ids, num_post) -> None:
+    flat = topk_ids.reshape(-1).cpu()
+    n = flat.numel()
+    s, ex, used = sorted_ids.cpu().long(), expert_ids.cpu().long(), int(num_post.item())
+    assert s.numel() == tfm.max_padded_rows(n, e, block_m) and ex.numel() == s.numel() // block_m
+    counts = torch.bincount(flat, minlength=e)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    real = s[s < n]
+    assert torch.equal(real.sort().values, torch.arange(n)), "every pair exactly once"
+    assert bool((s[s >= n] == n).all()) and bool((s[used:] == n).all())
+    for b in range(s.numel() // block_m):
+        rows = s[b * block_m : (b + 1) * block_m]
+        if b * block_m >= used:
+            assert int(ex[b]) == e
+            continue
+        assert rows[0] < n, "every used block starts with a real pair"
+        rows = rows[rows < n]
+        assert bool((flat[rows] == ex[b]).all())
+        assert bool((rows[1:] > rows[:-1]).all()), "stable order within an expert"
+    assert bool((ex[: used // block_m][1:] >= ex[: used // block_m][:-1]).all())
+
+
+@pytest.mark.parametrize("t,e,k,block_m", [(1, 8, 2, 16), (3, 128, 8, 16), (17, 16, 4, 32), (64, 64, 6, 16), (40, 8, 2, 64)])
+def test_alignment_invariants(t: int, e: int, k: int, block_m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(t * 1000 + e)
+    _, ids = make_routing(t, e, k, gen)
+    monkeypatch.setattr(tfm, "SMALL_ALIGN_MAX_WORK", 1 << 40)  # the single-program kernel at every size
+    small = tfm.moe_align(ids, e, block_m)
+    ref = tfm.align_reference(ids, e, block_m)
+    check_alignment(ids, e, block_m, *small)
+    check_alignment(ids, e, block_m, *ref)
+    for a, b in zip(small, ref):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+CPU_CASES = [(1, 8, 2), (3, 16, 4), (17, 8, 2), (64, 32, 8), (3, 128, 8)]
+CUDA_CASES = [(t, e, k) for t in (1, 3, 17, 64, 1024) for (e, k) in ((8, 2), (64, 6), (128, 8))]
+
+
+@pytest.mark.parametrize("t,e,k", CUDA_CASES if CUDA else CPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_matches_native(t: int, e: int, k: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7 * t + e + k)
+    d, inter = (1024, 384) if CUDA else (48, 40)
+    hidden, w13, w2 = make_experts(t, d, inter, e, dtype, gen)
+    weights, ids = make_routing(t, e, k, gen)
+    ref = moe_forward_native(hidden.float(), w13.float(), w2.float(), weights, ids)
+    out = get_moe_backend("triton")(hidden, w13, w2, weights, ids)
+    assert out.shape == hidden.shape and out.dtype == dtype
+    assert rel_err(out, ref) <= (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [tfm.MoEConfig(32, 16, 16, 32, 32, 8, 4, 2), tfm.MoEConfig(64, 32, 32, 16, 16, 2, 4, 2)],
+)
+def test_fused_moe_configs_and_sort_path(cfg: tfm.MoEConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiles smaller than D and I (several N and K steps), grouped launch order, the sort-based alignment.
+    monkeypatch.setattr(tfm, "SMALL_ALIGN_MAX_WORK", 0)
+    gen = torch.Generator().manual_seed(11)
+    t, e, k = 21, 8, 3
+    hidden, w13, w2 = make_experts(t, 72, 40, e, torch.float32, gen)
+    weights, ids = make_routing(t, e, k, gen)
+    ref = moe_forward_native(hidden, w13, w2, weights, ids)
+    assert rel_err(tfm.fused_moe(hidden, w13, w2, weights, ids, cfg), ref) <= 1e-4
+
+
+def test_moe_sum() -> None:
+    x = torch.randn(5, 3, 70, generator=torch.Generator().manual_seed(3)).to(DEV)
+    out = tfm.moe_sum(x, torch.empty(5, 70, device=DEV))
+    assert rel_err(out, x.sum(1)) <= 1e-6
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_fused_moe_cuda_graph_replay(t: int) -> None:
+    gen = torch.Generator().manual_seed(t)
+    e, k = 128, 8
+    hidden, w13, w2 = make_experts(t, 2048, 768, e, torch.bfloat16, gen)
+    weights, ids = make_routing(t, e, k, gen)
+    fn = get_moe_backend("triton")
+    fn(hidden, w13, w2, weights, ids)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(hidden, w13, w2, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(hidden, w13, w2, weights, ids)
+    for _ in range(3):
+        new_hidden, _, _ = make_experts(t, 2048, 768, 1, torch.bfloat16, gen)
+        new_weights, new_ids = make_routing(t, e, k, gen)
+        hidden.copy_(new_hidden), weights.copy_(new_weights), ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = fn(hidden, w13, w2, weights, ids)
+        assert torch.equal(out, ref)
+        assert rel_err(out, moe_forward_native(hidden.float(), w13.float(), w2.float(), weights, ids)) <= 1e-2
