@@ -2,7 +2,7 @@
 # Install everything the tests need and run the whole suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh server demo test
+bash scripts/install.sh server demo bench test
 # Convert the demo model once up front (cached under ~/.cache/ftransformers) so tests share it.
 .venv/bin/python -c "from ftransformers.entrypoints.demo_model import ensure_demo_model; ensure_demo_model()"
 set +e

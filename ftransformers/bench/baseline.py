@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -110,15 +110,16 @@ def _column(header: str) -> tuple[str, float] | None:
     return None
 
 
-def _number(text: Any, where: str) -> float | None:
+def _number(text: Any, where: str, k: float = 1000.0) -> float | None:
+    """A cell as a float; '4K' is 4 * k (1024 for token lengths, 1000 for figures); blanks are None."""
     if text is None or (isinstance(text, str) and text.strip() in ("", "-", "—", "n/a", "na", "null")):
         return None
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
     s = str(text).strip().replace(",", "").lower()
     factor = 1.0
-    if s.endswith("k"):  # '4K' input lengths
-        s, factor = s[:-1], 1024.0
+    if s.endswith("k"):
+        s, factor = s[:-1], k
     try:
         return float(s) * factor
     except ValueError:
@@ -135,7 +136,8 @@ def _from_rows(rows: list[dict[str, Any]], path: str) -> dict[Key, dict[str, flo
             col = _column(str(header)) if header is not None else None
             if col is None:
                 continue
-            number = _number(raw, f"baseline {path}: row {i}, column {header!r}")
+            number = _number(raw, f"baseline {path}: row {i}, column {header!r}",
+                             1024.0 if col[0] in _KEY_ALIASES else 1000.0)
             if number is not None:
                 values[col[0]] = number * col[1]
         missing = [k for k in _KEY_ALIASES if k not in values]
@@ -188,9 +190,12 @@ def load_baseline(path: str | Path, label: str | None = None) -> Baseline:
         raise BaselineError(f"baseline {p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if is_summary(data):
         try:
-            return Baseline(str(p), name, "summary", _from_summary(data))
+            entries = _from_summary(data)
         except (KeyError, TypeError, ValueError) as exc:
             raise BaselineError(f"baseline {p}: malformed summary.json point ({exc!r})") from None
+        if not entries:
+            raise BaselineError(f"baseline {p}: the run has no point with a successful request")
+        return Baseline(str(p), name, "summary", entries)
     if isinstance(data, dict):
         name = label or str(data.get("label") or data.get("name") or name)
         data = next((data[k] for k in ("rows", "points", "results") if isinstance(data.get(k), list)), None)
@@ -206,7 +211,7 @@ def compute_deltas(points: list[Any], baseline: Baseline) -> list[dict[str, Any]
     None when equal. Points where every request failed have no figures and produce no rows."""
     rows: list[dict[str, Any]] = []
     for point in points:
-        pd = point if isinstance(point, dict) else _asdict(point)
+        pd = point if isinstance(point, dict) else asdict(point)
         ref = baseline.entries.get(point_key(pd))
         if ref is None:
             continue
@@ -221,9 +226,3 @@ def compute_deltas(points: list[Any], baseline: Baseline) -> list[dict[str, Any]
                          "concurrency": pd["concurrency"], "metric": metric, "run": value, "baseline": base,
                          "delta": delta, "delta_pct": (delta / base * 100.0) if base else None, "better": better})
     return rows
-
-
-def _asdict(obj: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(obj)

@@ -119,6 +119,7 @@ class Session:
         }
         self.runner: Runner | None = None
         self.skipped_all = False
+        self.context: int | None = None
 
     async def run(self) -> None:
         args = self.args
@@ -163,8 +164,9 @@ class Session:
                 return
             interval = args.soak_interval or max(1.0, args.duration / 20)
             self.summary["soak"] = await soak(runner, i, o, c, args.duration, interval)
-        sweep = args.matrix or args.find_max_concurrency or args.parallel or not (
-            args.prefix_cache_check or args.duration is not None)
+        # --duration uses --parallel for the soak; --prefix-cache-check alone runs only the check
+        sweep = args.matrix or args.find_max_concurrency or (args.duration is None and (
+            args.parallel or not args.prefix_cache_check))
         if not sweep:
             return
         items = plan(args)
@@ -181,6 +183,7 @@ class Session:
                     await runner.run_point(it.input_len, it.output_len, c, n)
 
     def _fits(self, items: list[PlanItem], context: int | None) -> list[PlanItem]:
+        self.context = context
         kept, skipped = split_by_context(items, context)
         self.summary["notes"].extend(skipped)
         for line in skipped:
@@ -204,7 +207,7 @@ class Session:
         if s["soak"] and s["soak"]["successes"] or s["prefix_cache_check"] and s["prefix_cache_check"]["warm"]["success"]:
             return None
         if self.skipped_all:
-            return f"nothing was measured: every input/output pair exceeds the server's context length"
+            return f"nothing was measured: every input/output pair exceeds the server's context length {self.context}"
         errors: dict[str, int] = {}
         for p in points:
             for msg, n in p.errors.items():

@@ -135,7 +135,7 @@ class BenchClient:
                 raise StreamError(error_message(obj, "error event"))
             if self.api == "generate":
                 text = str(obj.get("text") or "")
-                new = text[len(seen_text):] if text.startswith(seen_text) else text
+                new = text.removeprefix(seen_text)
                 meta = obj.get("meta_info") or {}
                 if new:
                     rec.token_times.append(now)

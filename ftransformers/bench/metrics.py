@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 
 import numpy as np
 
@@ -38,8 +39,7 @@ def tpot_ms(rec: RequestRecord) -> float | None:
 
 
 def itl_ms(rec: RequestRecord) -> list[float]:
-    t = rec.token_times
-    return [(b - a) * 1000.0 for a, b in zip(t, t[1:])]
+    return [(b - a) * 1000.0 for a, b in pairwise(rec.token_times)]
 
 
 def _start(rec: RequestRecord) -> float:

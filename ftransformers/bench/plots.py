@@ -26,13 +26,26 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def _merge_repeats(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    by_x: dict[float, list[float]] = {}
+    for x, y in pts:
+        by_x.setdefault(x, []).append(y)
+    return [(x, sum(ys) / len(ys)) for x, ys in sorted(by_x.items())]
+
+
+def _swept(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Points of the sweep and search; a soak point has its own plot."""
+    return [p for p in points if not str(p.get("point", "")).startswith("soak")]
+
+
 def plot_lines(path: Path, series: Series, *, title: str, xlabel: str, ylabel: str,
                hline: float | None = None, hline_label: str | None = None) -> Path | str:
-    """One line per series; a log2 x axis when x spans a factor of 8 or more (concurrencies, lengths)."""
-    series = {k: sorted(v) for k, v in series.items() if v}
+    """One line per series (a repeated x, such as a re-run search probe, drawn at its mean); a log2 x axis
+    when x spans a factor of 8 or more (concurrencies, lengths)."""
+    series = {k: _merge_repeats(v) for k, v in series.items() if v}
     xs = {x for pts in series.values() for x, _ in pts}
     if len(xs) < 2:
-        return f"{path.name} skipped: fewer than two {xlabel.lower()} values with data"
+        return f"{path.name} skipped: fewer than two {xlabel.split(' (')[0].lower()} values with data"
     fig, ax = _figure()
     for label, pts in series.items():
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
@@ -75,7 +88,7 @@ def _by_concurrency(points: list[dict[str, Any]], metric: str, prefix: str = "",
     if several_outputs is None:
         several_outputs = len({p["output_len"] for p in points}) > 1
     series: Series = {}
-    for p in points:
+    for p in _swept(points):
         value = point_metrics(p)[metric]
         if value is not None:
             series.setdefault(_label(p, several_outputs, prefix), []).append((p["concurrency"], value))
@@ -85,7 +98,7 @@ def _by_concurrency(points: list[dict[str, Any]], metric: str, prefix: str = "",
 def _ttft_by_input(points: list[dict[str, Any]]) -> Series:
     several_outputs = len({p["output_len"] for p in points}) > 1
     series: Series = {}
-    for p in points:
+    for p in _swept(points):
         value = point_metrics(p)["ttft_s"]
         if value is not None:
             label = f"concurrency {p['concurrency']}" + (f" / out {p['output_len']}" if several_outputs else "")
@@ -99,10 +112,12 @@ def _soak_series(soak: dict[str, Any]) -> Series:
         rows = soak.get(key)
         if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict):
             continue
-        x_key = next((k for k in ("t_s", "elapsed_s", "time_s", "t", "start_s", "end_s") if k in rows[0]), None)
+        x_key = next((k for k in ("t_end", "t_s", "elapsed_s", "time_s", "t", "end_s", "t_start") if k in rows[0]),
+                     None)
         y_key = next((k for k in ("output_throughput", "throughput", "tok_s", "output_tok_s") if k in rows[0]), None)
         if x_key and y_key:
-            pts = [(float(r[x_key]), float(r[y_key])) for r in rows if r.get(x_key) is not None and r.get(y_key) is not None]
+            pts = [(float(r[x_key]), float(r[y_key])) for r in rows
+                   if r.get(x_key) is not None and r.get(y_key) is not None]
             return {"output throughput": pts}
     return {}
 

@@ -50,7 +50,10 @@ async def prefix_cache_check(client: BenchClient, factory: PromptFactory, input_
 
 def describe(result: dict[str, Any]) -> str:
     cold, warm = result["cold"], result["warm"]
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
     speed = result.get("ttft_speedup")
     return (f"prefix-cache check ({result['input_len']} tokens): cold TTFT {fmt(cold['ttft_s'])} s, warm TTFT "
             f"{fmt(warm['ttft_s'])} s ({'-' if speed is None else f'{speed:.1f}x'}), cached tokens "

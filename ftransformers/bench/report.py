@@ -8,16 +8,26 @@ never as zeros, and left out of plots and deltas.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import shlex
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftransformers.bench.baseline import (METRIC_LABELS, METRICS, Baseline, BaselineError, compute_deltas,
-                                          load_baseline, point_key, point_metrics)
+from ftransformers.bench.baseline import (
+    METRIC_LABELS,
+    METRICS,
+    Baseline,
+    BaselineError,
+    compute_deltas,
+    load_baseline,
+    point_key,
+    point_metrics,
+)
 
 STATS = ("ttft_s", "tpot_ms", "tps", "itl_ms", "latency_s")
 STAT_FIELDS = ("mean", "p50", "p90", "p95", "p99", "min", "max")
@@ -30,6 +40,10 @@ SERVER_FLAGS = ("version", "model_path", "served_model_name", "dtype", "device",
 
 ENV_LABELS = {"gpu": "GPU", "cpu": "CPU", "cpu_count": "CPU count", "python": "Python", "platform": "Platform",
               "served_models": "Served models (/v1/models)", "tool_version": "Tool version"}
+
+LABELS = {"ttft_s": "TTFT(s)", "latency_s": "latency(s)", "ttft_speedup": "TTFT speed-up (cold / warm)",
+          "duration_s": "duration(s)", "interval_s": "interval(s)", "input_len": "input length",
+          "output_len": "output length"}
 
 
 class ReportError(ValueError):
@@ -57,10 +71,13 @@ def fmt(value: Any) -> str:
     return f"{value:.0f}" if a >= 1000 else f"{value:.1f}" if a >= 100 else f"{value:.2f}" if a >= 1 else f"{value:.3f}"
 
 
+def _cell(value: Any) -> str:
+    return (value if isinstance(value, str) else fmt(value)).replace("|", "\\|").replace("\n", " ")
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
-    cell = lambda v: (v if isinstance(v, str) else fmt(v)).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
-            *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows), ""]
+            *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows), ""]
 
 
 def _stat(point: dict[str, Any], metric: str, which: str) -> float | None:
@@ -91,6 +108,10 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
                    if not isinstance(p, dict) or k not in p]
         if missing:
             raise ReportError(f"{sp}: point {i} lacks {', '.join(missing)}")
+        try:
+            point_key(p), int(p["successes"]), int(p["failures"])
+        except (TypeError, ValueError):
+            raise ReportError(f"{sp}: point {i} has a non-integer length, concurrency or count") from None
     run = Run(d, label or d.resolve().name, summary, sorted(points, key=point_key))
     _read_requests(run)
     return run
@@ -106,7 +127,7 @@ def _read_requests(run: Run) -> None:
                       if p.get("usage_tokenizer_mismatches")]
         return
     bad, mismatches = 0, {}
-    with path.open() as f:
+    with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
@@ -127,10 +148,14 @@ def _read_requests(run: Run) -> None:
                          f"output token count (e.g. {usage} vs {tok})")
 
 
+def _errors(p: dict[str, Any]) -> str:
+    return "; ".join(f"`{msg}` ×{n}" for msg, n in (p.get("errors") or {}).items())
+
+
 def _failures(points: list[dict[str, Any]]) -> list[str]:
     """Every point with failed or short requests, with its error messages and their counts."""
-    rows = [[_point_name(p), p.get("number"), p.get("failures", 0), p.get("short_outputs", 0),
-             "; ".join(f"`{msg}` ×{n}" for msg, n in (p.get("errors") or {}).items()) or "—"]
+    rows = [[_point_name(p) + (f" ({_tag(p)})" if _tag(p) else ""), p.get("number"), p.get("failures", 0),
+             p.get("short_outputs", 0), _errors(p) or "—"]
             for p in points if p.get("failures") or p.get("short_outputs")]
     return ["## Failures and short outputs", "", *_table(["Point", "Sent", "Failed", "Short", "Errors"], rows)] \
         if rows else []
@@ -150,7 +175,8 @@ def _header(run: Run) -> list[str]:
     tool = s.get("tool") or {}
     out = [f"# Serving benchmark: {model or run.label}", "", "Command:", "", "```bash",
            shlex.join(map(str, cmd)) if isinstance(cmd, list) else str(cmd or "(not recorded)"), "```", "",
-           f"- Date: {s.get('created', '—')}", f"- Tool: {tool.get('name', 'ftransformers bench')} {tool.get('version', '')}",
+           f"- Date: {s.get('created', '—')}",
+           f"- Tool: {tool.get('name', 'ftransformers bench')} {tool.get('version', '')}",
            f"- Git commit: {env.get('git_commit') or '—'}", "", "## Environment", ""]
     flags = ", ".join(f"{k}={server[k]}" for k in SERVER_FLAGS if server.get(k) is not None) if server else \
         "not available (the server has no /server_info)"
@@ -165,20 +191,32 @@ def _header(run: Run) -> list[str]:
     return out
 
 
+def _tag(p: dict[str, Any]) -> str:
+    """'' for a plain point; its id for a soak or a repeated point, so those are not mixed up with it."""
+    return "" if p["point"] == f"in{p['input_len']}-out{p['output_len']}-c{p['concurrency']}" else str(p["point"])
+
+
+def _conc(p: dict[str, Any]) -> str:
+    return f"{p['concurrency']} ({_tag(p)})" if _tag(p) else str(p["concurrency"])
+
+
 def _results(points: list[dict[str, Any]]) -> list[str]:
     out = ["## Results", "", "Means over successful requests; TPS = 1000 / TPOT(ms) per request.", ""]
+    if not points:
+        return [*out, "No point completed (see Notes).", ""]
     for length in sorted({p["input_len"] for p in points}):
         rows, detail = [], []
         for p in (p for p in points if p["input_len"] == length):
             m = point_metrics(p)
             cells = [m[k] for k in METRICS] if p["successes"] else ["FAILED (see Failures)"] + ["—"] * 4
-            rows.append([p["concurrency"], p["output_len"], *cells, p["successes"], p["failures"],
+            rows.append([_conc(p), p["output_len"], *cells, p["successes"], p["failures"],
                          p.get("short_outputs", 0)])
             ptiles = [" / ".join(fmt(_stat(p, k, q)) for q in ("p50", "p90", "p99")) for k in STATS]
-            detail.append([p["concurrency"], p["output_len"], *ptiles, fmt(_stat(p, "tps", "min")),
+            detail.append([_conc(p), p["output_len"], *ptiles, fmt(_stat(p, "tps", "min")),
                            p.get("duration_s"), p.get("request_throughput") if p["successes"] else None])
         out += [f"### Input {length} tokens", ""]
-        out += _table(["Concurrency", "Output", *METRIC_LABELS.values(), "Successes", "Failures", "Short outputs"], rows)
+        out += _table(["Concurrency", "Output", *METRIC_LABELS.values(), "Successes", "Failures", "Short outputs"],
+                      rows)
         out += [f"<details><summary>Percentiles p50 / p90 / p99, input {length}</summary>", ""]
         out += _table(["Concurrency", "Output", "TTFT(s)", "TPOT(ms)", "TPS", "ITL(ms)", "Latency(s)", "TPS min",
                        "Duration(s)", "Requests/s"], detail) + ["</details>", ""]
@@ -201,31 +239,74 @@ def _max_concurrency(results: list[dict[str, Any]]) -> list[str]:
         return []
     rows = [[m["input_len"], m["output_len"], m.get("min_tps"), m.get("criterion", "mean"),
              m["max_concurrency"] if m.get("max_concurrency") is not None else "none (even 1 misses the bar)",
-             ", ".join(_probe_text(p, m.get("min_tps"), m.get("criterion")) for p in m.get("probes") or []), m.get("note") or ""]
+             ", ".join(_probe_text(p, m.get("min_tps"), m.get("criterion")) for p in m.get("probes") or []),
+             m.get("note") or ""]
             for m in results]
-    return ["## Max concurrency", "", "Largest concurrency whose per-request TPS holds the bar; probes as "
-            "concurrency: TPS (✓ holds, ✗ misses).", "",
+    return ["## Max concurrency", "", ("Largest concurrency whose per-request TPS holds the bar; probes as "
+                                       "concurrency: TPS (✓ holds, ✗ misses)."), "",
             *_table(["Input", "Output", "Min TPS", "TPS statistic", "Max concurrency", "Probes", "Note"], rows)]
 
 
+def _label(key: str) -> str:
+    return LABELS.get(key) or key.replace("_", " ")
+
+
+def _rows_section(key: str, rows: list[dict[str, Any]], csv_name: str) -> list[str]:
+    """A list of row dicts (soak intervals): scalar columns as a table of at most ~20 evenly spaced rows;
+    nested dicts of numbers (server gauges from /metrics) as first / last / min / max per series."""
+    step = -(-len(rows) // 20)
+    shown = [r for i, r in enumerate(rows) if i % step == 0 or r.get("failures")]  # never hide a failing interval
+    head = [k for k in dict.fromkeys(k for r in rows for k in r) if not any(isinstance(r.get(k), dict) for r in rows)]
+    more = f" ({len(shown)} of {len(rows)} rows, every interval with failures among them; all in {csv_name})"
+    title = f"**{key.replace('_', ' ')}**" + (more if step > 1 else "")
+    out = [title, "", *_table(head, [[r.get(h) for h in head] for r in shown])]
+    series: dict[str, list[float]] = {}
+    for r in rows:
+        for nested in (v for v in r.values() if isinstance(v, dict)):
+            for name, value in nested.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    series.setdefault(name, []).append(value)
+    if series:
+        out += ["**server gauges over the run**", ""]
+        out += _table(["Series", "First", "Last", "Min", "Max"],
+                      [[name, v[0], v[-1], min(v), max(v)] for name, v in sorted(series.items())])
+    return out
+
+
 def _dict_section(title: str, data: dict[str, Any] | None) -> list[str]:
-    """Scalars as a two-column table, error counts as a list, lists of rows as (sampled) tables."""
+    """Scalars as a two-column table; 'cold'/'warm'-style sides as columns of one table; error counts as a
+    list; lists of rows via _rows_section."""
     if not data:
         return []
     out = [f"## {title}", ""]
-    scalars = [[k.replace("_", " "), v] for k, v in data.items() if not isinstance(v, (dict, list))]
+    scalars = [[_label(k), v] for k, v in data.items() if not isinstance(v, (dict, list))]
     out += _table(["", ""], scalars) if scalars else []
+    sides = {k: v for k, v in data.items() if k in ("cold", "warm", "first", "second") and isinstance(v, dict)}
+    if sides:
+        keys = list(dict.fromkeys(k for v in sides.values() for k in v))
+        out += _table(["", *(k.capitalize() for k in sides)],
+                      [[_label(k), *(v.get(k) for v in sides.values())] for k in keys])
     for key, value in data.items():
+        if key in sides:
+            continue
         if isinstance(value, dict) and value:
             out += [f"**{key.replace('_', ' ')}**", ""] + [f"- {k}: {fmt(v)}" for k, v in value.items()] + [""]
         elif isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
-            step = max(1, len(value) // 20)
-            head = list(dict.fromkeys(k for r in value for k in r))
-            out += [f"**{key.replace('_', ' ')}**" + (f" (every {step}th of {len(value)})" if step > 1 else ""), ""]
-            out += _table(head, [[r.get(h) for h in head] for r in value[::step]])
+            out += _rows_section(key, value, f"{title.lower().replace(' ', '_')}_{key}.csv")
         elif isinstance(value, list) and value:
             out += [f"**{key.replace('_', ' ')}**: " + ", ".join(fmt(v) for v in value), ""]
     return out
+
+
+def _write_rows_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Rows with nested dicts flattened one level (`metrics.<series>`)."""
+    flat = [{f"{k}.{n}" if isinstance(v, dict) else k: x for k, v in r.items()
+             for n, x in (v.items() if isinstance(v, dict) else [(None, v)])} for r in rows]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
+        w.writeheader()
+        w.writerows(flat)
+    return path
 
 
 def _baseline_rows(deltas: list[dict[str, Any]]) -> list[list[Any]]:
@@ -270,7 +351,8 @@ def write_csv(path: Path, runs: list[tuple[str | None, list[dict[str, Any]]]]) -
         for label, points in runs:
             for p in points:
                 ok = bool(p.get("successes"))
-                row = ([label] if with_run else []) + [p.get(k) for k in ("point", "input_len", "output_len", "concurrency")]
+                row = [label] if with_run else []
+                row += [p.get(k) for k in ("point", "input_len", "output_len", "concurrency")]
                 row += [p.get(k) if ok or k in ("number", "successes", "failures", "short_outputs") else None
                         for k in SCALARS]
                 row += [_stat(p, m, s) if ok else None for m in STATS for s in STAT_FIELDS]
@@ -282,27 +364,48 @@ def write_csv(path: Path, runs: list[tuple[str | None, list[dict[str, Any]]]]) -
 def render_report(out_dir: str | Path, *, source_dir: str | Path | None = None,
                   baseline: str | Path | None = None) -> list[Path]:
     """Write report.md, results.csv and the plots of the run in `source_dir` (default `out_dir`) into
-    `out_dir`; return the files written. Raises ReportError when summary.json cannot be read."""
-    from ftransformers.bench.plots import run_plots
-
+    `out_dir`; return the files written. Raises ReportError when summary.json cannot be read, BaselineError
+    when an explicit `baseline` cannot."""
     out = Path(out_dir)
     run = load_run(source_dir if source_dir is not None else out)
     out.mkdir(parents=True, exist_ok=True)
+    with _unexpected_layout(str(run.path / "summary.json")):
+        return _render(run, out, baseline)
+
+
+@contextlib.contextmanager
+def _unexpected_layout(where: str) -> Iterator[None]:
+    """A summary.json whose sections are not shaped as the runner writes them: one line, not a traceback."""
+    try:
+        yield
+    except (ReportError, BaselineError):
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ReportError(f"{where}: unexpected content ({type(exc).__name__}: {exc})") from None
+
+
+def _render(run: Run, out: Path, baseline: str | Path | None) -> list[Path]:
+    from ftransformers.bench.plots import run_plots
+
     s = run.summary
     files = [write_csv(out / "results.csv", [(None, run.points)])]
     try:
-        plots, plot_notes = run_plots(out, run.points, s.get("max_concurrency") or [], run.latencies, s.get("soak"))
-    except Exception as exc:  # a plot must never cost the report
+        latencies = {pid: v for pid, v in run.latencies.items() if pid in {p["point"] for p in run.points}}
+        plots, plot_notes = run_plots(out, run.points, s.get("max_concurrency") or [], latencies, s.get("soak"))
+    except Exception as exc:  # noqa: BLE001 - a plot must never cost the report
         plots, plot_notes = [], [f"plots failed: {exc!r}"]
     files += plots
     base = _resolve_baseline(run, baseline)
     md = _header(run) + _results(run.points) + _failures(run.points) + _max_concurrency(s.get("max_concurrency") or [])
     md += _dict_section("Prefix-cache check", s.get("prefix_cache_check"))
     md += _dict_section("Soak", s.get("soak"))
+    for key, rows in (s.get("soak") or {}).items():
+        if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+            files.append(_write_rows_csv(out / f"soak_{key}.csv", rows))
     if base is not None:
         label, deltas = base
-        md += [f"## Baseline: {label}", "", "Δ = this run − baseline; lower is better for TTFT, TPOT and "
-               "latency, higher for TPS and throughput.", ""]
+        md += [f"## Baseline: {label}", "", ("Δ = this run − baseline; lower is better for TTFT, TPOT and "
+                                             "latency, higher for TPS and throughput."), ""]
         md += _table(["Input", "Output", "Concurrency", "Metric", "This run", "Baseline", "Δ", "Δ%", ""],
                      _baseline_rows(deltas))
         if deltas:
@@ -321,79 +424,6 @@ def _write_deltas(path: Path, deltas: list[dict[str, Any]]) -> Path:
         w.writeheader()
         w.writerows(deltas)
     return path
-
-
-def _pct(value: float | None, ref: float | None, metric: str) -> str:
-    if value is None or ref is None or not ref:
-        return "—"
-    pct = (value - ref) / ref * 100.0
-    better = "" if pct == 0 else " better" if (pct < 0) == METRICS[metric][1] else " worse"
-    return f"{pct:+.1f}%{better}"
-
-
-def _comparison_tables(runs: list[Run]) -> list[str]:
-    """Per input length: rows = (output, concurrency) of any run; per metric each run's value and, for
-    every run after the first, its delta vs the first run."""
-    index = [{point_key(p): p for p in r.points} for r in runs]
-    keys = sorted({k for idx in index for k in idx})
-    head = ["Concurrency", "Output"]
-    for metric, name in METRIC_LABELS.items():
-        head += [f"{name} {r.label}" for r in runs] + [f"Δ {r.label}" for r in runs[1:]]
-    out = ["## Results side by side", "", f"Means over successful requests; Δ = run vs {runs[0].label}.", ""]
-    for length in sorted({k[0] for k in keys}):
-        rows = []
-        for key in (k for k in keys if k[0] == length):
-            figures = [point_metrics(idx[key]) if key in idx else None for idx in index]
-            row: list[Any] = [key[2], key[1]]
-            for metric in METRIC_LABELS:
-                row += [("not run" if f is None else "FAILED" if f[metric] is None and not idx[key]["successes"]
-                         else f[metric]) for f, idx in zip(figures, index)]
-                ref = figures[0][metric] if figures[0] else None
-                row += [_pct(f[metric] if f else None, ref, metric) for f in figures[1:]]
-            rows.append(row)
-        out += [f"### Input {length} tokens", ""] + _table(head, rows)
-    return out
-
-
-def render_comparison(out_dir: str | Path, runs: list[Run]) -> list[Path]:
-    """Side-by-side report of several runs (engine A vs engine B) matched by (input, output, concurrency)."""
-    from ftransformers.bench.plots import comparison_plots
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    seen: dict[str, int] = {}
-    for r in runs:  # equal folder names (a/run, b/run) still need distinct labels
-        seen[r.label] = seen.get(r.label, 0) + 1
-        r.label = r.label if seen[r.label] == 1 else f"{r.label}#{seen[r.label]}"
-    md = [f"# Benchmark comparison: {' vs '.join(r.label for r in runs)}", "", "## Runs", ""]
-    rows = []
-    for r in runs:
-        env, cfg = r.summary.get("environment") or {}, r.summary.get("config") or {}
-        cmd = r.summary.get("command")
-        rows.append([r.label, str(r.path), cfg.get("model") or (env.get("server_info") or {}).get("model_path"),
-                     (env.get("server_info") or {}).get("version"), env.get("gpu"), env.get("cpu"),
-                     r.summary.get("created"), shlex.join(map(str, cmd)) if isinstance(cmd, list) else cmd])
-    md += _table(["Run", "Folder", "Model", "Server version", "GPU", "CPU", "Date", "Command"],
-                 [[v if isinstance(v, (str, int, float)) or v is None else json.dumps(v) for v in row] for row in rows])
-    md += _comparison_tables(runs)
-    mc = [(r.label, m) for r in runs for m in r.summary.get("max_concurrency") or []]
-    if mc:
-        pairs = sorted({(m["input_len"], m["output_len"], m.get("min_tps")) for _, m in mc}, key=str)
-        found = {(label, m["input_len"], m["output_len"], m.get("min_tps")): m.get("max_concurrency") for label, m in mc}
-        md += ["## Max concurrency side by side", ""]
-        md += _table(["Input", "Output", "Min TPS", *(r.label for r in runs)],
-                     [[i, o, t, *(found.get((r.label, i, o, t), "—") for r in runs)] for i, o, t in pairs])
-    files = [write_csv(out / "results.csv", [(r.label, r.points) for r in runs])]
-    plots, plot_notes = comparison_plots(out, [(r.label, r.points) for r in runs])
-    files += plots
-    if plots:
-        md += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    for r in runs:
-        md += [line.replace("## Failures", f"## {r.label}: failures", 1) for line in _failures(r.points)]
-    notes = [f"{r.label}: {n}" for r in runs for n in [*(r.summary.get("notes") or []), *r.notes]]
-    md += ["## Notes", ""] + [f"- {n}" for n in notes + plot_notes] + ([] if notes + plot_notes else ["- none"]) + [""]
-    (out / "report.md").write_text("\n".join(md))
-    return [out / "report.md", *files]
 
 
 def report_main(argv: list[str]) -> int:
@@ -415,8 +445,11 @@ def report_main(argv: list[str]) -> int:
         elif not args.output:
             raise ReportError("several folders need --output DIR for the comparison")
         else:
+            from ftransformers.bench.compare import render_comparison  # compare builds on this module
+
             runs = [load_run(d, label) for d, label in zip(args.dirs, args.labels or [None] * len(args.dirs))]
-            files = render_comparison(args.output, runs)
+            with _unexpected_layout("summary.json of " + ", ".join(args.dirs)):
+                files = render_comparison(args.output, runs)
     except (ReportError, BaselineError, OSError) as exc:
         print(f"ftransformers bench report: error: {exc}", file=sys.stderr)
         return 1
