@@ -23,7 +23,7 @@ from test_server_fixtures import make_tiny_server_checkpoint
 
 API_KEY = "sk-test-123"
 SERVED = "tiny-llama"
-CONTEXT = 256  # the checkpoint's max_position_embeddings
+CONTEXT = 1024  # the checkpoint's max_position_embeddings
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -153,7 +153,7 @@ def test_logprobs_and_seed(client: openai.OpenAI) -> None:
 
 
 def test_health_fast_during_long_generation(server: dict[str, Any], http: httpx.Client) -> None:
-    body = {"model": SERVED, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    body = {"model": SERVED, "prompt": "Hello", "max_tokens": CONTEXT - 16, "ignore_eos": True, "stream": True}
     latencies, finished = [], False
     with httpx.Client(base_url=server["base"], timeout=30) as fresh:  # /health needs no key
         with http.stream("POST", "/v1/completions", json=body) as r:

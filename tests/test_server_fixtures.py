@@ -44,6 +44,6 @@ def make_tiny_server_checkpoint(path: str | Path) -> Path:
     from model_harness import make_tiny_checkpoint
 
     tokenizer = build_tiny_tokenizer()
-    path = make_tiny_checkpoint("llama", path, vocab_size=len(tokenizer), max_position_embeddings=256)
+    path = make_tiny_checkpoint("llama", path, vocab_size=len(tokenizer), max_position_embeddings=1024)
     tokenizer.save_pretrained(path)
     return Path(path)

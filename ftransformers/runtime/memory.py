@@ -7,8 +7,9 @@ Rule (`kv_pool_tokens`), with `per_token = kv_spec.bytes_per_token(kv_dtype)` an
   `mem_fraction_static` (default 0.88) of the device; the rest is the working reserve for
   activations. Measured after the weights are loaded:
   `budget = free_now - total * (1 - mem_fraction_static)`, tokens = min(budget / per_token, wanted).
-- CPU: `mem_fraction_static` of the available RAM when given, else 25% of it;
-  tokens = min(budget / per_token, wanted).
+- CPU: `mem_fraction_static` of the available RAM when given, else 25% of it capped at
+  DEFAULT_CPU_KV_BYTES (a CPU serves few requests; a pool of zeros bigger than that only costs
+  start-up time and RAM); tokens = min(budget / per_token, wanted).
 - Never below one context's worth (`context_len`) while that still fits in the memory left free
   (the fraction may be too tight for a big context); never more than `wanted`.
 - When not a single token fits, `KVCacheSizeError` says so in one line.
@@ -25,6 +26,7 @@ from ftransformers.config.server_args import ServerArgs
 
 DEFAULT_CUDA_MEM_FRACTION = 0.88
 DEFAULT_CPU_RAM_FRACTION = 0.25
+DEFAULT_CPU_KV_BYTES = 2 << 30
 # Never hand the KV cache the last bytes of a device: keep this much (or 5%) free for activations.
 _MIN_HEADROOM_BYTES = 1 << 30
 
@@ -82,8 +84,10 @@ def kv_pool_tokens(
         fraction = server_args.mem_fraction_static or DEFAULT_CUDA_MEM_FRACTION
         budget = free - int(total * (1.0 - fraction))
     else:
-        fraction = server_args.mem_fraction_static or DEFAULT_CPU_RAM_FRACTION
-        budget = int(free * fraction)
+        if server_args.mem_fraction_static is not None:
+            budget = int(free * server_args.mem_fraction_static)
+        else:
+            budget = min(int(free * DEFAULT_CPU_RAM_FRACTION), DEFAULT_CPU_KV_BYTES)
     tokens = min(max(budget, 0) // per_token, wanted)
     # At least one full context when the memory is there, even if the fraction is tighter.
     tokens = max(tokens, min(context_len, hard_limit // per_token))
