@@ -3,7 +3,9 @@
 `ModelRunner` implements `step_io.Worker`. Per step it writes the scheduler's slot lists into
 `req_to_token`, builds a `ForwardBatch` (all index tensors from one host->device copy), runs the
 model inside `forward_context`, computes logits only for the rows that sample and hands them to
-the `Sampler`.
+the `Sampler`. On CUDA, decode steps of up to `--cuda-graph-max-bs` sequences replay a captured
+CUDA graph instead (`cuda_graph_runner.py`); `req_to_token` has one extra all-zero row, the dummy
+request the graphs' padding rows read.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ftransformers.config.model_config import ModelConfig
 from ftransformers.config.server_args import ServerArgs
 from ftransformers.layers.moe.experts import resolve_moe_backend
 from ftransformers.models.loader import load_model
+from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner, make_cuda_graph_runner
 from ftransformers.runtime.memory import kv_pool_tokens
 from ftransformers.runtime.sampler import Sampler, to_device
 from ftransformers.runtime.step_io import SeqResult, StepBatch, StepResult
@@ -53,13 +56,15 @@ class ModelRunner:
         self.model = load_model(
             model_config, self.device, self.dtype, server_args.load_format, seed=server_args.random_seed
         )
-        self.attn_backend = create_attention_backend(resolve_attention_backend(server_args.attention_backend, self.device))
+        self.attn_backend_name = resolve_attention_backend(server_args.attention_backend, self.device)
+        self.attn_backend = create_attention_backend(self.attn_backend_name)
         self.moe_backend = resolve_moe_backend(server_args.moe_backend, self.device)
         self._max_context_len = int(model_config.context_len)
         self._max_req_slots = server_args.max_running_requests or DEFAULT_MAX_REQ_SLOTS.get(self.device.type, 64)
-        # req_to_token[r, p]: KV slot of position p of the sequence in request slot r (0 = unset/pad).
+        # req_to_token[r, p]: KV slot of position p of the sequence in request slot r (0 = unset/pad);
+        # row _max_req_slots stays all zero: the dummy request of CUDA-graph padding rows.
         self.req_to_token = torch.zeros(
-            self._max_req_slots, self._max_context_len, dtype=torch.int64, device=self.device
+            self._max_req_slots + 1, self._max_context_len, dtype=torch.int64, device=self.device
         )
         kv_spec = type(self.model).kv_spec(model_config.hf_config)
         size = kv_pool_tokens(
@@ -72,6 +77,7 @@ class ModelRunner:
             model_config.architecture, self.device, self.dtype, size,
             size * kv_spec.bytes_per_token(self.dtype) / (1 << 30), self._max_req_slots, self._max_context_len,
         )  # fmt: skip
+        self.graph_runner: CudaGraphRunner | None = make_cuda_graph_runner(self, dummy_req_row=self._max_req_slots)
 
     # step_io.Worker --------------------------------------------------------------------------
     @property
@@ -91,11 +97,18 @@ class ModelRunner:
             return StepResult(results=[])
         fb, sample_rows = self._prepare(batch)
         with torch.inference_mode():
-            with forward_context(fb):
-                hidden = self.model(fb.input_ids, fb.positions)  # [T, D]
-            if not sample_rows:
-                return StepResult(results=[None] * len(batch.seqs))
-            logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S, V] float32
+            if self.graph_runner is not None and self.graph_runner.can_run(fb):
+                all_logits = self.graph_runner.replay(fb)  # [B, V] float32, one row per sequence
+                if not sample_rows:
+                    return StepResult(results=[None] * len(batch.seqs))
+                logits = all_logits if len(sample_rows) == fb.batch_size else all_logits[fb.logits_indices]
+            else:
+                self.attn_backend.init_forward_metadata(fb)
+                with forward_context(fb):
+                    hidden = self.model(fb.input_ids, fb.positions)  # [T, D]
+                if not sample_rows:
+                    return StepResult(results=[None] * len(batch.seqs))
+                logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S, V] float32
             sampled = self.sampler(logits, [batch.seqs[i] for i in sample_rows])
         results: list[SeqResult | None] = [None] * len(batch.seqs)
         for i, r in zip(sample_rows, sampled):
@@ -177,5 +190,4 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             moe_backend=self.moe_backend,
         )
-        self.attn_backend.init_forward_metadata(fb)
         return fb, sample_rows

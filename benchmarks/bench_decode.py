@@ -1,0 +1,486 @@
+"""Decode and prefill step times of `ModelRunner.forward_step` on real model shapes (dummy bf16
+weights), each beside its floor, with Hugging Face transformers at batch 1 as the peer.
+
+Floors, from ceilings measured in the same run: decode = bytes the step must read (non-expert
+weights, the expected distinct experts E*(1-(1-K/E)^B) per MoE layer under uniform routing, the KV
+of every sequence) / device-to-device copy bandwidth (read + write bytes); prefill = model FLOPs
+(2 per weight per token, causal attention with the model's own head dims, MLA counted
+non-absorbed) / bf16 matmul rate (8192^3). Decode KV is random, filled in place: each sequence is
+registered once with `prefix_len = context` and its slots, then timed steps re-decode position
+`context` (slots_start = context), so no prefill is needed.
+
+    PYTHONPATH=$PWD python benchmarks/bench_decode.py --out $OUT/decode_h100.json \
+        --models qwen3-30b-a3b:48,qwen3-8b:36,deepseek-v3:3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN_COMMON = {
+    "vocab_size": 151936, "num_attention_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "max_position_embeddings": 9216, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
+}  # fmt: skip
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": {
+        **QWEN_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48,
+        "hidden_size": 2048, "num_key_value_heads": 4, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "qwen3-8b": {
+        **QWEN_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 36,
+        "hidden_size": 4096, "num_key_value_heads": 8, "intermediate_size": 12288,
+    },
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 3,
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 163840,
+        "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
+    },
+}  # fmt: skip
+FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-8b": 36, "deepseek-v3": 61}
+FULL_DENSE = {"deepseek-v3": 3}  # dense layers at full depth where the model mixes both kinds
+DEV = "cuda"
+# --dry-run (CPU smoke test of this script): every width divided by 16, torch_native kernels.
+SHRINK = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "q_lora_rank", "kv_lora_rank")
+SMALL_HEADS = {
+    "num_attention_heads": 4,
+    "head_dim": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn: Any, iters: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    n, m = (1 << 29, 8192) if DEV == "cuda" else (1 << 24, 1024)
+    src = torch.rand(n, device=DEV, dtype=torch.bfloat16)  # 1 GiB on CUDA, random
+    dst = torch.empty_like(src)
+    t = median_ms(lambda: dst.copy_(src), 20, 3)
+    a, b = (torch.randn(m, m, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    tm = median_ms(lambda: a @ b, 20, 3)
+    return {"copy_GBps": 2 * 2 * n / t / 1e6, "matmul_TFLOPs": 2 * m**3 / tm / 1e9}
+
+
+# Model accounting -------------------------------------------------------------------------------
+def accounting(model: torch.nn.Module, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    from ftransformers.layers.moe.experts import FusedMoE
+
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, FusedMoE) for p in m.parameters()}
+    moe_layers = sum(isinstance(m, FusedMoE) for m in model.modules())
+    named = dict(model.named_parameters())
+    embed = named["model.embed_tokens.weight"].numel()
+    lm_head = cfg["vocab_size"] * cfg["hidden_size"]
+    non_expert = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids) - embed
+    E = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    K = cfg.get("num_experts_per_tok", 0)
+    expert = 3 * cfg["hidden_size"] * cfg.get("moe_intermediate_size", 0)
+    if "kv_lora_rank" in cfg:
+        kv_tok = layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
+        H, dqk, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    else:
+        kv_tok = layers * cfg["num_key_value_heads"] * cfg["head_dim"] * 2 * 2
+        H, dqk, dv = cfg["num_attention_heads"], cfg["head_dim"], cfg["head_dim"]
+    per_layer = []
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        per_layer.append(sum(p.numel() for p in layer.parameters() if id(p) not in expert_ids))
+    last_is_moe = any(isinstance(m, FusedMoE) for m in model.model.layers[-1].modules())  # type: ignore[index]
+    return {
+        "layer_non_expert": per_layer, "last_is_moe": last_is_moe, "layers": layers, "moe_layers": moe_layers,
+        "experts": E, "top_k": K, "expert_params": expert, "non_expert_params": non_expert, "lm_head_params": lm_head,
+        "kv_bytes_per_token": kv_tok, "attn_heads": H, "d_qk": dqk, "d_v": dv, "hidden": cfg["hidden_size"],
+    }  # fmt: skip
+
+
+def decode_bytes(acc: dict[str, Any], batch: int, context: int) -> float:
+    E, K = acc["experts"], acc["top_k"]
+    distinct = E * (1 - (1 - K / E) ** batch) if E else 0.0
+    weights = acc["non_expert_params"] + acc["moe_layers"] * distinct * acc["expert_params"]
+    return 2 * weights + 2 * batch * acc["hidden"] + batch * (context + 1) * acc["kv_bytes_per_token"]
+
+
+def prefill_flops(acc: dict[str, Any], tokens: int) -> float:
+    per_token = (
+        acc["non_expert_params"] - acc["lm_head_params"] + acc["moe_layers"] * acc["top_k"] * acc["expert_params"]
+    )
+    attn = acc["layers"] * 2 * acc["attn_heads"] * (acc["d_qk"] + acc["d_v"]) * tokens * (tokens + 1) / 2
+    return 2 * per_token * tokens + attn + 2 * acc["lm_head_params"]
+
+
+# Our engine -----------------------------------------------------------------------------------
+def write_config(name: str, layers: int, root: Path, dry_run: bool) -> dict[str, Any]:
+    cfg = dict(SHAPES[name], num_hidden_layers=layers)
+    if dry_run:
+        cfg.update({k: cfg[k] // 16 for k in SHRINK if k in cfg}, **{k: v for k, v in SMALL_HEADS.items() if k in cfg})
+        cfg["num_key_value_heads"] = min(cfg["num_key_value_heads"], 4)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+def make_runner(path: Path, max_bs: int, args: argparse.Namespace) -> Any:
+    from ftransformers.config.model_config import ModelConfig
+    from ftransformers.config.server_args import ServerArgs
+    from ftransformers.runtime.model_runner import ModelRunner
+
+    kernels = "triton" if DEV == "cuda" else "torch_native"
+    sa = ServerArgs(model_path=str(path), load_format="dummy", dtype="bfloat16", device=DEV,
+                    attention_backend=kernels, moe_backend=kernels, max_running_requests=max_bs,
+                    cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, context_length=9216)  # fmt: skip
+    return ModelRunner(sa, ModelConfig.from_server_args(sa))
+
+
+def seq_step(i: int, ids: list[int], prefix: int, start: int, slots: list[int]) -> Any:
+    from ftransformers.config.sampling_params import SamplingParams
+    from ftransformers.runtime.step_io import SeqStep
+
+    return SeqStep(
+        rid=f"r{i}", req_pool_idx=i, input_ids=ids, prefix_len=prefix, slots_start=start, slots=slots, sample=True,
+        sampling=SamplingParams(temperature=0.0), prompt_ids=ids[:1], output_ids=[],
+    )  # fmt: skip
+
+
+def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: int, iters: int) -> dict[str, Any]:
+    from ftransformers.runtime.step_io import StepBatch
+
+    row: dict[str, Any] = {"batch": batch, "context": ctx}
+    floor = decode_bytes(acc, batch, ctx) / bw * 1e3
+    E, K = acc["experts"], acc["top_k"]
+    row.update(floor_ms=floor, bytes_GB=decode_bytes(acc, batch, ctx) / 1e9,
+               uniform_distinct_experts=E * (1 - (1 - K / E) ** batch) if E else None)  # fmt: skip
+    if batch * (ctx + 1) > runner.kv_capacity:
+        row["skipped"] = f"KV of {batch}x{ctx + 1} tokens > pool {runner.kv_capacity} tokens at this depth"
+        return row
+    n = ctx + 1
+    toks = torch.randint(0, acc["vocab"], (batch,)).tolist()  # distinct inputs: routing spreads like real traffic
+    runner.forward_step(
+        StepBatch([seq_step(i, [toks[i]], ctx, 0, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(batch)])
+    )
+    timed = StepBatch([seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
+    graphs = runner.graph_runner
+    row["distinct_experts"] = distinct_experts(runner, timed)
+    for mode in ("graph", "eager"):
+        runner.graph_runner = graphs if mode == "graph" else None
+        if mode == "graph" and graphs is None:
+            continue
+        t = median_ms(lambda: runner.forward_step(timed), iters if mode == "graph" else max(3, iters // 2))
+        row[f"{mode}_ms"], row[f"{mode}_ratio"] = t, t / floor
+    runner.graph_runner = graphs
+    if graphs is not None and batch in graphs.graphs:
+        g = graphs.graphs[batch]
+        row["replay_ms"] = median_ms(g.replay, iters)  # the graph alone, buffers as last filled
+        row["tok_per_s"] = batch / row["graph_ms"] * 1e3
+    return row
+
+
+def distinct_experts(runner: Any, step: Any) -> float | None:
+    """Mean number of distinct experts the step's tokens route to per MoE layer (one eager step)."""
+    from ftransformers.layers.moe.experts import FusedMoE
+
+    counts: list[int] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, a: counts.append(int(a[2].unique().numel())))
+             for m in runner.model.modules() if isinstance(m, FusedMoE)]  # fmt: skip
+    graphs, runner.graph_runner = runner.graph_runner, None
+    try:
+        runner.forward_step(step)
+    finally:
+        runner.graph_runner = graphs
+        for h in hooks:
+            h.remove()
+    return sum(counts) / len(counts) if counts else None
+
+
+def bench_prefill(runner: Any, acc: dict[str, Any], rate: float, tokens: int) -> dict[str, Any]:
+    from ftransformers.runtime.step_io import StepBatch
+
+    flops = prefill_flops(acc, tokens)
+    row: dict[str, Any] = {"tokens": tokens, "TFLOP": flops / 1e12, "floor_ms": flops / rate * 1e3}
+    if tokens > runner.kv_capacity or tokens > runner.max_context_len:
+        row["skipped"] = f"pool {runner.kv_capacity} / context {runner.max_context_len} too small"
+        return row
+    ids = torch.randint(0, acc["vocab"], (tokens,)).tolist()
+    step = StepBatch([seq_step(0, ids, 0, 0, list(range(1, tokens + 1)))])
+    t = median_ms(lambda: runner.forward_step(step), 3, 1)
+    row.update(ms=t, ratio=t / row["floor_ms"], matmul_share=row["floor_ms"] / t)
+    return row
+
+
+def profile_step(runner: Any, step: Any, label: str) -> dict[str, Any]:
+    """Kernel time of one eager step by kernel name (top 12) and the step's summed kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, runner.graph_runner = runner.graph_runner, None
+    runner.forward_step(step)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            runner.forward_step(step)
+        sync()
+    runner.graph_runner = graphs
+    kern: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(e.name[:90], [0.0, 0])
+            k[0] += e.device_time / 2
+            k[1] += 1 / 2
+    total = sum(v[0] for v in kern.values())
+    top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:12]
+    return {
+        "label": label, "kernel_ms": total / 1e3, "kernels_per_step": sum(v[1] for v in kern.values()),
+        "top": [{"kernel": k, "us": round(v[0], 1), "per_step": round(v[1], 1)} for k, v in top],
+    }  # fmt: skip
+
+
+def profile_cpu(runner: Any, step: Any, label: str) -> dict[str, Any]:
+    """Host time of graph-mode decode steps by top-level torch op (self CPU time, per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.forward_step(step)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            runner.forward_step(step)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    wall = median_ms(lambda: runner.forward_step(step), 10)
+    top = [{"op": e.key[:80], "us": round(e.self_cpu_time_total / 5, 1), "per_step": e.count / 5} for e in ops]
+    return {"label": label, "step_ms": wall, "top_cpu": top}
+
+
+def profiles(runner: Any, vocab: int, ctx: int, batches: list[int], prefill: list[int]) -> list[dict[str, Any]]:
+    from ftransformers.runtime.step_io import StepBatch
+
+    out, n = [], ctx + 1
+    for b in [b for b in (1, 32) if b in batches and b * n <= runner.kv_capacity]:
+        step = StepBatch([seq_step(i, [i + 3], ctx, ctx, [(i + 1) * n]) for i in range(b)])
+        out.append(profile_step(runner, step, f"decode B={b} ctx={ctx} (eager)"))
+    if 1 in batches and runner.graph_runner is not None:
+        step = StepBatch([seq_step(0, [3], ctx, ctx, [n])])
+        out.append(profile_cpu(runner, step, f"decode B=1 ctx={ctx} (graph): host side"))
+    if prefill and max(prefill) <= min(runner.kv_capacity, runner.max_context_len):
+        p = max(prefill)
+        ids = torch.randint(0, vocab, (p,)).tolist()
+        out.append(profile_step(runner, StepBatch([seq_step(0, ids, 0, 0, list(range(1, p + 1)))]), f"prefill {p}"))
+    return out
+
+
+# Hugging Face peer ----------------------------------------------------------------------------
+def hf_peer(path: Path, vocab: int, ctx: int, prefill: int, iters: int) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    t0 = time.perf_counter()
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    out: dict[str, Any] = {"init_s": time.perf_counter() - t0, "context": ctx}
+    with torch.inference_mode():
+        pf = torch.randint(0, vocab, (1, prefill), device=DEV)
+        out["prefill_tokens"] = prefill
+        out["prefill_ms"] = median_ms(lambda: model(pf, use_cache=False, logits_to_keep=1), 2, 1)
+        res = model(torch.randint(0, vocab, (1, ctx), device=DEV), use_cache=True, logits_to_keep=1)
+        state = {"pkv": res.past_key_values, "tok": res.logits[:, -1:].argmax(-1)}
+
+        def step() -> None:
+            r = model(state["tok"], past_key_values=state["pkv"], use_cache=True)
+            state["tok"] = r.logits[:, -1:].argmax(-1)
+
+        out["decode_ms"] = median_ms(step, iters, 2)
+    return out
+
+
+def free() -> None:
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_model(
+    name: str, layers: int, contexts: list[int], args: argparse.Namespace, ceil: dict[str, float], hf: bool
+) -> dict[str, Any]:
+    """One model at one depth: decode at `contexts` x batches; prefill, profile and HF when it is the
+    model's main entry (contexts == all of them)."""
+    main_entry = contexts == args.contexts
+    prefill = args.prefill if main_entry else []
+    root = Path(tempfile.mkdtemp()) / f"{name}-{layers}"
+    cfg = write_config(name, layers, root, args.dry_run)
+    t0 = time.perf_counter()
+    runner = make_runner(root, max(args.batches), args)
+    res: dict[str, Any] = {"model": name, "layers": layers, "full_depth": FULL_DEPTH[name]}
+    res["init_s"] = time.perf_counter() - t0
+    gr = runner.graph_runner
+    res["graph_capture_s"] = getattr(gr, "capture_seconds", None)
+    res["graph_batch_sizes"] = gr.batch_sizes if gr is not None else []
+    acc = accounting(runner.model, cfg, layers)
+    acc["vocab"] = cfg["vocab_size"]
+    res.update(accounting=acc, kv_pool_tokens=runner.kv_capacity)
+    for pname, param in runner.model.named_parameters():
+        if pname.endswith("e_score_correction_bias"):  # as HF initialises it: a dummy +-1e-3 bias would
+            param.data.zero_()  # outweigh the ~1e-5 score spread and send every token to the same experts
+    pool = runner.kv_pool
+    for buf in getattr(pool, "k_buffers", []) + getattr(pool, "v_buffers", []) + getattr(pool, "latent_buffers", []):
+        buf.uniform_(-1.0, 1.0)
+    bw, rate = ceil["copy_GBps"] * 1e9, ceil["matmul_TFLOPs"] * 1e12
+    res["decode"] = [bench_decode(runner, acc, bw, b, c, args.iters) for c in contexts for b in args.batches]
+    for r in res["decode"]:
+        print(f"  {name}:{layers} decode {r}", flush=True)
+    res["prefill"] = [bench_prefill(runner, acc, rate, p) for p in prefill]
+    print(f"  {name}:{layers} prefill {res['prefill']}", flush=True)
+    if not args.no_profile and prefill:
+        res["profile"] = profiles(runner, cfg["vocab_size"], contexts[0], args.batches, prefill)
+    del runner, gr, pool
+    free()
+    if hf and main_entry:
+        try:
+            res["hf"] = hf_peer(root, cfg["vocab_size"], contexts[0], min(args.prefill), args.iters)
+            d = next(r for r in res["decode"] if r["batch"] == 1 and r["context"] == contexts[0])
+            res["hf"]["our_speedup_b1"] = res["hf"]["decode_ms"] / d.get("graph_ms", d.get("eager_ms", float("nan")))
+        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            res["hf"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        free()
+    if layers < FULL_DEPTH[name]:
+        res["extrapolation"] = extrapolate(res, acc, FULL_DEPTH[name], FULL_DENSE.get(name), bw, rate)
+    return res
+
+
+def extrapolate(
+    res: dict[str, Any], acc: dict[str, Any], depth: int, dense: int | None, bw: float, rate: float
+) -> dict[str, Any]:
+    """Full-depth floors (first layer repeated up to `dense` dense layers, last layer for the rest)
+    and the time at the measured ratio to floor, for every measured point."""
+    have_dense = acc["layers"] - acc["moe_layers"]
+    extra_dense = max(0, (dense or have_dense) - have_dense) if acc["last_is_moe"] else depth - acc["layers"]
+    extra_last = depth - acc["layers"] - extra_dense if acc["last_is_moe"] else 0
+    first, last = acc["layer_non_expert"][0], acc["layer_non_expert"][-1]
+    full = dict(acc, layers=depth, non_expert_params=acc["non_expert_params"] + extra_dense * first + extra_last * last,
+                moe_layers=acc["moe_layers"] + extra_last,
+                kv_bytes_per_token=acc["kv_bytes_per_token"] * depth / acc["layers"])  # fmt: skip
+    dec, pre = [], []
+    for r in res["decode"]:
+        mode = "graph" if "graph_ms" in r else "eager"
+        if f"{mode}_ms" in r:
+            f = decode_bytes(full, r["batch"], r["context"]) / bw * 1e3
+            dec.append({"batch": r["batch"], "context": r["context"], "floor_ms": f, "est_ms": f * r[f"{mode}_ratio"],
+                        "per_layer_ms": r[f"{mode}_ms"] / acc["layers"], "mode": mode})  # fmt: skip
+    for r in res["prefill"]:
+        if "ms" in r:
+            f = prefill_flops(full, r["tokens"]) / rate * 1e3
+            pre.append({"tokens": r["tokens"], "floor_ms": f, "est_ms": f * r["ratio"],
+                        "per_layer_ms": r["ms"] / acc["layers"]})  # fmt: skip
+    return {"depth": depth, "assumption": "same ratio to floor as measured", "decode": dec, "prefill": pre}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--models", default="qwen3-30b-a3b:48,qwen3-8b:36,deepseek-v3:3,qwen3-30b-a3b:12@4096,qwen3-8b:12@4096"
+    )
+    p.add_argument("--batches", default="1,8,32,64,128")
+    p.add_argument("--contexts", default="512,4096")
+    p.add_argument("--prefill", default="1024,8192")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--mem-fraction", type=float, default=0.92)
+    p.add_argument("--hf", default="first", help="'first': HF peer for each model's first entry; 'none'")
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="CPU smoke test: shapes shrunk 16x, torch_native")
+    args = p.parse_args()
+    global DEV
+    DEV = "cpu" if args.dry_run else "cuda"
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.prefill = [int(x) for x in args.prefill.split(",")]
+    logging_setup()
+    import transformers
+    import triton
+
+    device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)"
+    out: dict[str, Any] = {
+        "device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+        "triton": triton.__version__, "transformers": transformers.__version__, "args": dict(vars(args)), "models": [],
+    }  # fmt: skip
+    out["ceilings"] = ceilings()
+    print("ceilings", out["ceilings"], flush=True)
+    seen: set[str] = set()
+    for spec in args.models.split(","):  # name[:layers][@ctx+ctx...]: extra entries at other depths
+        spec, _, only = spec.partition("@")
+        name, _, layers = spec.partition(":")
+        contexts = [int(c) for c in only.split("+")] if only else args.contexts
+        hf = args.hf == "first" and name not in seen
+        seen.add(name)
+        try:
+            out["models"].append(run_model(name, int(layers or FULL_DEPTH[name]), contexts, args, out["ceilings"], hf))
+        except Exception as e:  # noqa: BLE001 - keep the other models' results
+            import traceback
+
+            traceback.print_exc()
+            out["models"].append({"model": name, "layers": layers, "error": f"{type(e).__name__}: {e}"[:800]})
+            free()
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    print_table(out)
+
+
+def logging_setup() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+
+def print_table(out: dict[str, Any]) -> None:
+    c = out["ceilings"]
+    print(f"\n{out['device']}  copy {c['copy_GBps']:.0f} GB/s  bf16 matmul {c['matmul_TFLOPs']:.0f} TFLOP/s")
+    for m in out["models"]:
+        if "error" in m:
+            print(f"{m['model']}:{m['layers']} ERROR {m['error'][:200]}")
+            continue
+        print(f"{m['model']} ({m['layers']} layers; capture {m.get('graph_capture_s') or 0:.1f} s)")
+        print("  decode  B    ctx  floor_ms  graph_ms  ratio  eager_ms  ratio  replay_ms  tok/s")
+        for r in m["decode"]:
+            if "skipped" in r:
+                print(f"         {r['batch']:<4} {r['context']:<5} {r['floor_ms']:8.3f}  skipped: {r['skipped']}")
+                continue
+            print(f"         {r['batch']:<4} {r['context']:<5} {r['floor_ms']:8.3f} {r.get('graph_ms', 0):9.3f} "
+                  f"{r.get('graph_ratio', 0):6.2f} {r['eager_ms']:9.3f} {r['eager_ratio']:6.2f} "
+                  f"{r.get('replay_ms', 0):9.3f} {r.get('tok_per_s', 0):7.0f}")  # fmt: skip
+        for r in m["prefill"]:
+            if "skipped" not in r:
+                print(f"  prefill {r['tokens']:<6} floor {r['floor_ms']:.1f} ms  {r['ms']:.1f} ms  "
+                      f"{100 * r['matmul_share']:.0f}% of matmul rate")  # fmt: skip
+        if "hf" in m:
+            print(f"  HF peer: {m['hf']}")
+
+
+if __name__ == "__main__":
+    main()

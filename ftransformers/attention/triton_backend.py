@@ -1,0 +1,162 @@
+"""Triton attention backend (`--attention-backend triton`): paged decode / extend attention for
+MHA/GQA and absorbed MLA, kernels in `ftransformers/kernels/triton_*_attention.py`.
+
+Numerically the same function as `torch_native` (softmax in float32, output in the query dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ftransformers.attention.backend import AttentionBackend, register_attention_backend
+from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
+from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
+from ftransformers.kernels.triton_decode_attention import decode_attention_fwd
+from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
+from ftransformers.kernels.triton_mla_attention import mla_decode_fwd, mla_extend_fwd
+
+MAX_KV_SPLITS = 64
+DEFAULT_MAX_BS = 256
+
+
+def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int) -> int:
+    """Fixed split count for a decode launch: enough (batch x head-block x split) programs for about
+    four waves, so batch 1 at long context still fills the GPU. Depends on shapes only."""
+    want = triton.cdiv(4 * num_sms, max(1, batch_size * head_blocks))
+    return max(1, min(MAX_KV_SPLITS, triton.next_power_of_2(want)))
+
+
+@register_attention_backend("triton")
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged attention.
+
+    EXTEND: `init_forward_metadata` derives each sequence's first row in the flattened new tokens
+    (`extend_start`, on the device) and the grid size `max_extend_len` from `extend_lens_cpu`.
+    If a forward arrives without it (test harnesses), it is derived on first use.
+
+    DECODE obeys the CUDA-graph rule: the kernels read only the ForwardBatch's fixed-shape device
+    tensors (req_to_token, req_pool_indices, seq_lens, out_cache_loc); the split count is a function
+    of the batch size and head counts (tensor shapes), and the split-K scratch (float32 partial
+    outputs and log-sum-exps) is one flat buffer per (num_heads, v_head_dim), sized for every batch
+    size up to `max_bs` the first time a decode with those heads runs, and never freed.
+    Graph runner protocol: call `init_cuda_graph_state(max_bs, max_context_len)` once, run one
+    eager decode forward (the warm-up that also compiles the kernels), then capture; a decode inside
+    a capture that would need a larger scratch raises instead of allocating. The split lengths are
+    computed in-kernel from seq_lens, so `max_context_len` does not size anything.
+    """
+
+    def __init__(self) -> None:
+        self.max_bs = DEFAULT_MAX_BS
+        self._scratch: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []  # replaced scratch, kept alive for captured graphs
+        self._meta_batch: ForwardBatch | None = None
+        self._extend_start: torch.Tensor | None = None
+        self._max_extend_len = 0
+        self._num_sms: int | None = None
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        self.max_bs = max_bs
+        self._retired.extend(self._scratch.values())  # re-sized by the next (eager) decode
+        self._scratch.clear()
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._meta_batch = batch
+        if batch.mode == ForwardMode.EXTEND:
+            ext = batch.extend_lens
+            self._extend_start = torch.cumsum(ext, 0) - ext  # [B]
+            self._max_extend_len = max(batch.extend_lens_cpu)
+
+    # helpers -------------------------------------------------------------------------------
+    def _extend_meta(self, batch: ForwardBatch) -> tuple[torch.Tensor, int]:
+        if self._meta_batch is not batch or self._extend_start is None:
+            self.init_forward_metadata(batch)
+        assert self._extend_start is not None
+        return self._extend_start, self._max_extend_len
+
+    def _sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        return self._num_sms
+
+    def _decode_scratch(
+        self, B: int, H: int, DV: int, head_blocks: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        sms = self._sms(device)
+        splits = num_kv_splits(B, head_blocks, sms)
+        per_row = H * (DV + 1)  # floats per (sequence, split): outputs + lse
+        key = (H, DV, str(device))
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < B * splits * per_row:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("triton attention: decode scratch must be allocated before graph capture "
+                                   "(run one eager decode after init_cuda_graph_state)")  # fmt: skip
+            rows = max(b * num_kv_splits(b, head_blocks, sms) for b in range(1, max(self.max_bs, B) + 1))
+            if buf is not None:
+                self._retired.append(buf)
+            buf = torch.empty(rows * per_row, dtype=torch.float32, device=device)
+            self._scratch[key] = buf
+        n = B * splits * H
+        mid_o = buf[: n * DV].view(B, H, splits, DV)
+        mid_lse = buf[n * DV : n * (DV + 1)].view(B, H, splits)
+        return mid_o, mid_lse, splits
+
+    # AttentionBackend --------------------------------------------------------------------------
+    def forward_mha(
+        self,
+        q: torch.Tensor,  # [T, H, D_k]
+        k: torch.Tensor,  # [T, H_kv, D_k]
+        v: torch.Tensor,  # [T, H_kv, D_v]
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H, D_v]
+        pool = batch.kv_pool
+        assert isinstance(pool, MHAKVPool), "forward_mha needs an MHA KV pool"
+        pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv(layer_id)
+        T, H, _ = q.shape
+        out = q.new_empty(T, H, v_buf.shape[-1])
+        if batch.mode == ForwardMode.DECODE:
+            group = H // k_buf.shape[1]
+            head_blocks = k_buf.shape[1] * triton.cdiv(group, max(16, triton.next_power_of_2(group)))
+            mid_o, mid_lse, splits = self._decode_scratch(T, H, v_buf.shape[-1], head_blocks, q.device)
+            return decode_attention_fwd(
+                q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16,
+            )  # fmt: skip
+        extend_start, max_extend_len = self._extend_meta(batch)
+        return extend_attention_fwd(
+            q, k.to(k_buf.dtype), v.to(v_buf.dtype), out, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices,
+            batch.prefix_lens, batch.extend_lens, extend_start, max_extend_len, scaling,
+        )  # fmt: skip
+
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,  # [T, H, L], absorbed
+        q_rope: torch.Tensor,  # [T, H, R], roped
+        latent: torch.Tensor,  # [T, L + R], new tokens
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H, L]
+        pool = batch.kv_pool
+        if not isinstance(pool, MLAKVPool):
+            raise TypeError(f"forward_mla needs an MLAKVPool, got {type(pool).__name__}")
+        pool.set_latent(layer_id, batch.out_cache_loc, latent)
+        buf = pool.get_latent(layer_id)  # [N+1, L+R]
+        T, H, L = q_nope.shape
+        q_rope = q_rope.to(q_nope.dtype)
+        out = q_nope.new_empty(T, H, L)
+        if batch.mode == ForwardMode.DECODE:
+            block_h = 32 if q_nope.is_cuda else 16  # H100 sweep: benchmarks/results/attention_h100.json
+            mid_o, mid_lse, splits = self._decode_scratch(T, H, L, triton.cdiv(H, block_h), q_nope.device)
+            return mla_decode_fwd(
+                q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                mid_o, mid_lse, splits, scaling, block_h=block_h, block_n=32 if q_nope.is_cuda else 16,
+            )  # fmt: skip
+        extend_start, max_extend_len = self._extend_meta(batch)
+        return mla_extend_fwd(
+            q_nope, q_rope, latent.to(buf.dtype), out, buf, batch.req_to_token, batch.req_pool_indices,
+            batch.prefix_lens, batch.extend_lens, extend_start, max_extend_len, scaling,
+        )  # fmt: skip

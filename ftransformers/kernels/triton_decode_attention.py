@@ -1,0 +1,215 @@
+"""Paged decode attention (one new query token per sequence) in Triton, GQA- and MLA-aware.
+
+Layout of the work: program (head block, KV split, sequence). A head block is up to BLOCK_H query
+heads of ONE KV head's group, so each KV row is loaded once per head block and fed to a
+[BLOCK_H, BLOCK_N] tensor-core dot; for MLA (one latent "KV head", all H query heads in its group)
+several head blocks read the same rows, adjacent in launch order so the repeats hit L2.
+Each sequence's tokens are cut into `num_kv_splits` (fixed per launch) contiguous splits of
+`cdiv(seq_len, num_kv_splits)` rounded up to BLOCK_N; stage 1 writes per split the unnormalised
+output and log-sum-exp, stage 2 merges the splits. Nothing here reads host data, so a launch is
+safe to capture in a CUDA graph and replay with refilled `seq_lens` / `req_pool_indices`.
+
+Optional "PE" part (MLA): the score is q . k + q_pe . k_pe with k_pe read from a second view.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_bounds(seq_len, split_id, num_kv_splits, ALIGN: tl.constexpr):
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), ALIGN) * ALIGN
+    start = split_id * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    return start, end
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, QPE, K, KPE, V, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+    sm_scale, group, num_kv_splits, heads_per_kv_blocks,
+    s_q_t, s_q_h, s_qpe_t, s_qpe_h,
+    s_k_n, s_k_h, s_kpe_n, s_kpe_h, s_v_n, s_v_h, s_r2t,
+    s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+    D: tl.constexpr, DPE: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
+):  # fmt: skip
+    # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
+    pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head = pid_hb // heads_per_kv_blocks
+    local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
+    h_mask = local < group
+    heads = kv_head * group + local  # [BLOCK_H]
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    start, end = _split_bounds(seq_len, split_id, num_kv_splits, BLOCK_N)
+    if end <= start:
+        return
+    req = tl.load(req_pool_indices + b)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * s_q_t + heads[:, None] * s_q_h + offs_d[None, :],
+                mask=h_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_H, BLOCK_D]
+    if BLOCK_DPE > 0:
+        offs_pe = tl.arange(0, BLOCK_DPE)
+        qpe = tl.load(QPE + b * s_qpe_t + heads[:, None] * s_qpe_h + offs_pe[None, :],
+                      mask=h_mask[:, None] & (offs_pe[None, :] < DPE), other=0.0)  # [BLOCK_H, BLOCK_DPE]
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        pos = start_n + offs_n
+        n_mask = pos < end
+        loc = tl.load(req_to_token + req * s_r2t + pos, mask=n_mask, other=0)  # [BLOCK_N] KV slots
+        if SHARED_KV:
+            v = tl.load(K + loc[:, None] * s_k_n + kv_head * s_k_h + offs_d[None, :],
+                        mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_N, BLOCK_D]
+            k = tl.trans(v)
+        else:
+            k = tl.load(K + loc[None, :] * s_k_n + kv_head * s_k_h + offs_d[:, None],
+                        mask=n_mask[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N]
+        if BLOCK_DPE > 0:
+            kpe = tl.load(KPE + loc[None, :] * s_kpe_n + kv_head * s_kpe_h + offs_pe[:, None],
+                          mask=n_mask[None, :] & (offs_pe[:, None] < DPE), other=0.0)
+            qk += tl.dot(qpe, kpe.to(qpe.dtype), input_precision=DOT_PREC)
+        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
+        if not SHARED_KV:
+            v = tl.load(V + loc[:, None] * s_v_n + kv_head * s_v_h + offs_dv[None, :],
+                        mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BLOCK_N, BLOCK_DV]
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out_ptr = mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_dv[None, :]
+    tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & (offs_dv[None, :] < DV))
+    # log-sum-exp in base 2 of this split's scores
+    tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    mid_o, mid_lse, O, seq_lens, num_kv_splits,
+    s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    # all splits of one (sequence, head, CHUNK_DV slice) in one tile: a single round trip to memory
+    b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = c * CHUNK_DV + tl.arange(0, CHUNK_DV)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), ALIGN) * ALIGN
+    valid = (offs_s < num_kv_splits) & (offs_s * split_len < seq_len)  # non-empty splits
+    lse = tl.load(mid_lse + b * s_ml_b + h * s_ml_h + offs_s, mask=valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(valid, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)  # [BLOCK_S]
+    o = tl.load(mid_o + b * s_mo_b + h * s_mo_h + offs_s[:, None] * s_mo_s + offs_dv[None, :],
+                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BLOCK_S, CHUNK_DV]
+    denom = tl.sum(w, 0)
+    # seq_len 0 (a padded CUDA-graph row) has no split: write zeros, not NaN
+    acc = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(O + b * s_o_t + h * s_o_h + offs_dv, acc.to(O.dtype.element_ty), mask=offs_dv < DV)
+
+
+def decode_scratch(batch: int, num_heads: int, v_head_dim: int, max_splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K scratch: partial outputs [B, H, S, D_v] and log-sum-exps [B, H, S], float32."""
+    mid_o = torch.empty(batch, num_heads, max_splits, v_head_dim, dtype=torch.float32, device=device)
+    mid_lse = torch.empty(batch, num_heads, max_splits, dtype=torch.float32, device=device)
+    return mid_o, mid_lse
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,  # [B, H, D]
+    k_buf: torch.Tensor,  # [N, H_kv, D] (any strides on the first two dims)
+    v_buf: torch.Tensor,  # [N, H_kv, D_v]
+    out: torch.Tensor,  # [B, H, D_v]
+    req_to_token: torch.Tensor,  # [R, L]
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B], tokens to attend (including the new one, already stored)
+    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, D_v] float32 scratch
+    mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits] float32 scratch
+    num_kv_splits: int,
+    sm_scale: float,
+    q_pe: torch.Tensor | None = None,  # [B, H, D_pe] (MLA rope part)
+    kpe_buf: torch.Tensor | None = None,  # [N, H_kv, D_pe]
+    block_h: int = 16,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    B, H, D = q.shape
+    H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
+    group = H // H_kv
+    assert H % H_kv == 0 and q.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
+    block_h = max(16, min(block_h, triton.next_power_of_2(group)))
+    blocks_per_kv = triton.cdiv(group, block_h)
+    dpe = 0 if q_pe is None else q_pe.shape[-1]
+    if q_pe is None:
+        q_pe, kpe_buf = q, k_buf  # unused placeholders
+    assert kpe_buf is not None
+    grid = (H_kv * blocks_per_kv, num_kv_splits, B)
+    shared_kv = (
+        v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride() and DV == D
+    )  # MLA: c_kv is both key (with k_pe) and value
+    _decode_stage1_kernel[grid](
+        q, q_pe, k_buf, kpe_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale, group, num_kv_splits, blocks_per_kv,
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
+        k_buf.stride(0), k_buf.stride(1), kpe_buf.stride(0), kpe_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        D=D, DPE=dpe, DV=DV,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, triton.next_power_of_2(dpe)),
+        BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
+        DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    block_s = max(2, triton.next_power_of_2(num_kv_splits))
+    chunk_dv = min(max(16, triton.next_power_of_2(DV)), max(16, 8192 // block_s))
+    _decode_stage2_kernel[(B, H, triton.cdiv(DV, chunk_dv))](
+        mid_o, mid_lse, out, seq_lens, num_kv_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=block_n, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,  # [B, H, D]
+    k_buf: torch.Tensor,  # [N, H_kv, D]
+    v_buf: torch.Tensor,  # [N, H_kv, D_v]
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    q_pe: torch.Tensor | None = None,
+    kpe_buf: torch.Tensor | None = None,
+) -> torch.Tensor:  # [B, H, D_v] float32
+    """Plain PyTorch, float32: softmax(q k^T * scale) v per sequence over its first seq_len slots."""
+    B, H, _ = q.shape
+    group = H // k_buf.shape[1]
+    out = torch.empty(B, H, v_buf.shape[-1], dtype=torch.float32, device=q.device)
+    for b in range(B):
+        locs = req_to_token[req_pool_indices[b], : int(seq_lens[b])]
+        k = k_buf[locs].float().repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v_buf[locs].float().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,shd->hs", q[b].float(), k)
+        if q_pe is not None and kpe_buf is not None:
+            s = s + torch.einsum("hd,shd->hs", q_pe[b].float(), kpe_buf[locs].float().repeat_interleave(group, dim=1))
+        out[b] = torch.einsum("hs,shd->hd", torch.softmax(s * sm_scale, dim=-1), v)
+    return out

@@ -1,0 +1,167 @@
+"""CUDA graphs for decode steps at padded batch sizes up to `--cuda-graph-max-bs`.
+
+At startup `make_cuda_graph_runner` captures, for each size in `capture_batch_sizes(max_bs)`
+(largest first, all graphs sharing one memory pool), the attention backend's
+`init_forward_metadata`, `model.forward` and `compute_logits` on every row of a static
+`ForwardBatch` whose index tensors are rows of one persistent buffer. A decode step then copies its
+real rows into that buffer, points the padding rows at slot 0 (the pool's padding sink) through a
+dummy request row with seq_len 1, replays the smallest graph that holds the batch and reads back the
+real rows' logits. Kernels on the captured path must follow the CUDA-graph rule: read only the
+device tensors of the batch (no `.item()`, no `*_cpu` lists, no data-dependent sizes).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, forward_context
+from ftransformers.layers.moe.experts import FusedMoE
+
+if TYPE_CHECKING:
+    from ftransformers.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Rows of the static index buffer, in order, and the value a padding row holds in each.
+FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
+_PAD_VALUES = {"input_ids": 0, "positions": 0, "out_cache_loc": 0, "seq_lens": 1, "prefix_lens": 0}
+_WARMUP_RUNS = 2
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """[1, 2, 4, 8, 16, 24, 32, ...] (steps of 8 from 16) up to and including max_bs."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}
+    return sorted(sizes)
+
+
+def padded_batch_size(sizes: list[int], bs: int) -> int | None:
+    """Smallest captured size >= bs, None when bs exceeds them all."""
+    i = bisect.bisect_left(sizes, bs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def graph_unsafe_reason(runner: ModelRunner) -> str | None:
+    """Why decode steps of this runner cannot be captured, or None when they can."""
+    if runner.device.type != "cuda":
+        return f"device is {runner.device.type}"
+    if runner.server_args.disable_cuda_graph:
+        return "--disable-cuda-graph"
+    if runner.attn_backend_name == "torch_native":
+        return "attention backend torch_native reads host-side lists (use --attention-backend triton)"
+    for m in runner.model.modules():
+        if isinstance(m, FusedMoE) and (m.backend or runner.moe_backend) == "torch_native":
+            return "MoE backend torch_native syncs with the host (use --moe-backend triton)"
+    return None
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: ModelRunner, max_bs: int, dummy_req_row: int) -> None:
+        self.runner = model_runner
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        dev, n = model_runner.device, self.max_bs
+        # buf[f, i]: field FIELDS[f] of row i of the static batch; pad holds each field's padding value.
+        self.pad = torch.zeros(len(FIELDS), n, dtype=torch.int64, device=dev)
+        for f, name in enumerate(FIELDS):
+            self.pad[f].fill_(dummy_req_row if name == "req_pool_indices" else _PAD_VALUES[name])
+        self.buf = self.pad.clone()
+        self.extend_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.logits: torch.Tensor | None = None  # [max_bs, V] float32, written by every graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+        self.capture_seconds = 0.0
+
+    def static_batch(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        rows = {name: self.buf[f, :bs] for f, name in enumerate(FIELDS)}
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            extend_lens=self.extend_lens[:bs],
+            seq_lens_cpu=[1] * bs,  # placeholders: the decode path must not read them
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+            logits_indices=self.logits_indices[:bs],
+            req_to_token=r.req_to_token,
+            kv_pool=r.kv_pool,
+            attn_backend=r.attn_backend,
+            moe_backend=r.moe_backend,
+            **rows,
+        )
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        # -> logits [bs, V] float32 of every row
+        self.runner.attn_backend.init_forward_metadata(fb)
+        with forward_context(fb):
+            hidden = self.runner.model(fb.input_ids, fb.positions)  # [bs, D]
+        return self.runner.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        init_state = getattr(self.runner.attn_backend, "init_cuda_graph_state", None)
+        if callable(init_state):
+            init_state(self.max_bs, self.runner.max_context_len)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.runner.device)
+        vocab = self._forward(self.static_batch(1)).shape[-1]
+        self.logits = torch.empty(self.max_bs, vocab, dtype=torch.float32, device=self.runner.device)
+        for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool blocks
+            fb = self.static_batch(bs)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(_WARMUP_RUNS):  # compiles / autotunes kernels outside the capture
+                    self.logits[:bs].copy_(self._forward(fb))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[:bs].copy_(self._forward(fb))
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.runner.device)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return bool(self.graphs) and fb.mode is ForwardMode.DECODE and fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run a decode batch through its graph; returns logits [B, V] float32 of its B real rows
+        (a view of the shared output buffer, valid until the next replay)."""
+        bs = fb.batch_size
+        pbs = padded_batch_size(self.batch_sizes, bs)
+        assert pbs is not None and self.logits is not None, "replay() without can_run()"
+        if pbs > bs:
+            self.buf[:, bs:pbs].copy_(self.pad[:, bs:pbs])
+        real = torch.stack([getattr(fb, name) for name in FIELDS])  # [F, bs]
+        self.buf[:, :bs].copy_(real)
+        self.graphs[pbs].replay()
+        self.replays += 1
+        return self.logits[:bs]
+
+
+def make_cuda_graph_runner(runner: ModelRunner, dummy_req_row: int) -> CudaGraphRunner | None:
+    """Capture the decode graphs when this runner can use them; log why not or how long it took."""
+    reason = graph_unsafe_reason(runner)
+    if reason is not None:
+        log = logger.debug if runner.device.type != "cuda" else logger.info
+        log("CUDA graphs off: %s", reason)
+        return None
+    max_bs = min(runner.server_args.cuda_graph_max_bs, runner.max_req_slots)
+    graphs = CudaGraphRunner(runner, max_bs, dummy_req_row)
+    start = time.perf_counter()
+    try:
+        graphs.capture()
+    except Exception as e:  # noqa: BLE001 - any kernel that breaks the capture rule: run eagerly
+        logger.warning("CUDA graphs off: capture failed (%s: %s)", type(e).__name__, e)
+        graphs.graphs.clear()
+        torch.cuda.synchronize(runner.device)
+        return None
+    graphs.capture_seconds = time.perf_counter() - start
+    mem = torch.cuda.memory_reserved(runner.device) / (1 << 30)
+    logger.info(
+        "CUDA graphs captured for decode batch sizes %s in %.2f s (%.2f GiB reserved)",
+        graphs.batch_sizes, graphs.capture_seconds, mem,
+    )  # fmt: skip
+    return graphs

@@ -1,0 +1,121 @@
+"""CUDA-graph decode (`runtime/cuda_graph_runner.py`).
+
+CPU (CI): the captured batch sizes and the padding rule, and that a CPU runner captures nothing.
+CUDA: a tiny Llama and a tiny Qwen3-MoE through `LLM(...)` with the triton attention and MoE
+backends give the same greedy tokens with CUDA graphs on and off, in float32 and bfloat16, at
+decode batch sizes that need padding (3 -> 4, 5 -> 8); a decode batch above --cuda-graph-max-bs
+runs eagerly. Graph and eager steps of the same batch run the same kernels on the same rows (the
+graph adds padding rows, which only change the row count of the dense matmuls), so the tokens must
+be identical, not merely close.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ftransformers.attention.forward_batch import ForwardMode, get_forward_batch
+from ftransformers.runtime.cuda_graph_runner import capture_batch_sizes, padded_batch_size
+from tests.model_harness import make_tiny_checkpoint, random_prompts
+
+NEW_TOKENS = 12
+on_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def test_capture_batch_sizes() -> None:
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(3) == [1, 2, 3]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def test_padded_batch_size() -> None:
+    sizes = capture_batch_sizes(32)
+    assert [padded_batch_size(sizes, b) for b in (1, 3, 5, 9, 17, 32)] == [1, 4, 8, 16, 24, 32]
+    assert padded_batch_size(sizes, 33) is None
+
+
+def test_cpu_runner_captures_nothing(tmp_path: Path) -> None:
+    from ftransformers.config.model_config import ModelConfig
+    from ftransformers.config.server_args import ServerArgs
+    from ftransformers.runtime.model_runner import ModelRunner
+
+    path = make_tiny_checkpoint("llama", tmp_path / "llama")
+    args = ServerArgs(model_path=str(path), device="cpu", dtype="float32", max_total_tokens=64)
+    runner = ModelRunner(args, ModelConfig.from_server_args(args))
+    assert runner.graph_runner is None
+    assert runner.req_to_token.shape[0] == runner.max_req_slots + 1  # + the dummy padding row
+
+
+# CUDA ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def tiny_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param)))
+
+
+class DecodeCounter:
+    """Counts the eager (Python-level) model forwards in DECODE mode, by batch size."""
+
+    def __init__(self, llm: Any) -> None:
+        self.eager_decode_sizes: list[int] = []
+        model = llm.runner.model
+        forward = model.forward
+
+        def counted(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            fb = get_forward_batch()
+            if fb.mode is ForwardMode.DECODE:
+                self.eager_decode_sizes.append(fb.batch_size)
+            return forward(input_ids, positions)
+
+        model.forward = counted  # type: ignore[method-assign]
+
+
+def _llm(path: Path, dtype: str, graphs: bool, max_bs: int) -> Any:
+    from ftransformers import LLM
+
+    return LLM(
+        str(path), skip_tokenizer_init=True, device="cuda", dtype=dtype, attention_backend="triton",
+        moe_backend="triton", max_total_tokens=4096, max_running_requests=8, cuda_graph_max_bs=max_bs,
+        disable_cuda_graph=not graphs,
+    )  # fmt: skip
+
+
+def _generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    from ftransformers import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_and_eager_tokens_match(tiny_path: Path, dtype: str) -> None:
+    sets = {n: random_prompts(n, 384, seed=n) for n in (3, 5, 6)}
+
+    eager = _llm(tiny_path, dtype, graphs=False, max_bs=8)
+    assert eager.runner.graph_runner is None
+    expected = {n: _generate(eager, prompts) for n, prompts in sets.items()}
+    del eager
+
+    graphed = _llm(tiny_path, dtype, graphs=True, max_bs=8)
+    runner = graphed.runner.graph_runner
+    assert runner is not None and runner.batch_sizes == [1, 2, 4, 8]
+    counter = DecodeCounter(graphed)
+    for n in (3, 5):  # padded to 4 and 8
+        before = runner.replays
+        assert _generate(graphed, sets[n]) == expected[n], f"{n} prompts: graph tokens differ from eager"
+        assert runner.replays - before >= NEW_TOKENS - 1
+    assert counter.eager_decode_sizes == [], "decode batches within max_bs must replay a graph"
+    del graphed
+
+    small = _llm(tiny_path, dtype, graphs=True, max_bs=4)
+    runner = small.runner.graph_runner
+    assert runner is not None and runner.max_bs == 4
+    counter = DecodeCounter(small)
+    assert _generate(small, sets[6]) == expected[6]
+    assert 6 in counter.eager_decode_sizes, "a decode batch above --cuda-graph-max-bs must run eagerly"
+    assert runner.replays == 0
