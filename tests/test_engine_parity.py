@@ -7,7 +7,8 @@ holds on a second pass served from the radix cache, and under a KV pool so small
 requests get retracted.
 
 `FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16` runs the same tests on a GPU in bfloat16, against the
-float32 reference with the looser rule of `_check`.
+float32 reference with the looser rule of `_check`; there the engine's defaults pick the fast path
+(Triton attention and MoE, CUDA graphs), and `FT_TEST_DISABLE_CUDA_GRAPH=1` runs decode eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ DEVICE = os.environ.get("FT_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("FT_TEST_DTYPE", "float32")
 # Log-softmax differences (the same scale as logits differences) allowed per engine dtype.
 STRICT = DTYPE == "float32"
+ENGINE_ARGS = {"dtype": DTYPE, "device": DEVICE, "skip_tokenizer_init": True,
+               "disable_cuda_graph": os.environ.get("FT_TEST_DISABLE_CUDA_GRAPH") == "1"}
 LOGPROB_TOL = 1e-3  # float32: per log-prob (the same scale as a logits difference)
 CHOICE_GAP = 0.5  # bfloat16/float16: largest float32 gap a rounding-flipped greedy choice may have
 
@@ -98,15 +101,24 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return request.param, path
 
 
+def _check_path(llm: LLM) -> None:
+    """On CUDA the defaults must have chosen the fast path, so these tests cover it."""
+    runner = llm.runner
+    if DEVICE == "cuda":
+        assert runner.attn_backend_name == "triton" and runner.moe_backend == "triton"
+        assert (runner.graph_runner is None) == ENGINE_ARGS["disable_cuda_graph"]
+    else:
+        assert runner.attn_backend_name == "torch_native" and runner.graph_runner is None
+
+
 def _params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
 
 
 def test_parity_chunked_then_radix_hit(checkpoint: tuple[str, Path]) -> None:
     kind, path = checkpoint
-    llm = LLM(
-        str(path), dtype=DTYPE, device=DEVICE, chunked_prefill_size=8, max_total_tokens=4096, skip_tokenizer_init=True
-    )
+    llm = LLM(str(path), chunked_prefill_size=8, max_total_tokens=4096, **ENGINE_ARGS)
+    _check_path(llm)
     prompts = _prompts(llm.model_config.vocab_size)
 
     first = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
@@ -125,8 +137,7 @@ def test_parity_under_retraction(checkpoint: tuple[str, Path]) -> None:
     kind, path = checkpoint
     # 4 requests need 4 * (<= 47 + 32) tokens at the end; 120 slots force retractions on the way.
     llm = LLM(
-        str(path), dtype=DTYPE, device=DEVICE, chunked_prefill_size=16, max_total_tokens=120,
-        disable_radix_cache=True, skip_tokenizer_init=True,
+        str(path), chunked_prefill_size=16, max_total_tokens=120, disable_radix_cache=True, **ENGINE_ARGS
     )
     prompts = _prompts(llm.model_config.vocab_size)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
