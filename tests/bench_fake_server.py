@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from server_process import free_port
 
 DEFAULTS: dict[str, Any] = {"ttft": 0.1, "gap": 0.01, "gap_per_inflight": 0.0, "fail_every": 0,
                             "midstream_fail_every": 0, "short_every": 0, "short_by": 1, "context_length": 4096,
@@ -136,10 +136,6 @@ def build_app(tokenizer_path: str) -> Any:
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FakeServer:

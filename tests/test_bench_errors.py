@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fake_server import FakeServer, free_port
+from bench_fake_server import FakeServer
+from server_process import free_port
 
 from ftransformers.entrypoints.demo_model import ensure_demo_model
 

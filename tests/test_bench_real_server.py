@@ -4,18 +4,15 @@ output file (PNGs that open), the prefix-cache check sees cached tokens, /genera
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fake_server import free_port
+from server_process import running_server
 
 from ftransformers.entrypoints.demo_model import ensure_demo_model
 
@@ -23,31 +20,8 @@ from ftransformers.entrypoints.demo_model import ensure_demo_model
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     ensure_demo_model()
-    port = free_port()
-    cmd = [sys.executable, "-m", "ftransformers.launch_server", "--port", str(port), "--device", "cpu",
-           "--enable-metrics"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("demo server did not become healthy in 240 s")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running_server(["--device", "cpu", "--enable-metrics"]) as proc:
+        yield proc.base
 
 
 def bench(out: Path, *flags: str) -> subprocess.CompletedProcess[str]:

@@ -3,52 +3,21 @@ server started the way a user starts it, spoken to with the `openai` client."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
+from server_process import running_server
 
 from ftransformers.entrypoints.demo_model import ensure_demo_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def demo_server() -> Iterator[str]:
     ensure_demo_model()
-    port = _free_port()
-    cmd = [sys.executable, "-m", "ftransformers.launch_server", "--port", str(port), "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("demo server did not become healthy in 240 s")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with running_server(["--device", "cpu"]) as server:
+        yield server.base
 
 
 def test_offline_llm_completes_capital_of_france() -> None:

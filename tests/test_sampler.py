@@ -119,7 +119,6 @@ def test_greedy_is_argmax_after_penalties_and_bans() -> None:
 
 
 def test_banned_tokens_never_chosen() -> None:
-    V = 6
     logits = torch.tensor([[5.0, 4.0, 0.0, 0.0, -1.0, 0.5]]).repeat(2000, 1)
     sampler = Sampler("cpu", seed=4)
     seqs = [seq(SamplingParams(temperature=1.5), banned=[0, 1]) for _ in range(2000)]

@@ -7,8 +7,6 @@ Random weights produce gibberish, but real tokens: the tests compare endpoints a
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from server_process import running_server
 from test_server_fixtures import make_tiny_server_checkpoint
 
 API_KEY = "sk-test-123"
@@ -27,42 +26,16 @@ CONTEXT = 1024  # the checkpoint's max_position_embeddings
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     ckpt = make_tiny_server_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
-    port = _free_port()
-    cmd = [sys.executable, "-m", "ftransformers.entrypoints.launch_server", "--model-path", str(ckpt),
-           "--port", str(port), "--device", "cpu", "--max-total-tokens", "4096", "--served-model-name", SERVED,
-           "--api-key", API_KEY, "--enable-metrics", "--chunked-prefill-size", "64", "--log-level", "warning"]
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    log = open(log_path, "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.3)
+    args = ["--model-path", str(ckpt), "--device", "cpu", "--max-total-tokens", "4096", "--served-model-name", SERVED,
+            "--api-key", API_KEY, "--enable-metrics", "--chunked-prefill-size", "64", "--log-level", "warning"]
     from transformers import AutoTokenizer
 
-    yield {"base": base, "proc": proc, "tokenizer": AutoTokenizer.from_pretrained(ckpt), "ckpt": ckpt,
-           "log": lambda: log_path.read_text()[-4000:]}
-    proc.terminate()
-    proc.wait(20)
-    log.close()
+    with running_server(args, module="ftransformers.entrypoints.launch_server", timeout=120) as proc:
+        yield {"base": proc.base, "proc": proc.proc, "tokenizer": AutoTokenizer.from_pretrained(ckpt), "ckpt": ckpt,
+               "log": proc.log}
 
 
 @pytest.fixture(scope="module")
