@@ -75,6 +75,14 @@ class ServerArgs:
     api_key: str | None = field(default=None, metadata=_opt("Require this bearer token on every endpoint but /health"))
     enable_metrics: bool = field(default=False, metadata=_opt("Serve Prometheus metrics on /metrics"))
     log_level: str = field(default="info", metadata=_opt("Log level", ("debug", "info", "warning", "error")))
+    log_interval_s: float = field(
+        default=10.0, metadata=_opt("Log step throughput, batch, KV usage and cache hits this often, in seconds; 0: off")
+    )
+    # Profiling
+    profile_dir: str | None = field(
+        default=None,
+        metadata=_opt("Folder for /start_profile traces (default: $FTRANSFORMERS_PROFILE_DIR or ./ftransformers-profiles)"),
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +107,8 @@ class ServerArgs:
             raise ServerArgsError("--cuda-graph-max-bs must be at least 1")
         if self.context_length is not None and self.context_length < 1:
             raise ServerArgsError("--context-length must be at least 1")
+        if self.log_interval_s < 0:
+            raise ServerArgsError("--log-interval-s must be 0 (off) or a positive number of seconds")
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -7,14 +7,17 @@ and post-processes outputs with the server's incremental detokenizer and stop-st
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ftransformers.config.sampling_params import SamplingParams
 from ftransformers.config.server_args import ServerArgs
 from ftransformers.entrypoints.cli import resolve_model_path
 from ftransformers.entrypoints.detokenizer import RequestState
+from ftransformers.runtime.profiler import StepProfiler
 from ftransformers.scheduler.io_struct import GenerateReq, ReqOutput
 from ftransformers.scheduler.scheduler import Scheduler
 
@@ -57,6 +60,7 @@ class LLM:
         self.runner = ModelRunner(self.server_args, self.model_config)
         self.scheduler = Scheduler(self.runner, self.server_args, self.model_config.eos_token_ids)
         self._ids = itertools.count()
+        self.profiler = StepProfiler(self.server_args.profile_dir)
 
     def generate(
         self,
@@ -77,6 +81,8 @@ class LLM:
         pending = set(order)
         while pending:
             outputs: list[ReqOutput] = self.scheduler.step()
+            if self.profiler.active:
+                self.profiler.on_step()
             for out in outputs:
                 state = states.get(out.rid)
                 if state is None or out.rid not in pending:
@@ -87,6 +93,17 @@ class LLM:
                 if state.finished:
                     pending.discard(out.rid)
         return [self._to_output(states[rid]) for rid in order]
+
+    def start_profile(self, output_dir: str | os.PathLike[str] | None = None, num_steps: int | None = None,
+                      activities: Sequence[str] | None = None, record_shapes: bool = False,
+                      with_stack: bool = False) -> Path:
+        """Profile the model steps of the following `generate` calls (torch.profiler); returns the
+        trace's path. The trace is written by `stop_profile()`, or after `num_steps` steps."""
+        return self.profiler.start(output_dir, num_steps, activities, record_shapes, with_stack)
+
+    def stop_profile(self) -> Path:
+        """Stop profiling and write the Chrome/Perfetto trace (`*.trace.json.gz`); returns its path."""
+        return self.profiler.stop()
 
     def chat(
         self,

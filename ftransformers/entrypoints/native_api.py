@@ -1,5 +1,5 @@
 """SGLang's native endpoints: /generate, /health, /health_generate, /flush_cache, /get_model_info,
-/server_info, and /metrics (with --enable-metrics)."""
+/server_info, /start_profile, /stop_profile, and /metrics (with --enable-metrics)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
 
 from ftransformers.config.sampling_params import SamplingParams
 from ftransformers.config.server_args import ServerArgs
@@ -19,8 +20,20 @@ from ftransformers.entrypoints.detokenizer import RequestState
 from ftransformers.entrypoints.metrics import ServerMetrics
 from ftransformers.entrypoints.openai_protocol import APIError, GenerateRequest, error_body
 from ftransformers.entrypoints.tokenizer_manager import TokenizerManager, is_internal_error
+from ftransformers.scheduler.io_struct import ProfileReq
 
 _HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class ProfileRequest(BaseModel):
+    """SGLang's /start_profile body; every field optional, the body too."""
+
+    model_config = ConfigDict(extra="ignore")
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None  # 'CPU', 'GPU' (default: both; GPU only where CUDA exists)
+    record_shapes: bool = False
+    with_stack: bool = False
 
 
 def _meta_info(state: RequestState, started: float) -> dict[str, Any]:
@@ -109,6 +122,28 @@ def add_native_routes(app: FastAPI, server_args: ServerArgs, tm: TokenizerManage
         if not await tm.flush_cache():
             raise APIError("the cache was not flushed: requests are running or waiting", status=400)
         return {"success": True, "message": "Cache flushed."}
+
+    async def _profile(req: ProfileReq) -> dict[str, Any]:
+        try:
+            out = await tm.profile(req)
+        except asyncio.TimeoutError:
+            raise APIError("the model process did not answer the profile request", status=503,
+                           type="server_error") from None
+        if not out.success:
+            raise APIError(out.message, status=400)
+        return {"success": True, "message": out.message, "path": out.path}
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(body: ProfileRequest | None = None) -> dict[str, Any]:
+        body = body or ProfileRequest()
+        if body.num_steps is not None and body.num_steps < 1:
+            raise APIError("num_steps must be at least 1", param="num_steps")
+        return await _profile(ProfileReq("start", body.output_dir, body.num_steps, body.activities,
+                                         body.record_shapes, body.with_stack))
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> dict[str, Any]:
+        return await _profile(ProfileReq("stop"))
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """The scheduler process: ModelRunner + Scheduler behind two zmq pipes, one `step()` per loop turn.
 
-Incoming: GenerateReq / AbortReq / FlushCacheReq / StatsReq. Outgoing, in order: `list[ReqOutput]`
-(all outputs of one step in one message), `SchedulerStats` (answering a StatsReq) and
-`FlushCacheOutput` (answering a FlushCacheReq). The loop never dies from one request: a bad request
-becomes a finished 'error' output; a crashing model step fails every request in flight, with an
-"internal error: ..." message, and a fresh Scheduler takes over (the runner's pool is reused).
+Incoming: GenerateReq / AbortReq / FlushCacheReq / StatsReq / ProfileReq. Outgoing, in order:
+`list[ReqOutput]` (all outputs of one step in one message), `SchedulerStats` (answering a StatsReq),
+`FlushCacheOutput` (answering a FlushCacheReq) and `ProfileOutput` (answering a ProfileReq; a
+profile that stops by itself after `num_steps` sends nothing). Every `--log-interval-s` while busy
+the loop logs one line of step statistics (`scheduler/stats_log.py`). The loop never dies from one
+request: a bad request becomes a finished 'error' output; a crashing model step fails every request
+in flight, with an "internal error: ..." message, and a fresh Scheduler takes over (the runner's
+pool is reused).
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ import os
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ftransformers.config.server_args import ServerArgs
+
+if TYPE_CHECKING:  # torch loads only in the scheduler process, not in the HTTP front end
+    from ftransformers.runtime.profiler import StepProfiler
+    from ftransformers.scheduler.stats_log import StatsLogger
 
 logger = logging.getLogger("ftransformers.scheduler_process")
 
@@ -45,14 +52,20 @@ def error_output(rid: str, message: str, prompt_tokens: int = 0) -> Any:
 class SchedulerLoop:
     """The process body, separated from process setup so it can be driven in tests."""
 
-    def __init__(self, scheduler_factory: Callable[[], Any]) -> None:
+    def __init__(self, scheduler_factory: Callable[[], Any], profiler: StepProfiler | None = None,
+                 stats_logger: StatsLogger | None = None) -> None:
         self._factory = scheduler_factory
         self.scheduler = scheduler_factory()
         self._in_flight: dict[str, int] = {}  # rid -> prompt length, until its finished output is sent
+        from ftransformers.runtime.profiler import StepProfiler
+        from ftransformers.scheduler.stats_log import StatsLogger
+
+        self.profiler = profiler or StepProfiler()
+        self.stats_logger = stats_logger or StatsLogger(0.0, logger.info)
 
     def handle(self, msg: Any) -> list[Any]:
         """Apply one incoming message; returns the messages to send at once (error outputs, replies)."""
-        from ftransformers.scheduler.io_struct import AbortReq, FlushCacheReq, GenerateReq, StatsReq
+        from ftransformers.scheduler.io_struct import AbortReq, FlushCacheReq, GenerateReq, ProfileReq, StatsReq
 
         if isinstance(msg, GenerateReq):
             try:
@@ -76,6 +89,8 @@ class SchedulerLoop:
             return [FlushCacheOutput(ok)]
         elif isinstance(msg, StatsReq):
             return [self.scheduler.stats()]
+        elif isinstance(msg, ProfileReq):
+            return [self._profile(msg)]
         else:
             logger.warning("ignoring unknown message %r", type(msg).__name__)
         return []
@@ -89,11 +104,38 @@ class SchedulerLoop:
             outs = [error_output(rid, message, n) for rid, n in self._in_flight.items()]
             self._in_flight.clear()
             self.scheduler = self._factory()
+            self.stats_logger.reset_totals()
             return outs
         for out in outs:
             if out.finished:
                 self._in_flight.pop(out.rid, None)
+        self.stats_logger.on_step(outs)
+        if self.profiler.active:
+            try:
+                self.profiler.on_step()
+            except RuntimeError as exc:  # ProfilerError: the trace could not be written
+                logger.warning("profiling stopped: %s", exc)
         return outs
+
+    def _profile(self, req: Any) -> Any:
+        from ftransformers.runtime.profiler import ProfilerError
+        from ftransformers.scheduler.io_struct import ProfileOutput
+
+        try:
+            if req.action == "start":
+                path = self.profiler.start(req.output_dir, req.num_steps, req.activities, req.record_shapes,
+                                           req.with_stack)
+                when = f"after {req.num_steps} model steps" if req.num_steps else "at /stop_profile"
+                return ProfileOutput(True, f"Profiling started; the trace is written to {path} {when}.", str(path))
+            if req.action == "stop":
+                path = self.profiler.stop()
+                return ProfileOutput(True, f"Profiling stopped; the trace is at {path}.", str(path))
+            return ProfileOutput(False, f"unknown profile action {req.action!r}; use 'start' or 'stop'")
+        except ProfilerError as exc:
+            return ProfileOutput(False, str(exc))
+        except Exception as exc:
+            logger.exception("profile %s failed", req.action)
+            return ProfileOutput(False, one_line(exc))
 
     def run_once(self, recv: Callable[[int | None], list[Any]], send: Callable[[Any], None],
                  block_ms: int | None) -> None:
@@ -105,6 +147,8 @@ class SchedulerLoop:
             outs = self.step()
             if outs:
                 send(outs)
+        if self.stats_logger.enabled:
+            self.stats_logger.maybe_log(self.scheduler.stats)
 
 
 def _leave_a_core_for_the_front_end(server_args: ServerArgs) -> None:
@@ -137,7 +181,11 @@ def run_scheduler_process(server_args: ServerArgs, model_config_or_path: Any, in
         _leave_a_core_for_the_front_end(server_args)
         runner = ModelRunner(server_args, model_config)
         eos = list(model_config.eos_token_ids)
-        loop = SchedulerLoop(lambda: Scheduler(runner, server_args, eos))
+        from ftransformers.runtime.profiler import StepProfiler
+        from ftransformers.scheduler.stats_log import StatsLogger
+
+        loop = SchedulerLoop(lambda: Scheduler(runner, server_args, eos), StepProfiler(server_args.profile_dir),
+                             StatsLogger(server_args.log_interval_s, logger.info))
     except BaseException as exc:  # reported as one line by the launcher
         logger.debug("startup failed:\n%s", traceback.format_exc())
         ready_conn.send({"status": "error", "error": one_line(exc)})

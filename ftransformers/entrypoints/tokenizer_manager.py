@@ -23,7 +23,9 @@ from ftransformers.entrypoints.metrics import ServerMetrics
 from ftransformers.entrypoints.openai_protocol import APIError
 from ftransformers.entrypoints.scheduler_process import INTERNAL_ERROR_PREFIX, FlushCacheOutput, error_output
 from ftransformers.ipc.zmq_channel import AsyncPullChannel, AsyncPushChannel
-from ftransformers.scheduler.io_struct import AbortReq, FlushCacheReq, GenerateReq, ReqOutput, SchedulerStats, StatsReq
+from ftransformers.scheduler.io_struct import (
+    AbortReq, FlushCacheReq, GenerateReq, ProfileOutput, ProfileReq, ReqOutput, SchedulerStats, StatsReq,
+)
 
 logger = logging.getLogger("ftransformers.server")
 
@@ -61,6 +63,7 @@ class TokenizerManager:
         self._reqs: dict[str, _Req] = {}
         self._stats_waiters: collections.deque[asyncio.Future[SchedulerStats]] = collections.deque()
         self._flush_waiters: collections.deque[asyncio.Future[bool]] = collections.deque()
+        self._profile_waiters: collections.deque[asyncio.Future[ProfileOutput]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
         self._token_str: dict[int, str] = {}
         self.scheduler_dead = False
@@ -93,6 +96,8 @@ class TokenizerManager:
                 _resolve(self._stats_waiters, msg)
             elif isinstance(msg, FlushCacheOutput):
                 _resolve(self._flush_waiters, msg.success)
+            elif isinstance(msg, ProfileOutput):
+                _resolve(self._profile_waiters, msg)
             else:
                 logger.warning("unexpected message from the scheduler: %r", type(msg).__name__)
 
@@ -218,6 +223,13 @@ class TokenizerManager:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._flush_waiters.append(fut)
         self._push.send_nowait(FlushCacheReq())
+        return await asyncio.wait_for(fut, timeout)
+
+    async def profile(self, req: ProfileReq, timeout: float = 120.0) -> ProfileOutput:
+        """Start or stop the profiler in the scheduler process (stopping writes the trace: allow time)."""
+        fut: asyncio.Future[ProfileOutput] = asyncio.get_running_loop().create_future()
+        self._profile_waiters.append(fut)
+        self._push.send_nowait(req)
         return await asyncio.wait_for(fut, timeout)
 
     @property

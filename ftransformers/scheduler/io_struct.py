@@ -60,3 +60,22 @@ class SchedulerStats:
     prompt_tokens_total: int  # cumulative prompt tokens of admitted requests
     num_retractions: int  # cumulative
     kv_cached_tokens: int = 0  # slots held only by the prefix cache (evictable)
+
+
+@dataclass
+class ProfileReq:
+    """Front end -> scheduler: start or stop the torch profiler; answered with a ProfileOutput."""
+
+    action: str  # 'start' | 'stop'
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None  # 'CPU', 'GPU'
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+@dataclass
+class ProfileOutput:
+    success: bool
+    message: str
+    path: str | None = None  # the trace file (written, or to be written after num_steps)
