@@ -72,3 +72,16 @@ class TorchNativeAttentionBackend(AttentionBackend):
         from ftransformers.attention.torch_native_mla import forward_mla
 
         return forward_mla(q_nope, q_rope, latent, layer_id, scaling, batch)
+
+    def forward_mla_mha(
+        self,
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_rope: torch.Tensor,  # [T, H, R]
+        kv: torch.Tensor,  # [P + T, H, N + V]
+        k_rope: torch.Tensor,  # [P + T, R]
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H, V]
+        from ftransformers.attention.torch_native_mla import forward_mla_mha
+
+        return forward_mla_mha(q_nope, q_rope, kv, k_rope, scaling, batch)

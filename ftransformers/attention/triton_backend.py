@@ -1,5 +1,6 @@
 """Triton attention backend (`--attention-backend triton`): paged decode / extend attention for
-MHA/GQA and absorbed MLA, kernels in `ftransformers/kernels/triton_*_attention.py`.
+MHA/GQA and absorbed MLA, kernels in `ftransformers/kernels/triton_*_attention.py`; MLA prefill in
+MHA form over dense expanded K/V in `ftransformers/kernels/triton_mla_prefill.py`.
 
 Numerically the same function as `torch_native` (softmax in float32, output in the query dtype).
 """
@@ -15,9 +16,11 @@ from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
 from ftransformers.kernels.triton_decode_attention import decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import mla_decode_fwd, mla_extend_fwd
+from ftransformers.kernels.triton_mla_prefill import mla_prefill_fwd, mla_prefill_sdpa
 
 MAX_KV_SPLITS = 64
 DEFAULT_MAX_BS = 256
+SDPA_MAX_SEQS = 8  # not measured: above it, per-sequence launches are assumed to outweigh flash's speed
 
 
 def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int) -> int:
@@ -54,6 +57,12 @@ class TritonAttentionBackend(AttentionBackend):
         self._extend_start: torch.Tensor | None = None
         self._max_extend_len = 0
         self._num_sms: int | None = None
+        self._prefix_start: torch.Tensor | None = None
+        self._identity: torch.Tensor | None = None  # arange, grown on demand (MLA prefill's slot table)
+        # MHA-form MLA prefill: "sdpa" (torch flash, one call per sequence), "triton" (the extend kernel
+        # over dense K/V, one launch) or "auto": sdpa on CUDA for up to SDPA_MAX_SEQS sequences (H100,
+        # 8K tokens: 6.8 ms a layer against 14.2; benchmarks/results/mla_prefill_h100.json), else triton.
+        self.mla_prefill_kernel = "auto"
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         self.max_bs = max_bs
@@ -66,6 +75,8 @@ class TritonAttentionBackend(AttentionBackend):
             ext = batch.extend_lens
             self._extend_start = torch.cumsum(ext, 0) - ext  # [B]
             self._max_extend_len = max(batch.extend_lens_cpu)
+            pre = batch.prefix_lens
+            self._prefix_start = torch.cumsum(pre, 0) - pre  # [B]
 
     # helpers -------------------------------------------------------------------------------
     def _extend_meta(self, batch: ForwardBatch) -> tuple[torch.Tensor, int]:
@@ -159,4 +170,33 @@ class TritonAttentionBackend(AttentionBackend):
         return mla_extend_fwd(
             q_nope, q_rope, latent.to(buf.dtype), out, buf, batch.req_to_token, batch.req_pool_indices,
             batch.prefix_lens, batch.extend_lens, extend_start, max_extend_len, scaling,
+        )  # fmt: skip
+
+    def forward_mla_mha(
+        self,
+        q_nope: torch.Tensor,  # [T, H, N]
+        q_rope: torch.Tensor,  # [T, H, R]
+        kv: torch.Tensor,  # [P + T, H, N + V]
+        k_rope: torch.Tensor,  # [P + T, R]
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H, V]
+        T, H, N = q_nope.shape
+        out = q_nope.new_empty(T, H, kv.shape[-1] - N)
+        kv, k_rope = kv.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+        kernel = self.mla_prefill_kernel
+        if kernel == "auto":
+            kernel = "sdpa" if q_nope.is_cuda and batch.batch_size <= SDPA_MAX_SEQS else "triton"
+        if kernel == "sdpa":
+            pre, ext = batch.prefix_lens_cpu, batch.extend_lens_cpu
+            return mla_prefill_sdpa(q_nope, q_rope, kv, k_rope, out, pre, ext, scaling)
+        extend_start, max_extend_len = self._extend_meta(batch)
+        assert self._prefix_start is not None
+        P = kv.shape[0] - T
+        if self._identity is None or self._identity.numel() < max(P, 1) or self._identity.device != kv.device:
+            self._identity = torch.arange(max(P, 1, 2 * (0 if self._identity is None else self._identity.numel())),
+                                          dtype=torch.int64, device=kv.device)  # fmt: skip
+        return mla_prefill_fwd(
+            q_nope, q_rope, kv, k_rope, out, self._identity, self._prefix_start, batch.prefix_lens,
+            batch.extend_lens, extend_start, max_extend_len, scaling,
         )  # fmt: skip

@@ -1,9 +1,21 @@
 """DeepSeek-V3 (and Kimi-K2, the same architecture with more experts) on the paged MLA latent cache.
 
-Multi-head latent attention, absorbed form: each token caches one row [c_kv (kv_lora_rank L) |
-k_pe (qk_rope_head_dim R)]. `kv_b_proj` [H*(N+V), L] is read as W_UK [H, N, L] and W_UV [H, V, L]:
-queries are pushed through W_UK into latent space before attention, the latent-space output is
-pulled back through W_UV, so the per-head K/V are never materialised.
+Multi-head latent attention: each token caches one row [c_kv (kv_lora_rank L) | k_pe
+(qk_rope_head_dim R)] whichever form computes the step. `kv_b_proj` [H*(N+V), L] is read as
+W_UK [H, N, L] and W_UV [H, V, L].
+- Absorbed form (`forward_mla`): queries are pushed through W_UK into latent space, the latent-space
+  output is pulled back through W_UV; per-head K/V are never materialised. A query-key pair costs
+  2*H*(2L + R) FLOPs (1088 per head for DeepSeek-V3).
+- MHA form (`mla_extend_rows` + `forward_mla_mha`): the sequence's latent rows (prefix + new) are
+  expanded through kv_b_proj into k_nope [S, H, N] and v [S, H, V]; keys are [k_nope | k_pe], the
+  queries [q_nope | q_pe], ordinary causal attention: 2*H*(N + R + V) per pair (320 per head), plus
+  2*S*L*H*(N+V) for the expansion, paid once per cached row.
+Invariant: DECODE steps always run absorbed (CUDA graphs capture only that path). EXTEND steps
+(prefill chunks, possibly mixed with decodes) run as a whole in one form, chosen per step by
+`mla_extend_form` from the batch's lengths alone, so every layer of a step takes the same path:
+MHA when its estimated cost is lower (long new chunks) and the expanded K/V stays under
+`MHA_MAX_ROWS` rows; absorbed for short chunks over long prefixes and for decode-heavy mixes.
+Both forms compute the same function (tests/test_mla_prefill.py).
 
 MoE layers (from `first_k_dense_replace` on): `noaux_tc` grouped top-k routing over sigmoid scores,
 routed experts in a FusedMoE, plus always-on shared experts. Multi-token-prediction layers
@@ -20,7 +32,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ftransformers.attention.forward_batch import get_forward_batch
+from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, get_forward_batch
 from ftransformers.cache.kv_pool import MLAKVSpec
 from ftransformers.layers.linear import ReplicatedLinear, RowParallelLinear
 from ftransformers.layers.moe.experts import FusedMoE
@@ -32,9 +44,24 @@ from ftransformers.models.moe_weights import load_moe_model_weights
 from ftransformers.models.registry import register_model
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+MHA_MAX_ROWS = 32768  # expanded rows (prefix + new) per step: 2.7 GB of bf16 K/V at DeepSeek-V3 width
+ABSORBED_SLOWDOWN = 2.0  # absorbed extend kernel's FLOP rate is about half the MHA one's (H100 profile)
+
+
+def mla_extend_form(batch: ForwardBatch, L: int, R: int, N: int, V: int) -> str:
+    """'mha' or 'absorbed' for an EXTEND step, from host-side lengths only (same answer in every layer)."""
+    rows = sum(batch.seq_lens_cpu)
+    if rows > MHA_MAX_ROWS:
+        return "absorbed"
+    pairs = sum(e * s for e, s in zip(batch.extend_lens_cpu, batch.seq_lens_cpu))  # per head, upper bound
+    absorbed = ABSORBED_SLOWDOWN * pairs * (2 * L + R)
+    mha = pairs * (N + R + V) + rows * L * (N + V)
+    return "mha" if mha < absorbed else "absorbed"
 
 
 class DeepseekV3Attention(nn.Module):
+    prefill_form = "auto"  # "auto" (mla_extend_form), "mha" or "absorbed": forced, for tests and benchmarks
+
     def __init__(self, config: PretrainedConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -65,6 +92,11 @@ class DeepseekV3Attention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
+    def _form(self, batch: ForwardBatch) -> str:
+        if self.prefill_form != "auto":
+            return self.prefill_form
+        return mla_extend_form(batch, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> [T, D]
         T = hidden.shape[0]
@@ -77,10 +109,18 @@ class DeepseekV3Attention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H, R], [T, R]
-        w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H,T,N]@[H,N,L] -> [T, H, L]
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [T, L+R]
         batch = get_forward_batch()
+        if batch.mode == ForwardMode.EXTEND and self._form(batch) == "mha":
+            rows = batch.attn_backend.mla_extend_rows(latent, self.layer_id, batch).to(hidden.dtype)  # [P+T, L+R]
+            kv = self.kv_b_proj(rows[:, : self.kv_lora_rank])  # [P+T, H*(N+V)]
+            out = batch.attn_backend.forward_mla_mha(
+                q_nope, q_pe, kv.view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim),
+                rows[:, self.kv_lora_rank :], self.scaling, batch,
+            )  # [T, H, V]  # fmt: skip
+            return self.o_proj(out.reshape(T, self.num_heads * self.v_head_dim))
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H,T,N]@[H,N,L] -> [T, H, L]
         out_latent = batch.attn_backend.forward_mla(
             q_latent, q_pe, latent, self.layer_id, self.scaling, batch
         )  # [T, H, L]
