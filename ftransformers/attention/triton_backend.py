@@ -17,6 +17,7 @@ from ftransformers.kernels.triton_decode_attention import decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import mla_decode_fwd, mla_extend_fwd
 from ftransformers.kernels.triton_mla_prefill import mla_prefill_fwd, mla_prefill_sdpa
+from ftransformers.kernels.triton_rope_store import rope_store
 
 MAX_KV_SPLITS = 64
 DEFAULT_MAX_BS = 256
@@ -125,7 +126,38 @@ class TritonAttentionBackend(AttentionBackend):
         pool = batch.kv_pool
         assert isinstance(pool, MHAKVPool), "forward_mha needs an MHA KV pool"
         pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        return self._attend_mha(q, k, v, layer_id, scaling, batch)
+
+    def forward_mha_fused_rope(
+        self,
+        q: torch.Tensor,  # [T, H, D], un-roped (last dim contiguous; a view into qkv is fine)
+        k: torch.Tensor,  # [T, H_kv, D], un-roped
+        v: torch.Tensor,  # [T, H_kv, D_v]
+        positions: torch.Tensor,  # [T]
+        cos_sin_cache: torch.Tensor,  # [P, D] float32 cos | sin (neox, rotary_dim == D)
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+        q_norm_weight: torch.Tensor | None = None,  # [D] per-head RMSNorm (Qwen3), with k's
+        k_norm_weight: torch.Tensor | None = None,
+        eps_q: float = 1e-6,
+        eps_k: float = 1e-6,
+    ) -> torch.Tensor:  # [T, H, D_v]
+        """forward_mha after (optional per-head q/k RMSNorm and) neox rotary, with the norm, rope and
+        K/V store in one launch (kernels/triton_rope_store.py)."""
+        pool = batch.kv_pool
+        assert isinstance(pool, MHAKVPool), "forward_mha_fused_rope needs an MHA KV pool"
         k_buf, v_buf = pool.get_kv(layer_id)
+        q, k_rot = rope_store(
+            q, k, v, positions, cos_sin_cache, k_buf, v_buf, batch.out_cache_loc, q_norm_weight, k_norm_weight,
+            eps_q, eps_k, write_k=batch.mode != ForwardMode.DECODE,
+        )  # fmt: skip
+        return self._attend_mha(q, k if k_rot is None else k_rot, v, layer_id, scaling, batch)
+
+    def _attend_mha(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, batch: ForwardBatch
+    ) -> torch.Tensor:  # K/V already stored; k/v (new tokens) are read by extend only
+        k_buf, v_buf = batch.kv_pool.get_kv(layer_id)  # type: ignore[union-attr]
         T, H, _ = q.shape
         out = q.new_empty(T, H, v_buf.shape[-1])
         if batch.mode == ForwardMode.DECODE:

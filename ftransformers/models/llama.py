@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 from ftransformers.cache.kv_pool import MHAKVSpec
 from ftransformers.layers.activation import SiluAndMul
-from ftransformers.layers.attention import Attention
+from ftransformers.layers.attention import Attention, QKNorm
 from ftransformers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ftransformers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ftransformers.layers.norm import RMSNorm
@@ -59,12 +59,19 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
+    def qk_norm_params(self) -> QKNorm | None:
+        """What `qk_norm` does, for the fused kernel: per-head RMSNorm weights and eps, or None."""
+        return None
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> q [T, H*Dh], k/v [T, H_kv*Dh]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params())
+        if out is None:
+            q, k = self.qk_norm(q, k)
+            q, k = self.rotary_emb(positions, q, k)
+            out = self.attn(q, k, v)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from ftransformers.layers.attention import QKNorm
 from ftransformers.layers.norm import RMSNorm
 from ftransformers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from ftransformers.models.registry import register_model
@@ -22,6 +23,10 @@ class Qwen3Attention(LlamaAttention):
         q = self.q_norm(q.reshape(T, -1, self.head_dim)).reshape(T, -1)
         k = self.k_norm(k.reshape(T, -1, self.head_dim)).reshape(T, -1)
         return q, k
+
+    def qk_norm_params(self) -> QKNorm:
+        qn, kn = self.q_norm, self.k_norm
+        return qn.weight, kn.weight, qn.variance_epsilon, kn.variance_epsilon
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -22,6 +22,28 @@ def grouped_topk(
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] int64."""
+    if router_logits.is_cuda and router_logits.shape[-1] <= 1024:
+        # one launch instead of ~12 (kernels.triton_router); imported here so CPU needs no triton
+        from ftransformers.kernels.triton_router import grouped_topk_sigmoid
+
+        return grouped_topk_sigmoid(
+            router_logits, top_k, num_expert_group, topk_group, correction_bias, renormalize, routed_scaling_factor
+        )
+    return grouped_topk_torch(
+        router_logits, top_k, num_expert_group, topk_group, correction_bias, renormalize, routed_scaling_factor
+    )
+
+
+def grouped_topk_torch(
+    router_logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    correction_bias: torch.Tensor | None = None,  # [E]
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference (and CPU) path of grouped_topk."""
     num_tokens, num_experts = router_logits.shape
     scores = router_logits.float().sigmoid()  # [T, E]
     scores_for_choice = scores if correction_bias is None else scores + correction_bias.float()

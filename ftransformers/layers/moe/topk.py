@@ -9,6 +9,18 @@ def select_experts_softmax(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # router_logits: [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int64)
+    if router_logits.is_cuda and router_logits.shape[-1] <= 1024:
+        # one launch instead of ~6 (kernels.triton_router); imported here so CPU needs no triton
+        from ftransformers.kernels.triton_router import softmax_topk
+
+        return softmax_topk(router_logits, top_k, renormalize)
+    return select_experts_softmax_torch(router_logits, top_k, renormalize)
+
+
+def select_experts_softmax_torch(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference (and CPU) path of select_experts_softmax."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
