@@ -8,20 +8,12 @@ tiny DeepSeek-V3 with the MHA form forced matches transformers within 1e-3 (floa
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-
-from tests.test_triton_attention import _fix_interpreter_scalar_index
-
-if not CUDA:
-    _fix_interpreter_scalar_index()
+pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
 from ftransformers.attention.backend import create_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode

@@ -8,48 +8,23 @@ float32 <= 1e-4 (IEEE dots), bfloat16 <= 1e-2.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
-
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into Python ints
-    with int(array), which numpy >= 2.4 refuses for ndim > 0: loops bounded by a loaded value
-    (`range(0, prefix_len, BLOCK_N)`) then fail. Use .item() instead."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_ft_fixed", False):
-        return
-
-    def patched(tensor: object, scope: object) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
-
-    patched._ft_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patched
-
-
-if not CUDA:
-    _fix_interpreter_scalar_index()
-
-from ftransformers.attention.backend import create_attention_backend  # noqa: E402
-from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from ftransformers.cache.kv_pool import MHAKVPool, MHAKVSpec, MLAKVPool, MLAKVSpec  # noqa: E402
-from ftransformers.kernels.triton_decode_attention import (  # noqa: E402
+from ftransformers.attention.backend import create_attention_backend
+from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
+from ftransformers.cache.kv_pool import MHAKVPool, MHAKVSpec, MLAKVPool, MLAKVSpec
+from ftransformers.kernels.triton_decode_attention import (
     decode_attention_fwd,
     decode_attention_ref,
     decode_scratch,
 )
-from ftransformers.kernels.triton_extend_attention import extend_attention_fwd, extend_attention_ref  # noqa: E402
-from ftransformers.kernels.triton_mla_attention import mla_attention_ref, mla_decode_fwd, mla_extend_fwd  # noqa: E402
+from ftransformers.kernels.triton_extend_attention import extend_attention_fwd, extend_attention_ref
+from ftransformers.kernels.triton_mla_attention import mla_attention_ref, mla_decode_fwd, mla_extend_fwd
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32

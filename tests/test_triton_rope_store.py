@@ -8,19 +8,12 @@ out_cache_loc must stay bit-identical.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-if not CUDA:
-    from tests.test_triton_attention import _fix_interpreter_scalar_index  # decode loops bounded by loaded lengths
-
-    _fix_interpreter_scalar_index()
+pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
 from ftransformers.attention.backend import create_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
