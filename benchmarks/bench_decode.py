@@ -9,6 +9,11 @@ non-absorbed) / bf16 matmul rate (8192^3). Decode KV is random, filled in place:
 registered once with `prefix_len = context` and its slots, then timed steps re-decode position
 `context` (slots_start = context), so no prefill is needed.
 
+Engine rows (`engine_overlap_ms`, `engine_sync_ms`): the same batch served through the `Scheduler`
+loop (requests of `context` prompt tokens, greedy, ignore_eos), with overlap scheduling on and off:
+per decode step = (time for 72 new tokens - time for 8) / 64, so prefill cancels out. This is the
+step time a server or `LLM.generate` user sees, host scheduling included.
+
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --out $OUT/decode_h100.json \
         --models qwen3-30b-a3b:48,qwen3-8b:36,deepseek-v3:3
 """
@@ -175,7 +180,8 @@ def seq_step(i: int, ids: list[int], prefix: int, start: int, slots: list[int]) 
     )  # fmt: skip
 
 
-def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: int, iters: int) -> dict[str, Any]:
+def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: int, iters: int,
+                 engine: bool = True) -> dict[str, Any]:
     from ftransformers.runtime.step_io import StepBatch
 
     row: dict[str, Any] = {"batch": batch, "context": ctx}
@@ -201,11 +207,45 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
         t = median_ms(lambda: runner.forward_step(timed), iters if mode == "graph" else max(3, iters // 2))
         row[f"{mode}_ms"], row[f"{mode}_ratio"] = t, t / floor
     runner.graph_runner = graphs
+    for overlap in (True, False) if engine else ():
+        ms = engine_step_ms(runner, acc["vocab"], batch, ctx, overlap)
+        if ms is not None:
+            key = "overlap" if overlap else "sync"
+            row[f"engine_{key}_ms"], row[f"engine_{key}_ratio"] = ms, ms / floor
     if graphs is not None and batch in graphs.graphs:
         g = graphs.graphs[batch]
         row["replay_ms"] = median_ms(g.replay, iters)  # the graph alone, buffers as last filled
         row["tok_per_s"] = batch / row["graph_ms"] * 1e3
     return row
+
+
+def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool,
+                   short: int = 8, long: int = 72) -> float | None:
+    """Per decode step through the Scheduler loop: (T(long new tokens) - T(short)) / (long - short)."""
+    from ftransformers.config.sampling_params import SamplingParams
+    from ftransformers.scheduler.io_struct import GenerateReq
+    from ftransformers.scheduler.scheduler import Scheduler
+
+    if batch * (ctx + long + 1) > runner.kv_capacity or ctx + long > runner.max_context_len:
+        return None
+    prompts = torch.randint(0, vocab, (batch, ctx)).tolist()
+
+    def generate(new_tokens: int) -> float:
+        sched = Scheduler(runner, runner.server_args, [], overlap=overlap)  # fresh: no prefix-cache hits
+        sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            sched.add_request(GenerateReq(rid=f"e{i}", input_ids=p, sampling_params=sp))
+        sync()
+        t0 = time.perf_counter()
+        while sched.has_work():
+            sched.step()
+        sync()
+        return time.perf_counter() - t0
+
+    generate(short)  # warm-up
+    t_short = min(generate(short) for _ in range(2))
+    t_long = min(generate(long) for _ in range(2))
+    return (t_long - t_short) / (long - short) * 1e3
 
 
 def distinct_experts(runner: Any, step: Any) -> float | None:
@@ -225,11 +265,15 @@ def distinct_experts(runner: Any, step: Any) -> float | None:
     return sum(counts) / len(counts) if counts else None
 
 
-def bench_prefill(runner: Any, acc: dict[str, Any], rate: float, tokens: int) -> dict[str, Any]:
+def bench_prefill(runner: Any, acc: dict[str, Any], rate: float, bw: float, tokens: int) -> dict[str, Any]:
     from ftransformers.runtime.step_io import StepBatch
 
     flops = prefill_flops(acc, tokens)
-    row: dict[str, Any] = {"tokens": tokens, "TFLOP": flops / 1e12, "floor_ms": flops / rate * 1e3}
+    # An MoE prompt of T tokens also reads every expert it hits at least once: at 1K tokens that
+    # byte floor can exceed the FLOP floor.
+    byte_floor = decode_bytes(acc, tokens, 0) / bw * 1e3
+    row: dict[str, Any] = {"tokens": tokens, "TFLOP": flops / 1e12, "floor_ms": flops / rate * 1e3,
+                           "byte_floor_ms": byte_floor}  # fmt: skip
     if tokens > runner.kv_capacity or tokens > runner.max_context_len:
         row["skipped"] = f"pool {runner.kv_capacity} / context {runner.max_context_len} too small"
         return row
@@ -353,10 +397,11 @@ def run_model(
     for buf in getattr(pool, "k_buffers", []) + getattr(pool, "v_buffers", []) + getattr(pool, "latent_buffers", []):
         buf.uniform_(-1.0, 1.0)
     bw, rate = ceil["copy_GBps"] * 1e9, ceil["matmul_TFLOPs"] * 1e12
-    res["decode"] = [bench_decode(runner, acc, bw, b, c, args.iters) for c in contexts for b in args.batches]
+    res["decode"] = [bench_decode(runner, acc, bw, b, c, args.iters, engine=main_entry and c == contexts[0])
+                     for c in contexts for b in args.batches]  # fmt: skip
     for r in res["decode"]:
         print(f"  {name}:{layers} decode {r}", flush=True)
-    res["prefill"] = [bench_prefill(runner, acc, rate, p) for p in prefill]
+    res["prefill"] = [bench_prefill(runner, acc, rate, bw, p) for p in prefill]
     print(f"  {name}:{layers} prefill {res['prefill']}", flush=True)
     if not args.no_profile and prefill:
         res["profile"] = profiles(runner, cfg["vocab_size"], contexts[0], args.batches, prefill)
@@ -466,18 +511,21 @@ def print_table(out: dict[str, Any]) -> None:
             print(f"{m['model']}:{m['layers']} ERROR {m['error'][:200]}")
             continue
         print(f"{m['model']} ({m['layers']} layers; capture {m.get('graph_capture_s') or 0:.1f} s)")
-        print("  decode  B    ctx  floor_ms  graph_ms  ratio  eager_ms  ratio  replay_ms  tok/s")
+        print("  decode  B    ctx  floor_ms  graph_ms  ratio  eager_ms  ratio  replay_ms  tok/s"
+              "  engine_overlap  ratio  engine_sync  ratio")
         for r in m["decode"]:
             if "skipped" in r:
                 print(f"         {r['batch']:<4} {r['context']:<5} {r['floor_ms']:8.3f}  skipped: {r['skipped']}")
                 continue
             print(f"         {r['batch']:<4} {r['context']:<5} {r['floor_ms']:8.3f} {r.get('graph_ms', 0):9.3f} "
                   f"{r.get('graph_ratio', 0):6.2f} {r['eager_ms']:9.3f} {r['eager_ratio']:6.2f} "
-                  f"{r.get('replay_ms', 0):9.3f} {r.get('tok_per_s', 0):7.0f}")  # fmt: skip
+                  f"{r.get('replay_ms', 0):9.3f} {r.get('tok_per_s', 0):7.0f} "
+                  f"{r.get('engine_overlap_ms', 0):14.3f} {r.get('engine_overlap_ratio', 0):6.2f} "
+                  f"{r.get('engine_sync_ms', 0):12.3f} {r.get('engine_sync_ratio', 0):6.2f}")  # fmt: skip
         for r in m["prefill"]:
             if "skipped" not in r:
-                print(f"  prefill {r['tokens']:<6} floor {r['floor_ms']:.1f} ms  {r['ms']:.1f} ms  "
-                      f"{100 * r['matmul_share']:.0f}% of matmul rate")  # fmt: skip
+                print(f"  prefill {r['tokens']:<6} floor {r['floor_ms']:.1f} ms (bytes {r['byte_floor_ms']:.1f} ms)  "
+                      f"{r['ms']:.1f} ms  {100 * r['matmul_share']:.0f}% of matmul rate")  # fmt: skip
         if "hf" in m:
             print(f"  HF peer: {m['hf']}")
 

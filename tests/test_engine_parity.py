@@ -4,11 +4,14 @@ Four prompts of different lengths go in together through `LLM.generate`, with ch
 small so prefill chunks and decodes share steps. Greedy tokens must equal transformers' for 32 tokens,
 and the engine's top-5 log-probabilities must match transformers' within 1e-3 at every step. The same
 holds on a second pass served from the radix cache, and under a KV pool so small that running
-requests get retracted.
+requests get retracted. The retraction test runs with overlap scheduling forced on (CUDA's default;
+on the CPU it is otherwise off), so future placeholders, late stop checks and retraction of a
+request with a token in flight meet the real model runner.
 
 `FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16` runs the same tests on a GPU in bfloat16, against the
 float32 reference with the looser rule of `_check`; there the engine's defaults pick the fast path
-(Triton attention and MoE, CUDA graphs), and `FT_TEST_DISABLE_CUDA_GRAPH=1` runs decode eagerly.
+(Triton attention and MoE, CUDA graphs, overlap scheduling), `FT_TEST_DISABLE_CUDA_GRAPH=1` runs
+decode eagerly and `FT_TEST_DISABLE_OVERLAP=1` schedules without overlap.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ DTYPE = os.environ.get("FT_TEST_DTYPE", "float32")
 # Log-softmax differences (the same scale as logits differences) allowed per engine dtype.
 STRICT = DTYPE == "float32"
 ENGINE_ARGS = {"dtype": DTYPE, "device": DEVICE, "skip_tokenizer_init": True,
-               "disable_cuda_graph": os.environ.get("FT_TEST_DISABLE_CUDA_GRAPH") == "1"}
+               "disable_cuda_graph": os.environ.get("FT_TEST_DISABLE_CUDA_GRAPH") == "1",
+               "disable_overlap_schedule": os.environ.get("FT_TEST_DISABLE_OVERLAP") == "1"}
 LOGPROB_TOL = 1e-3  # float32: per log-prob (the same scale as a logits difference)
 CHOICE_GAP = 0.5  # bfloat16/float16: largest float32 gap a rounding-flipped greedy choice may have
 
@@ -107,8 +111,10 @@ def _check_path(llm: LLM) -> None:
     if DEVICE == "cuda":
         assert runner.attn_backend_name == "triton" and runner.moe_backend == "triton"
         assert (runner.graph_runner is None) == ENGINE_ARGS["disable_cuda_graph"]
+        assert llm.scheduler.overlap != ENGINE_ARGS["disable_overlap_schedule"]
     else:
         assert runner.attn_backend_name == "torch_native" and runner.graph_runner is None
+        assert not llm.scheduler.overlap
 
 
 def _params() -> SamplingParams:
@@ -139,6 +145,8 @@ def test_parity_under_retraction(checkpoint: tuple[str, Path]) -> None:
     llm = LLM(
         str(path), chunked_prefill_size=16, max_total_tokens=120, disable_radix_cache=True, **ENGINE_ARGS
     )
+    if not ENGINE_ARGS["disable_overlap_schedule"]:
+        llm.scheduler.overlap = True  # nothing launched yet, so switching now is safe
     prompts = _prompts(llm.model_config.vocab_size)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
     assert llm.scheduler.stats().num_retractions > 0, "the pool was meant to be too small for all four"

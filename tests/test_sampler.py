@@ -9,7 +9,7 @@ import torch
 
 from ftransformers.config.sampling_params import SamplingParams
 from ftransformers.runtime.sampler import Sampler, apply_penalties, top_k_top_p_min_p_mask
-from ftransformers.runtime.step_io import SeqStep
+from ftransformers.runtime.step_io import SeqStep, future_placeholder
 
 
 def seq(
@@ -98,6 +98,21 @@ def test_penalties_exact_values() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert not torch.equal(got[:4], logits[:4])
     assert torch.equal(got[4], logits[4])
+
+    # Overlap scheduling: the last output ids may still be future placeholders on the host.
+    future = torch.randint(0, V, (11,), generator=gen)
+    for i, s in enumerate(seqs):
+        slot = (3 * i) % 11
+        s.output_ids[-1] = future_placeholder(slot)
+        s.prompt_ids[0] = future_placeholder((slot + 1) % 11)  # resolved wherever an id appears
+    resolved = [
+        seq(s.sampling, prompt=[int(future[(3 * i + 1) % 11])] + s.prompt_ids[1:],
+            output=s.output_ids[:-1] + [int(future[(3 * i) % 11])])
+        for i, s in enumerate(seqs)
+    ]  # fmt: skip
+    torch.testing.assert_close(
+        apply_penalties(logits.clone(), seqs, future), apply_penalties(logits.clone(), resolved), rtol=0, atol=0
+    )
 
 
 def test_greedy_is_argmax_after_penalties_and_bans() -> None:

@@ -1,5 +1,7 @@
 """Scheduler against a fake worker that keeps its own req_to_token table and a record of which
-sequence prefix's KV lives in every slot, and asserts step_io's invariants on every step.
+sequence prefix's KV lives in every slot, and asserts step_io's invariants on every step. Every
+test runs with overlap scheduling off and on (the fake resolves future placeholders from its own
+future table, as the real worker does on the device).
 
 The fake's next token is a hash of the whole sequence so far, so the expected output of every
 request is known independently of batching, chunking, pool size or retraction (`reference`).
@@ -15,7 +17,7 @@ import pytest
 
 from ftransformers.config.sampling_params import SamplingParams
 from ftransformers.config.server_args import ServerArgs
-from ftransformers.runtime.step_io import SeqResult, StepBatch, StepResult
+from ftransformers.runtime.step_io import DoneStep, SeqResult, StepBatch, StepResult, future_slot_of
 from ftransformers.scheduler.io_struct import GenerateReq, ReqOutput
 from ftransformers.scheduler.scheduler import Scheduler
 
@@ -50,6 +52,16 @@ class FakeWorker:
         self.steps: list[list[tuple[str, int, int, bool, bool]]] = []  # (rid, prefix, n, sample, decode)
         self.computed: dict[str, int] = {}  # rid -> tokens computed, over its life
         self.banned_seen: dict[str, list[list[int]]] = {}
+        self.future: dict[int, int] = {}  # future slot -> the token sampled into it
+        self.placeholder_inputs = 0  # sequences whose input_ids carried a future placeholder
+
+    supports_overlap = False  # its steps finish inside launch_step; tests force overlap on
+
+    def resolve(self, ids: list[int]) -> list[int]:
+        return [t if t >= 0 else self.future[future_slot_of(t)] for t in ids]
+
+    def launch_step(self, batch: StepBatch) -> DoneStep:
+        return DoneStep(self.forward_step(batch))
 
     def forward_step(self, batch: StepBatch) -> StepResult:
         live = self.live_rids()
@@ -62,10 +74,11 @@ class FakeWorker:
         record, results = [], []
         for s in batch.seqs:
             assert s.rid in live
-            n, fill = len(s.input_ids), s.prompt_ids + s.output_ids
+            n, fill = len(s.input_ids), self.resolve(s.prompt_ids + s.output_ids)
             end = s.prefix_len + n
             assert n >= 1 and end <= len(fill) and end <= self.max_context_len
-            assert s.input_ids == fill[s.prefix_len : end]
+            assert self.resolve(s.input_ids) == fill[s.prefix_len : end]
+            self.placeholder_inputs += any(t < 0 for t in s.input_ids)
             assert s.sample == (end == len(fill))
             assert 0 <= s.req_pool_idx < self.max_req_slots
             if s.slots_start == 0:
@@ -96,6 +109,8 @@ class FakeWorker:
                 continue
             self.banned_seen.setdefault(s.rid, []).append(list(s.banned_token_ids))
             tok = next_token(self.slot_kv[row[end - 1]], set(s.banned_token_ids), self.vocab)
+            assert s.future_slot >= 0
+            self.future[s.future_slot] = tok
             lp = None if s.sampling.logprobs is None else -float(tok % 7) / 10
             results.append(SeqResult(tok, lp, None if lp is None else [(tok, lp)]))
         self.steps.append(record)
@@ -125,9 +140,19 @@ class Run:
     outputs: list[ReqOutput] = field(default_factory=list)
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request: pytest.FixtureRequest) -> bool:
+    global OVERLAP
+    OVERLAP = request.param
+    return OVERLAP
+
+
+OVERLAP = False
+
+
 def make(kv: int = 4096, slots: int = 16, ctx: int = 512, vocab: int = 64, **args: object) -> Run:
     worker = FakeWorker(kv, slots, ctx, vocab)
-    sched = Scheduler(worker, ServerArgs(**args), [EOS])  # type: ignore[arg-type]
+    sched = Scheduler(worker, ServerArgs(**args), [EOS], overlap=OVERLAP)  # type: ignore[arg-type]
     worker.live_rids = lambda: {r.rid for r in sched.running}
     return Run(sched, worker)
 
@@ -404,6 +429,8 @@ def test_invalid_requests_error_and_others_continue() -> None:
     submit(run, "dup", [1], max_tokens=1)
     run.sched.add_request(GenerateReq("dup", [1], SamplingParams(max_tokens=1)))  # rid in flight
     outs = run.sched.step()
+    if OVERLAP:  # the token is read one step later
+        outs += run.sched.step()
     assert [(o.rid, o.finish_reason) for o in outs] == [("dup", "error"), ("dup", "length")]
 
 
@@ -478,6 +505,7 @@ def test_randomized_stress() -> None:
             assert run.tokens[rid] == toks and (out.finish_reason, out.matched_stop) == (reason, stop), (trial, rid)
         kv_m = run.sched.kv
         assert kv_m.token_allocator.available_size + kv_m.tree_cache.total_size() == kv
+        assert (run.worker.placeholder_inputs > 0) == OVERLAP
         assert run.sched.flush_cache() and kv_m.token_allocator.available_size == kv
 
 
@@ -490,3 +518,32 @@ def test_chunking_off_long_prompt_runs_beside_decodes() -> None:
     assert run.worker.steps[-1] == [("short", 3, 1, True, True), ("long", 0, 30, True, False)]
     drain(run)
     assert len(run.tokens["long"]) == 2 and len(run.tokens["short"]) == 40
+
+
+def test_overlap_reads_each_step_one_call_later() -> None:
+    run = make(vocab=5)
+    submit(run, "len", [1, 2, 3], max_tokens=4, ignore_eos=True)
+    outs = step(run)
+    assert outs == [] if OVERLAP else [o.rid for o in outs] == ["len"]
+    drain(run)
+    assert len(run.tokens["len"]) == 4 and run.final["len"].finish_reason == "length"
+    # A length stop is foreseen: no decode is launched past max_tokens, overlap or not.
+    assert run.worker.computed["len"] == 3 + 3
+    decodes = [rec for rec in run.worker.steps if rec[0][4]]
+    assert len(decodes) == 3
+    assert (run.worker.placeholder_inputs == 3) == OVERLAP  # every decode input was in flight
+
+
+def test_overlap_drops_the_decode_launched_after_a_stop() -> None:
+    vocab, prompt = 5, [1, 2]
+    params = SamplingParams(max_tokens=50)
+    expected, reason, _ = reference(prompt, params, 512, vocab)
+    assert reason == "stop"  # EOS (0) comes up within 50 tokens in this vocabulary
+    run = make(vocab=vocab)
+    submit(run, "eos", prompt, max_tokens=50)
+    drain(run)
+    assert run.tokens["eos"] == expected and run.final["eos"].finish_reason == "stop"
+    # With overlap, one decode after the stop token was already running when it was read.
+    assert run.worker.computed["eos"] == len(prompt) + len(expected) - 1 + int(OVERLAP)
+    st = run.sched.stats()
+    assert st.num_running == st.kv_used_tokens == 0

@@ -54,6 +54,10 @@ class ServerArgs:
     )
     cuda_graph_max_bs: int = field(default=64, metadata=_opt("Largest decode batch captured in a CUDA graph"))
     disable_cuda_graph: bool = field(default=False, metadata=_opt("Run decode eagerly, without CUDA graphs"))
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata=_opt("Wait for each step's tokens before scheduling the next (CUDA overlaps the two by default)"),
+    )
     reasoning_parser: str = field(
         default="none", metadata=_opt("Split <think>...</think> into reasoning_content", REASONING_PARSER_CHOICES)
     )

@@ -6,6 +6,10 @@ model inside `forward_context`, computes logits only for the rows that sample an
 the `Sampler`. On CUDA, decode steps of up to `--cuda-graph-max-bs` sequences replay a captured
 CUDA graph instead (`cuda_graph_runner.py`); `req_to_token` has one extra all-zero row, the dummy
 request the graphs' padding rows read.
+
+`launch_step` never waits for the device on CUDA: input future placeholders are resolved from the
+device-side `future_tokens` table, the sampled tokens are written into it and copied to pinned host
+memory, and the returned `PendingStep` waits only when its result is asked for (overlap scheduling).
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from ftransformers.layers.moe.experts import resolve_moe_backend
 from ftransformers.models.loader import load_model
 from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner, make_cuda_graph_runner
 from ftransformers.runtime.memory import kv_pool_tokens
-from ftransformers.runtime.sampler import Sampler, to_device
-from ftransformers.runtime.step_io import SeqResult, StepBatch, StepResult
+from ftransformers.runtime.sampler import SampleOutput, Sampler, resolve_future, to_device
+from ftransformers.runtime.step_io import DoneStep, PendingStep, SeqResult, StepBatch, StepResult, num_future_slots
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +75,9 @@ class ModelRunner:
             server_args, kv_spec, self.dtype, self.device, self._max_req_slots, self._max_context_len
         )
         self.kv_pool: KVPool = make_kv_pool(kv_spec, size, self.dtype, self.device)
-        self.sampler = Sampler(self.device, seed=server_args.random_seed)
+        # future_tokens[k]: the token last sampled into future slot k (step_io)
+        self.future_tokens = torch.zeros(num_future_slots(self._max_req_slots), dtype=torch.int64, device=self.device)
+        self.sampler = Sampler(self.device, seed=server_args.random_seed, future=self.future_tokens)
         logger.info(
             "model %s on %s (%s): KV pool %d tokens (%.2f GiB), %d request slots, context %d",
             model_config.architecture, self.device, self.dtype, size,
@@ -92,28 +98,35 @@ class ModelRunner:
     def max_context_len(self) -> int:
         return self._max_context_len
 
+    @property
+    def supports_overlap(self) -> bool:
+        return self.device.type == "cuda"
+
     def forward_step(self, batch: StepBatch) -> StepResult:
+        return self.launch_step(batch).result()
+
+    def launch_step(self, batch: StepBatch) -> PendingStep:
         if not batch.seqs:
-            return StepResult(results=[])
-        fb, sample_rows = self._prepare(batch)
+            return DoneStep(StepResult(results=[]))
+        fb, sample_rows, future_slots = self._prepare(batch)
         with torch.inference_mode():
             if self.graph_runner is not None and self.graph_runner.can_run(fb):
                 all_logits = self.graph_runner.replay(fb)  # [B, V] float32, one row per sequence
                 if not sample_rows:
-                    return StepResult(results=[None] * len(batch.seqs))
+                    return DoneStep(StepResult(results=[None] * len(batch.seqs)))
                 logits = all_logits if len(sample_rows) == fb.batch_size else all_logits[fb.logits_indices]
             else:
                 self.attn_backend.init_forward_metadata(fb)
                 with forward_context(fb):
                     hidden = self.model(fb.input_ids, fb.positions)  # [T, D]
                 if not sample_rows:
-                    return StepResult(results=[None] * len(batch.seqs))
+                    return DoneStep(StepResult(results=[None] * len(batch.seqs)))
                 logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S, V] float32
-            sampled = self.sampler(logits, [batch.seqs[i] for i in sample_rows])
-        results: list[SeqResult | None] = [None] * len(batch.seqs)
-        for i, r in zip(sample_rows, sampled):
-            results[i] = r
-        return StepResult(results=results)
+            sampled = self.sampler.sample(logits, [batch.seqs[i] for i in sample_rows])
+            if future_slots is not None:
+                rows, slots = future_slots
+                self.future_tokens[slots] = sampled.tokens if rows is None else sampled.tokens[rows]
+        return _PendingRunnerStep(sampled, sample_rows, len(batch.seqs))
 
     def reset_kv(self) -> None:
         """Forget every cached token (e.g. after the scheduler flushes its prefix cache)."""
@@ -121,8 +134,14 @@ class ModelRunner:
         self.req_to_token.zero_()
 
     # internals -------------------------------------------------------------------------------
-    def _prepare(self, batch: StepBatch) -> tuple[ForwardBatch, list[int]]:
-        """Write the slot lists into req_to_token and build the ForwardBatch (one H2D copy)."""
+    def _prepare(
+        self, batch: StepBatch
+    ) -> tuple[ForwardBatch, list[int], tuple[torch.Tensor | None, torch.Tensor] | None]:
+        """Write the slot lists into req_to_token and build the ForwardBatch (one H2D copy).
+
+        Also returns the rows of the batch that sample and, when any of them names a future slot,
+        (their indices among the sampled rows, or None for all of them; the slots) as device tensors.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         out_cache_loc: list[int] = []
@@ -135,6 +154,9 @@ class ModelRunner:
         extend_lens: list[int] = []
         logits_idx: list[int] = []
         sample_rows: list[int] = []
+        fut_rows: list[int] = []
+        fut_slots: list[int] = []
+        has_placeholder = False
         num_tokens = 0
         for i, s in enumerate(batch.seqs):
             n, pre, start = len(s.input_ids), s.prefix_len, s.slots_start
@@ -148,6 +170,7 @@ class ModelRunner:
             if not 0 <= s.req_pool_idx < self._max_req_slots:
                 raise ValueError(f"bad SeqStep {s.rid!r}: req_pool_idx {s.req_pool_idx} of {self._max_req_slots}")
             input_ids += s.input_ids
+            has_placeholder = has_placeholder or min(s.input_ids) < 0
             positions += range(pre, pre + n)
             out_cache_loc += s.slots[pre - start :]
             w_rows += [s.req_pool_idx] * len(s.slots)
@@ -159,17 +182,22 @@ class ModelRunner:
             extend_lens.append(n)
             num_tokens += n
             if s.sample:
+                if s.future_slot >= 0:
+                    fut_rows.append(len(sample_rows))
+                    fut_slots.append(s.future_slot)
                 logits_idx.append(num_tokens - 1)
                 sample_rows.append(i)
-        B, T, W = len(batch.seqs), num_tokens, len(w_vals)
+        B, T, W, F = len(batch.seqs), num_tokens, len(w_vals), len(fut_slots)
         packed = to_device(
             input_ids + positions + out_cache_loc + w_rows + w_cols + w_vals
-            + pool_idx + seq_lens + prefix_lens + extend_lens + logits_idx,
+            + pool_idx + seq_lens + prefix_lens + extend_lens + logits_idx + fut_rows + fut_slots,
             torch.int64, self.device,
         )  # fmt: skip
-        (ids_t, pos_t, loc_t, rows_t, cols_t, vals_t, pool_t, seq_t, pre_t, ext_t, logit_t) = packed.split(
-            [T, T, T, W, W, W, B, B, B, B, len(logits_idx)]
+        (ids_t, pos_t, loc_t, rows_t, cols_t, vals_t, pool_t, seq_t, pre_t, ext_t, logit_t, frows_t, fslots_t) = (
+            packed.split([T, T, T, W, W, W, B, B, B, B, len(logits_idx), F, F])
         )
+        if has_placeholder:
+            ids_t = resolve_future(ids_t, self.future_tokens)
         self.req_to_token[rows_t, cols_t] = vals_t
         mode = ForwardMode.DECODE if T == B else ForwardMode.EXTEND
         fb = ForwardBatch(
@@ -190,4 +218,16 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             moe_backend=self.moe_backend,
         )
-        return fb, sample_rows
+        future = None if not F else (None if F == len(sample_rows) else frows_t, fslots_t)
+        return fb, sample_rows, future
+
+
+class _PendingRunnerStep:
+    def __init__(self, sampled: SampleOutput, sample_rows: list[int], num_seqs: int) -> None:
+        self._sampled, self._rows, self._n = sampled, sample_rows, num_seqs
+
+    def result(self) -> StepResult:
+        results: list[SeqResult | None] = [None] * self._n
+        for i, r in zip(self._rows, self._sampled.results()):
+            results[i] = r
+        return StepResult(results=results)

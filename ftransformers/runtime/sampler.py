@@ -2,7 +2,10 @@
 
 One call handles a batch whose rows carry different `SamplingParams`. Per-row parameters become
 [S] tensors (one host->device copy each); every stage runs over the whole batch and is skipped when
-no row uses it. The only device->host transfer is the final `.tolist()` of the results.
+no row uses it. `Sampler.sample` only queues device work and an asynchronous copy of the tokens
+(and logprobs) into pinned host memory; `SampleOutput.results()` is the one wait, so a caller can
+launch the next step before reading this one's tokens. Output ids may hold future placeholders
+(step_io) for tokens still on the device: the penalties resolve them from the `future` table.
 
 Semantics (vLLM / OpenAI):
 - logprobs are the log-softmax of the raw model logits (before penalties, bans and temperature).
@@ -46,7 +49,14 @@ def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype, devic
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
+def resolve_future(ids: torch.Tensor, future: torch.Tensor | None) -> torch.Tensor:
+    """Replace future placeholders (negative ids) by the tokens stored in `future` [F]."""
+    if future is None:
+        return ids
+    return torch.where(ids < 0, future[(-ids - 1).clamp_min(0)], ids)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep], future: torch.Tensor | None = None) -> torch.Tensor:
     """Repetition, frequency and presence penalties in place on logits [S, V]."""
     S, V = logits.shape
     dev = logits.device
@@ -68,12 +78,12 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tens
     if seen_rows:
         rep = to_device([s.sampling.repetition_penalty for s in seqs], torch.float32, dev)[:, None]  # [S, 1]
         seen = torch.zeros(S, V, dtype=torch.bool, device=dev)
-        seen[to_device(seen_rows, torch.int64, dev), to_device(seen_toks, torch.int64, dev)] = True
+        seen[to_device(seen_rows, torch.int64, dev), resolve_future(to_device(seen_toks, torch.int64, dev), future)] = True
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
     if out_rows:
         counts = torch.zeros(S, V, dtype=torch.float32, device=dev)  # counts[i, t]: t in output of row i
-        idx = (to_device(out_rows, torch.int64, dev), to_device(out_toks, torch.int64, dev))
+        idx = (to_device(out_rows, torch.int64, dev), resolve_future(to_device(out_toks, torch.int64, dev), future))
         counts.index_put_(idx, torch.ones(len(out_rows), device=dev), accumulate=True)
         freq = to_device([s.sampling.frequency_penalty for s in seqs], torch.float32, dev)[:, None]
         pres = to_device([s.sampling.presence_penalty for s in seqs], torch.float32, dev)[:, None]
@@ -119,11 +129,48 @@ def top_k_top_p_min_p_mask(
     return keep
 
 
+class SampleOutput:
+    """A batch's sampled tokens on their way to the host; `results()` waits for them."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor | None, logprobs_k: list[int | None]) -> None:
+        self.tokens = tokens  # [S] int64 on the device: what the future table is filled from
+        # On the host (pinned when the device is CUDA): tokens [S] int64, or, when any row asked for
+        # logprobs, packed [S, 2 + 2K] float64 = token, its logprob, top-K ids, top-K logprobs.
+        src = tokens if packed is None else packed
+        self._event: torch.cuda.Event | None = None
+        if src.device.type == "cuda":
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._host.copy_(src, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = src
+        self._packed = packed is not None
+        self._logprobs_k = logprobs_k
+
+    def results(self) -> list[SeqResult]:
+        if self._event is not None:
+            self._event.synchronize()
+        rows = self._host.tolist()
+        if not self._packed:
+            return [SeqResult(token_id=t) for t in rows]
+        max_k = max(k or 0 for k in self._logprobs_k)
+        results: list[SeqResult] = []
+        for row, k in zip(rows, self._logprobs_k):
+            if k is None:
+                results.append(SeqResult(token_id=int(row[0])))
+                continue
+            top = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + max_k : 2 + max_k + k])]
+            results.append(SeqResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
+        return results
+
+
 class Sampler:
-    def __init__(self, device: torch.device | str, seed: int = 0) -> None:
+    def __init__(self, device: torch.device | str, seed: int = 0, future: torch.Tensor | None = None) -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.future = future  # [F] int64 future table (step_io) that output ids may point into
 
     def _noise(self, seqs: Sequence[SeqStep], S: int, V: int) -> torch.Tensor:
         """Exp(1) noise [S, V]: seeded rows from their own (seed, step) generator."""
@@ -137,17 +184,20 @@ class Sampler:
         return q.clamp_min_(torch.finfo(torch.float32).tiny)
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SeqStep]) -> list[SeqResult]:
+        return self.sample(logits, seqs).results()
+
+    def sample(self, logits: torch.Tensor, seqs: Sequence[SeqStep]) -> SampleOutput:
         # logits: [S, V] raw model logits for the rows of seqs (one row per sequence that samples)
         S, V = logits.shape
         if S == 0:
-            return []
+            return SampleOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None, [])
         raw = logits.float()
         dev = raw.device
         params = [s.sampling for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
         logprobs = raw.log_softmax(dim=-1) if any(want_logprobs) else None  # [S, V]
 
-        logits = apply_penalties(raw.clone(), seqs)
+        logits = apply_penalties(raw.clone(), seqs, self.future)
         logits = apply_bans(logits, seqs)
         greedy = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)  # [S]
@@ -170,19 +220,11 @@ class Sampler:
             else:
                 tokens = sampled
 
+        ks = [p.logprobs for p in params]
         if logprobs is None:
-            return [SeqResult(token_id=t) for t in tokens.tolist()]
-        # One transfer: [S, 2 + 2K] float64 = token, its logprob, top-K ids, top-K logprobs.
-        max_k = max(p.logprobs or 0 for p in params)
+            return SampleOutput(tokens, None, ks)
+        max_k = max(k or 0 for k in ks)
         chosen = logprobs.gather(-1, tokens[:, None])  # [S, 1]
         top_vals, top_ids = logprobs.topk(max_k, dim=-1)  # [S, K]
         packed = torch.cat([tokens[:, None].double(), chosen.double(), top_ids.double(), top_vals.double()], dim=1)
-        results: list[SeqResult] = []
-        for row, p in zip(packed.tolist(), params):
-            if p.logprobs is None:
-                results.append(SeqResult(token_id=int(row[0])))
-                continue
-            k = p.logprobs
-            top = [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + max_k : 2 + max_k + k])]
-            results.append(SeqResult(token_id=int(row[0]), logprob=row[1], top_logprobs=top))
-        return results
+        return SampleOutput(tokens, packed, ks)

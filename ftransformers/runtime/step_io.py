@@ -2,7 +2,15 @@
 
 The scheduler owns every index (request slots, KV slots, prefix cache) and never touches a model
 tensor; the worker owns the tensors (weights, KV pool, the `req_to_token` table) and never decides
-what runs. A step goes: scheduler builds a `StepBatch` -> `Worker.forward_step` -> `StepResult`.
+what runs. A step goes: scheduler builds a `StepBatch` -> `Worker.launch_step` -> `PendingStep`,
+whose `result()` waits for the `StepResult`.
+
+Overlap scheduling: the scheduler may build and launch step N+1 before it has read step N's tokens.
+A token that is sampled but not yet read is a *future*: each sampling sequence of a step names a
+`future_slot`, the worker stores the sampled token in its device-side future table at that slot,
+and a later step may carry the placeholder `future_placeholder(slot)` (a negative id) anywhere a
+token id goes (`input_ids`, `output_ids`); the worker resolves placeholders on the device. A slot is
+reused only after its step's result was read, so `num_future_slots` covers two steps of sequences.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ class SeqStep:
     prompt_ids: list[int]  # whole prompt (repetition penalty covers it)
     output_ids: list[int]  # tokens generated so far (penalties, seeded sampling)
     banned_token_ids: list[int] = field(default_factory=list)  # e.g. EOS while below min_tokens
+    future_slot: int = -1  # where the worker stores the sampled token (>= 0 when sample is true)
 
 
 @dataclass(slots=True)
@@ -55,6 +64,36 @@ class StepResult:
     results: list[SeqResult | None]  # one per StepBatch.seqs entry; None where sample was False
 
 
+def num_future_slots(max_req_slots: int) -> int:
+    """Future-table size: two steps' worth of sampling sequences (plus slack)."""
+    return 2 * max_req_slots + 2
+
+
+def future_placeholder(slot: int) -> int:
+    return -(slot + 1)
+
+
+def future_slot_of(token_id: int) -> int:
+    """The future slot a placeholder names (token_id < 0)."""
+    return -token_id - 1
+
+
+class PendingStep(Protocol):
+    def result(self) -> StepResult:
+        """Wait for the step and return its tokens (call once)."""
+        ...
+
+
+class DoneStep:
+    """A step that already finished: what a synchronous worker's `launch_step` returns."""
+
+    def __init__(self, result: StepResult) -> None:
+        self._result = result
+
+    def result(self) -> StepResult:
+        return self._result
+
+
 class Worker(Protocol):
     """What the scheduler needs from a model worker (a real one, or a fake in tests)."""
 
@@ -73,4 +112,11 @@ class Worker(Protocol):
         """Most tokens (prompt + output) one sequence may hold."""
         ...
 
-    def forward_step(self, batch: StepBatch) -> StepResult: ...
+    @property
+    def supports_overlap(self) -> bool:
+        """True when `launch_step` returns before the device finishes (overlap scheduling pays)."""
+        ...
+
+    def launch_step(self, batch: StepBatch) -> PendingStep:
+        """Queue the step; it must resolve future placeholders and fill the batch's future slots."""
+        ...

@@ -17,6 +17,10 @@ class Req:
     kv_slots[p] holds the KV of sequence token p; kv_slots[:cache_owned_len] belong to the prefix
     cache (matched at admission, kept alive by the lock on `last_node`), the rest are the request's
     own. While waiting it holds nothing. The last output token never has KV until the next step.
+
+    Under overlap scheduling the last `num_unresolved` output ids may be future placeholders
+    (negative, see step_io) for tokens a launched step has sampled but the scheduler not yet read;
+    everything before them, and every token with KV, is a real id.
     """
 
     rid: str
@@ -33,6 +37,7 @@ class Req:
     admitted_once: bool = False
     cached_tokens: int = 0  # prompt tokens matched in the cache on the first admission
     num_reported: int = 0  # output tokens already sent in a ReqOutput
+    num_unresolved: int = 0  # trailing output ids that are future placeholders
     pending_logprobs: list[SeqResult] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: int | None = None
@@ -55,6 +60,10 @@ class Req:
     def is_decoding(self) -> bool:
         """One uncomputed token that is an output token: a decode (outside the prefill budget)."""
         return self.num_uncomputed == 1 and len(self.kv_slots) > 0 and len(self.output_ids) > 0
+
+    @property
+    def num_resolved_outputs(self) -> int:
+        return len(self.output_ids) - self.num_unresolved
 
     @property
     def finished(self) -> bool:
@@ -82,11 +91,12 @@ def banned_token_ids(req: Req, eos_token_ids: frozenset[int]) -> list[int]:
     return banned
 
 
-def check_finish(req: Req, eos_token_ids: frozenset[int], max_context_len: int) -> None:
-    """Set the finish state after a token was appended (vLLM's order: EOS, stop ids, lengths)."""
+def check_finish(req: Req, eos_token_ids: frozenset[int], max_context_len: int, n: int | None = None) -> None:
+    """Set the finish state as of output token n - 1 (default: the last one), vLLM's order: EOS,
+    stop ids, lengths."""
     sp = req.sampling
-    n = len(req.output_ids)
-    tok = req.output_ids[-1]
+    n = len(req.output_ids) if n is None else n
+    tok = req.output_ids[n - 1]
     if n >= sp.min_tokens:
         if not sp.ignore_eos and tok in eos_token_ids:
             req.finish_reason, req.matched_stop = "stop", tok
@@ -96,5 +106,5 @@ def check_finish(req: Req, eos_token_ids: frozenset[int], max_context_len: int) 
             return
     if sp.max_tokens is not None and n >= sp.max_tokens:
         req.finish_reason = "length"
-    elif req.seq_len >= max_context_len:
+    elif len(req.prompt_ids) + n >= max_context_len:
         req.finish_reason = "length"

@@ -1,6 +1,6 @@
 """The scheduler loop: FCFS admission, continuous batching, chunked prefill mixed with decodes,
 KV budget with prefix-cache eviction and retraction. It never touches a model tensor: each step
-builds a `StepBatch` for `Worker.forward_step` and turns the `StepResult` into `ReqOutput`s.
+builds a `StepBatch` for `Worker.launch_step` and turns the `StepResult` into `ReqOutput`s.
 
 Step plan (`_plan_step`), in order:
   1. decodes: every running request with one uncomputed token gets one slot; when the pool (free +
@@ -11,6 +11,16 @@ Step plan (`_plan_step`), in order:
      allow.
 A retracted request releases its KV to the prefix cache and goes back to the front of the queue;
 on re-admission it re-prefills prompt + output so far (mostly cache hits) and continues.
+
+Overlap (`--disable-overlap-schedule` turns it off; on by default where the worker launches
+asynchronously, i.e. CUDA): `step()` plans and launches step N+1 before reading step N's tokens, so
+the host's work for N+1 (and the caller's for N's outputs) runs while the device computes. Each
+sampled token enters `output_ids` at launch as a future placeholder (step_io) and is replaced when
+its step is read; only then are stop rules checked. A request that stops on a token of step N has
+already had one more decode launched in N+1: that token is dropped (its KV slot was taken in N+1
+and is released with the rest). A request whose launched tokens reach max_tokens or the context
+limit gets no further decode while they are in flight. Without overlap, `step()` reads the step it
+launched at once; both modes run the same code.
 """
 
 from __future__ import annotations
@@ -18,9 +28,17 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 from ftransformers.config.server_args import ServerArgs
-from ftransformers.runtime.step_io import SeqStep, StepBatch, Worker
+from ftransformers.runtime.step_io import (
+    PendingStep,
+    SeqStep,
+    StepBatch,
+    Worker,
+    future_placeholder,
+    num_future_slots,
+)
 from ftransformers.scheduler.io_struct import GenerateReq, ReqOutput, SchedulerStats
 from ftransformers.scheduler.kv_manager import KVManager
 from ftransformers.scheduler.req import Req, banned_token_ids, check_finish
@@ -30,9 +48,23 @@ logger = logging.getLogger(__name__)
 _Plan = list[tuple[Req, int, list[int]]]  # (request, new tokens this step, their new slots)
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A launched step the scheduler has not read yet."""
+
+    handle: PendingStep
+    reqs: list[Req]  # one per sequence of the batch
+    out_index: list[int]  # index in req.output_ids of the placeholder it sampled into; -1: no sample
+
+
 class Scheduler:
-    def __init__(self, worker: Worker, server_args: ServerArgs, eos_token_ids: list[int]) -> None:
+    def __init__(self, worker: Worker, server_args: ServerArgs, eos_token_ids: list[int],
+                 overlap: bool | None = None) -> None:
         self.worker = worker
+        # overlap=None: from --disable-overlap-schedule and whether the worker launches asynchronously.
+        if overlap is None:
+            overlap = not server_args.disable_overlap_schedule and worker.supports_overlap
+        self.overlap = overlap
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_capacity = worker.kv_capacity
         # A sequence of L tokens holds at most L - 1 KV slots, so capping at the pool size keeps
@@ -52,6 +84,9 @@ class Scheduler:
         self.cache_hit_tokens = 0
         self.prompt_tokens_total = 0
         self.num_retractions = 0
+        self._in_flight: _Launched | None = None
+        self._num_future = num_future_slots(worker.max_req_slots)
+        self._next_future = 0
 
     # Public API -------------------------------------------------------------------------------
     def add_request(self, greq: GenerateReq) -> None:
@@ -69,50 +104,34 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        req = self.reqs.pop(rid, None)
+        req = self.reqs.get(rid)
         if req is None:
             return
-        if req in self.running:
-            self.running.remove(req)
-            self.kv.release(req)
-        else:
-            self.waiting.remove(req)
         req.finish_reason = "abort"
+        self._remove(req)
         self._pending.append(self._make_output(req))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending)
+        return bool(self.waiting or self.running or self._pending or self._in_flight)
 
     def step(self) -> list[ReqOutput]:
-        outputs, self._pending = self._pending, []
+        """Launch the next step; return the outputs of the step read now (this one without overlap,
+        the previous one with it) and any produced outside a forward."""
         plan = self._schedule()
-        if not plan:
-            return outputs
-        batch = StepBatch([self._build_seq(req, n, slots) for req, n, slots in plan])
-        result = self.worker.forward_step(batch)
-        if len(result.results) != len(plan):
-            raise RuntimeError(f"worker returned {len(result.results)} results for {len(plan)} sequences")
-        for seq, res in zip(batch.seqs, result.results):
-            if not seq.sample:
-                self.kv.cache_unfinished(self.reqs[seq.rid])
-                continue
-            if res is None:
-                raise RuntimeError(f"worker returned no token for sampled sequence {seq.rid!r}")
-            req = self.reqs[seq.rid]
-            if len(seq.input_ids) > 1:
-                self.kv.cache_unfinished(req)
-            req.output_ids.append(res.token_id)
-            if req.return_logprob:
-                req.pending_logprobs.append(res)
-            check_finish(req, self.eos_token_ids, self.max_context_len)
-            if req.finished:
-                self._finish(req)
-            outputs.append(self._make_output(req))
+        launched = self._launch(plan) if plan else None
+        if self.overlap:
+            previous, self._in_flight = self._in_flight, launched
+        else:
+            previous = launched
+        if previous is not None:
+            self._read(previous)
+        outputs, self._pending = self._pending, []
         return outputs
 
     def flush_cache(self) -> bool:
         if self.running or self.waiting:
             return False
+        self._drain()
         self.kv.flush()
         return True
 
@@ -141,10 +160,15 @@ class Scheduler:
             return f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the {what} of {ctx} tokens"
         return None
 
+    def _awaiting_finish(self, req: Req) -> bool:
+        """Its launched tokens reach a length limit: it stops once they are read (overlap only)."""
+        max_tokens = req.sampling.max_tokens
+        return (max_tokens is not None and len(req.output_ids) >= max_tokens) or req.seq_len >= self.max_context_len
+
     def _schedule(self) -> _Plan:
         while True:
             plan = self._plan_step()
-            if plan or not self.running:
+            if plan or all(self._awaiting_finish(r) for r in self.running):
                 return plan
             # Running requests exist but none got a slot (prefills starved by each other).
             if len(self.running) == 1:
@@ -155,7 +179,7 @@ class Scheduler:
         plan: _Plan = []
         budget = self.prefill_budget
         # 1. decodes
-        decoding = [r for r in self.running if r.is_decoding]
+        decoding = [r for r in self.running if r.is_decoding and not self._awaiting_finish(r)]
         while decoding and self.kv.available() < len(decoding):
             victim = self._newest_running()
             self._retract(victim)
@@ -179,7 +203,7 @@ class Scheduler:
         # 3. admission
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            if not self.kv.admit(req):
+            if req.num_unresolved or not self.kv.admit(req):  # retracted with a token in flight: next step
                 break
             reserve = len(self.running)  # one slot for each running request's next decode
             n = req.num_uncomputed
@@ -225,6 +249,10 @@ class Scheduler:
             req.send_full_slots = False
         else:
             slots_start, row_slots = start, slots
+        sample = start + n == req.seq_len
+        future_slot = -1
+        if sample:
+            future_slot, self._next_future = self._next_future, (self._next_future + 1) % self._num_future
         return SeqStep(
             rid=req.rid,
             req_pool_idx=req.req_pool_idx,
@@ -232,22 +260,74 @@ class Scheduler:
             prefix_len=start,
             slots_start=slots_start,
             slots=row_slots,
-            sample=start + n == req.seq_len,
+            sample=sample,
             sampling=req.sampling,
             prompt_ids=req.prompt_ids,
             output_ids=req.output_ids,
             banned_token_ids=banned_token_ids(req, self.eos_token_ids),
+            future_slot=future_slot,
         )
 
+    # Launch and read ----------------------------------------------------------------------------
+    def _launch(self, plan: _Plan) -> _Launched:
+        seqs = [self._build_seq(req, n, slots) for req, n, slots in plan]
+        handle = self.worker.launch_step(StepBatch(seqs))
+        # The sequences' lists are the requests' own: the worker has read them by now.
+        out_index: list[int] = []
+        for (req, _, _), seq in zip(plan, seqs):
+            if not seq.sample or len(seq.input_ids) > 1:
+                self.kv.cache_unfinished(req)  # prefill KV (real ids only) is in the cache from here on
+            if not seq.sample:
+                out_index.append(-1)
+                continue
+            out_index.append(len(req.output_ids))
+            req.output_ids.append(future_placeholder(seq.future_slot))
+            req.num_unresolved += 1
+        return _Launched(handle, [req for req, _, _ in plan], out_index)
+
+    def _read(self, launched: _Launched) -> None:
+        """Wait for a launched step; put its tokens in place of their placeholders, apply the stop
+        rules and queue the outputs."""
+        results = launched.handle.result().results
+        if len(results) != len(launched.reqs):
+            raise RuntimeError(f"worker returned {len(results)} results for {len(launched.reqs)} sequences")
+        for req, idx, res in zip(launched.reqs, launched.out_index, results):
+            if idx < 0:
+                continue
+            if res is None:
+                raise RuntimeError(f"worker returned no token for sampled sequence {req.rid!r}")
+            if req.finished or self.reqs.get(req.rid) is not req:
+                continue  # stopped or aborted after this step was launched: the token is dropped
+            req.output_ids[idx] = res.token_id
+            req.num_unresolved -= 1
+            if req.return_logprob:
+                req.pending_logprobs.append(res)
+            check_finish(req, self.eos_token_ids, self.max_context_len, n=idx + 1)
+            if req.finished:
+                del req.output_ids[idx + 1 :]  # a decode launched after this token is void
+                req.num_unresolved = 0
+                self._remove(req)
+            self._pending.append(self._make_output(req))
+
+    def _drain(self) -> None:
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._read(launched)
+
     # Outputs ----------------------------------------------------------------------------------
-    def _finish(self, req: Req) -> None:
-        self.running.remove(req)
-        self.kv.release(req)
+    def _remove(self, req: Req) -> None:
+        """Drop a finished or aborted request from the running set (releasing its KV) or the queue."""
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req)
+        else:
+            self.waiting.remove(req)  # a retracted request holds no KV
         del self.reqs[req.rid]
 
     def _make_output(self, req: Req) -> ReqOutput:
-        new = req.output_ids[req.num_reported :]
-        req.num_reported = len(req.output_ids)
+        done = req.num_resolved_outputs
+        new = req.output_ids[req.num_reported : done]
+        req.num_reported = done
         logprobs = None
         if req.return_logprob:
             logprobs, req.pending_logprobs = req.pending_logprobs, []
@@ -259,7 +339,7 @@ class Scheduler:
             finish_reason=req.finish_reason,
             matched_stop=req.matched_stop,
             prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
+            completion_tokens=done,
             cached_tokens=req.cached_tokens,
             error=req.error,
         )
