@@ -139,6 +139,14 @@ def test_parity_chunked_then_radix_hit(checkpoint: tuple[str, Path]) -> None:
     assert [o.cached_tokens for o in second] == [len(p) - 1 for p in prompts]
 
 
+def test_parity_single_sequence(checkpoint: tuple[str, Path]) -> None:
+    """Batch 1 alone: on CUDA the decode-only kernels (one-row GEMV, the batch-1 graph) run."""
+    kind, path = checkpoint
+    llm = LLM(str(path), max_total_tokens=1024, **ENGINE_ARGS)
+    prompts = _prompts(llm.model_config.vocab_size)[2:3]
+    _check(path, prompts, llm.generate(prompt_token_ids=prompts, sampling_params=_params()), f"{kind} alone")
+
+
 def test_parity_under_retraction(checkpoint: tuple[str, Path]) -> None:
     kind, path = checkpoint
     # 4 requests need 4 * (<= 47 + 32) tokens at the end; 120 slots force retractions on the way.

@@ -16,6 +16,9 @@ from torch import nn
 from ftransformers.layers.weight_utils import check_shape, default_weight_loader
 
 
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -33,6 +36,15 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
+        w = self.weight
+        if (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in _GEMV_DTYPES and w.dtype == x.dtype
+                and x.stride(-1) == 1 and w.stride(-1) == 1):  # fmt: skip
+            # One row (batch-1 decode): a weight-streaming Triton kernel beats cuBLAS (kernels.triton_gemv);
+            # imported here so CPU needs no triton.
+            from ftransformers.kernels.triton_gemv import gemv
+
+            y = gemv(x.reshape(1, -1), w, self.bias)
+            return y.view(*x.shape[:-1], w.shape[0])
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,0 +1,142 @@
+"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= GEMV_MAX_M rows, in Triton.
+
+At batch 1 a linear layer only streams its weight; cuBLAS picks tiles made for larger M (and adds a
+split-K reduction kernel when N is small), reaching 60-85% of copy bandwidth on an H100 for the
+attention projections of Qwen3-30B-A3B and DeepSeek-V3 and 4% for a 128-expert router. Here each
+program owns BLOCK_N output features and walks the whole K once, so every weight byte is read
+exactly once, with no second kernel:
+
+- M <= 4 (`_gemv_small_m_kernel`): broadcast-multiply-reduce on CUDA cores, [BLOCK_M, BLOCK_N,
+  BLOCK_K] products summed over K in float32 (tensor cores would waste 3/4 of their rows at M = 1..4).
+- 4 < M <= 16 (`_gemv_dot_kernel`): x padded to 16 rows in registers and tl.dot on tensor cores.
+
+Tiles come from `gemv_config` (measured by benchmarks/bench_gemv.py on an H100): small BLOCK_N so
+that N / BLOCK_N programs cover the SMs several times over, long BLOCK_K for wide vector loads.
+The linear layers use it for one row only (`DECODE_GEMV_MAX_M`): at M = 1 it beat cuBLAS on every
+measured shape (up to 1.7x on the router, 1.3x on o_proj); from M = 2 on, cuBLAS wins on some
+shapes, so it keeps them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_M = 16
+DECODE_GEMV_MAX_M = 1  # rows up to which layers/linear.py dispatches here on CUDA
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _gemv_small_m_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            mask_k = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+        acc += tl.sum(prod, axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemv_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            mask_k = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def gemv_config(M: int, N: int, K: int) -> dict[str, int]:
+    """Tile and launch parameters for an [M, K] x [N, K]^T product (M <= GEMV_MAX_M).
+
+    From the H100 sweep in benchmarks/results/gemv_h100.json: for M <= 2, 1024-wide K steps and
+    2-8 output rows per program (more rows for larger weights, so each program streams enough)."""
+    if M <= 4:
+        block_m = triton.next_power_of_2(M)
+        size = N * K
+        block_n = 2 if size <= (32 << 20) else 4 if size <= (110 << 20) else 8
+        block_k = min(1024 // block_m, max(16, triton.next_power_of_2(K)))
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], unit stride along K
+    weight: torch.Tensor,  # [N, K], unit stride along K
+    bias: torch.Tensor | None = None,  # [N]
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:  # [M, N], x.dtype
+    M, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert 1 <= M <= GEMV_MAX_M, M
+    cfg = dict(config or gemv_config(M, N, K))
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    kernel = _gemv_small_m_kernel if cfg["BLOCK_M"] <= 4 else _gemv_dot_kernel
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+    kernel[grid](
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        **cfg,
+    )  # fmt: skip
+    return y
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch reference: float32 accumulation, rounded to x.dtype."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
