@@ -1,11 +1,17 @@
 """Microbenchmark of the Triton attention kernels at the issue's shapes (bf16, one GPU).
 
 Decode (paged, split-K): achieved GB/s = KV bytes read / median time, printed beside the
-device-to-device copy bandwidth measured in the same run (bytes read + written / time).
-Extend (prefill, causal, no prefix): achieved TFLOP/s beside the bf16 matmul rate of the same run,
-and torch SDPA (flash, contiguous, unpaged) on the same shapes as a peer.
+device-to-device copy bandwidth measured in the same run (bytes read + written / time) and the
+floor bytes / copy bandwidth. MLA decode at 128 heads does ~240 FLOP per cached byte, about the
+H100's matmul-to-bandwidth ratio, so its matmul floor (FLOPs / the bf16 matmul rate of the same run)
+is printed too. The previous implementation is timed in the same process:
+  gqa "old": the generic kernel as it was launched before (every row through the partials, a second
+             launch merging them, split length = even share rounded up to BLOCK_N).
+  mla "old": the generic GQA kernel on the latent views (BLOCK_H=32, BLOCK_N=32, old split rule).
 Each timed call runs the kernel over enough layer buffers to exceed L2 several times, captured in a
-CUDA graph (decode steps run as graphs), and reports the median per layer.
+CUDA graph (decode steps run as graphs), and reports the median per layer. Before timing, every
+variant is checked on the GPU against the float32 torch reference on fresh random inputs with
+varying per-row lengths (a padded row of length 0 must give zeros).
 
     PYTHONPATH=. python benchmarks/bench_attention.py --out benchmarks/results
 """
@@ -25,24 +31,45 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ftransformers.attention.triton_backend import num_kv_splits  # noqa: E402
+from ftransformers.attention.triton_backend import mla_num_kv_splits, num_kv_splits  # noqa: E402
 from ftransformers.kernels.triton_decode_attention import (  # noqa: E402
     decode_attention_fwd,
     decode_attention_ref,
     decode_scratch,
 )
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd  # noqa: E402
-from ftransformers.kernels.triton_mla_attention import mla_attention_ref, mla_decode_fwd, mla_extend_fwd  # noqa: E402
+from ftransformers.kernels.triton_mla_attention import (  # noqa: E402
+    latent_views,
+    mla_attention_ref,
+    mla_decode_fwd,
+    mla_extend_fwd,
+)
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
 GQA_SHAPES = {"qwen3-30b-a3b": (32, 4, 128), "qwen3-8b": (32, 8, 128)}  # (H, H_kv, D)
 MLA_SHAPE = (128, 512, 64)  # DeepSeek-V3: H, kv_lora_rank, rope dim
-BATCHES = [1, 8, 32, 64, 128]
-CONTEXTS = [512, 4096]
-LONG = 32768  # batch 1 only
+MLA_SCALE = 192**-0.5  # DeepSeek-V3: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)
+CHECK_LENS = [1, 0, 64, 4097, 129, 511]  # + random lengths in [1, CHECK_MAX_LEN); row 1 is padding
+CHECK_MAX_LEN = 3000
+GQA_CASES = [(1, 512), (1, 4096), (32, 512), (32, 4096), (128, 512), (128, 4096), (1, 32768)]
+MLA_CASES = [(b, c) for b in (1, 4, 16, 64) for c in (4096, 16384, 32768)]
 L2_MULT = 200 << 20  # bytes touched per timed call, ~4x the H100's 50 MB L2
-CHECK_ONLY = False  # --check: run each case once eagerly (for compute-sanitizer), time nothing
+
+# name -> launcher keywords (+ "waves" of the GQA split rule). Earlier sweeps on the H100 (run 1 of
+# 2026-11-22, not kept as defaults): GQA min_split_len 128/256 and a split merge fused into stage 1
+# (last split to finish merges, atomic tickets) were slower at every shape; MLA BLOCK_N=32 was
+# 15-30% slower than 64, and min_split_len 256 slower at batch 1.
+GQA_VARIANTS = {
+    "old": dict(direct=False, waves=4),  # the backend's launch before 2026-11-22
+    "new": dict(waves=4),  # rows of one split written by stage 1; stage 2 skipped at 1 split
+    "new_w2": dict(waves=2),  # + half the programs (fewer splits from batch ~32 up): the backend's default
+}
+MLA_VARIANTS = {
+    "old": dict(block_h=32, block_n=32, num_warps=4),  # the generic GQA kernel on the latent views
+    "n64s3": dict(block_n=64, num_stages=3),  # the backend's default
+    "n64s2": dict(block_n=64, num_stages=2),
+}
 
 
 def copy_bandwidth() -> float:
@@ -60,7 +87,7 @@ def matmul_rate() -> float:
 
 
 def graph_ms(fn, layers: int) -> float:
-    return do_bench_cudagraph(fn, rep=100, return_mode="median") / layers
+    return do_bench_cudagraph(fn, rep=60, return_mode="median") / layers
 
 
 def contiguous_table(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -73,11 +100,116 @@ def contiguous_table(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
     return r2t.to(DEV), torch.arange(len(lens), device=DEV), start
 
 
+def random_table(lens: list[int], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """req_to_token with every sequence's slots scattered over the pool (a long-running server)."""
+    n = sum(max(x, 1) for x in lens)
+    perm = (torch.randperm(n, generator=gen) + 1).tolist()
+    r2t = torch.zeros(len(lens) + 1, max(lens) + 1, dtype=torch.int64)
+    start = 0
+    for i, x in enumerate(lens):
+        r2t[i + 1, :x] = torch.tensor(perm[start : start + x], dtype=torch.int64)
+        start += x
+    return r2t.to(DEV), torch.arange(1, len(lens) + 1, device=DEV), n + 1
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item() if torch.isfinite(out).all() else float("inf")
 
 
-def bench_gqa_decode(name: str, H: int, H_kv: int, D: int, B: int, ctx: int, sms: int, variants: list[dict]) -> list[dict]:
+# launchers ---------------------------------------------------------------------------------------
+def gqa_splits(var: str, B: int, H: int, H_kv: int, sms: int) -> int:
+    group = H // H_kv
+    head_blocks = H_kv * triton.cdiv(group, max(16, triton.next_power_of_2(group)))
+    return num_kv_splits(B, head_blocks, sms, waves=GQA_VARIANTS[var]["waves"])
+
+
+def gqa_call(var: str, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> None:
+    mid_o, mid_lse = scratch
+    kw = {k: v for k, v in GQA_VARIANTS[var].items() if k != "waves"}
+    decode_attention_fwd(q, k, v, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, q.shape[-1] ** -0.5,
+                         block_n=64, **kw)  # fmt: skip
+
+
+def mla_splits(var: str, B: int, sms: int) -> int:
+    H = MLA_SHAPE[0]
+    if var == "old":
+        return num_kv_splits(B, triton.cdiv(H, 32), sms)
+    return mla_num_kv_splits(B, triton.cdiv(H, 64), sms)
+
+
+def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, min_split_len=0) -> None:
+    mid_o, mid_lse = scratch
+    scale = MLA_SCALE
+    if var == "old":  # the pre-2026-11 mla_decode_fwd: the generic kernel on the latent views
+        c_kv, k_pe = latent_views(buf, MLA_SHAPE[1])
+        decode_attention_fwd(q_nope, c_kv, c_kv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
+                             q_pe=q_rope, kpe_buf=k_pe, direct=False, **MLA_VARIANTS[var])  # fmt: skip
+    else:
+        mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
+                       min_split_len=min_split_len, **MLA_VARIANTS[var])  # fmt: skip
+
+
+# correctness on the GPU -------------------------------------------------------------------------
+def check_gqa(sms: int, reps: int) -> dict:
+    """Random per-row lengths (1, off-block lengths, one long row, a padded row of 0), scattered slots."""
+    H, H_kv, D = GQA_SHAPES["qwen3-30b-a3b"]
+    gen = torch.Generator().manual_seed(1)
+    worst: dict[str, float] = {}
+    for rep in range(reps):
+        extra = torch.randint(1, CHECK_MAX_LEN, (10 if rep % 2 else 58,), generator=gen).tolist()
+        lens = CHECK_LENS + extra
+        r2t, rows, n = random_table(lens, gen)
+        B = len(lens)
+        k = torch.randn(n, H_kv, D, generator=gen).to(DEV, DT)
+        v = torch.randn(n, H_kv, D, generator=gen).to(DEV, DT)
+        q = torch.randn(B, H, D, generator=gen).to(DEV, DT)
+        seq_lens = torch.tensor(lens, device=DEV)
+        live = [i for i, x in enumerate(lens) if x > 0]
+        ref = decode_attention_ref(q[live], k, v, r2t, rows[live], seq_lens[live], D**-0.5)
+        for var in GQA_VARIANTS:
+            for splits in (gqa_splits(var, B, H, H_kv, sms), 64, 1):
+                scratch = decode_scratch(B, H, D, splits, DEV)
+                out = torch.full_like(q, float("nan"))
+                gqa_call(var, q, k, v, out, r2t, rows, seq_lens, scratch, splits)
+                torch.cuda.synchronize()
+                e = rel_err(out[live], ref)
+                zero = bool((out[1] == 0).all())
+                worst[var] = max(worst.get(var, 0.0), e if zero else float("inf"))
+    return worst
+
+
+def check_mla(sms: int, reps: int) -> dict:
+    H, L, R = MLA_SHAPE
+    gen = torch.Generator().manual_seed(2)
+    worst: dict[str, float] = {}
+    for rep in range(reps):
+        lens = CHECK_LENS + torch.randint(1, CHECK_MAX_LEN, (3,), generator=gen).tolist()
+        r2t, rows, n = random_table(lens, gen)
+        B = len(lens)
+        buf = torch.randn(n, L + R, generator=gen).to(DEV, DT)
+        q_nope = torch.randn(B, H, L, generator=gen).to(DEV, DT)
+        q_rope = torch.randn(B, H, R, generator=gen).to(DEV, DT)
+        seq_lens = torch.tensor(lens, device=DEV)
+        live = [i for i, x in enumerate(lens) if x > 0]
+        ref = mla_attention_ref(q_nope[live], q_rope[live], buf, r2t, rows[live], [lens[i] - 1 for i in live],
+                                [1] * len(live), MLA_SCALE)  # fmt: skip
+        for var in MLA_VARIANTS:
+            for splits, msl in ((mla_splits(var, B, sms), 0), (64, 0), (1, 0), (7, 256)):
+                if var == "old" and msl:
+                    continue
+                scratch = decode_scratch(B, H, L, splits, DEV)
+                out = torch.full_like(q_nope, float("nan"))
+                mla_call(var, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, msl)
+                torch.cuda.synchronize()
+                e = rel_err(out[live], ref)
+                zero = bool((out[1] == 0).all())
+                worst[var] = max(worst.get(var, 0.0), e if zero else float("inf"))
+    return worst
+
+
+# timing -----------------------------------------------------------------------------------------
+def bench_gqa(name: str, B: int, ctx: int, sms: int, copy_gbps: float) -> list[dict]:
+    H, H_kv, D = GQA_SHAPES[name]
     r2t, rows, n_slots = contiguous_table([ctx] * B)
     kv_bytes = B * ctx * H_kv * 2 * D * 2
     layers = max(1, min(32, math.ceil(L2_MULT / kv_bytes)))
@@ -85,59 +217,61 @@ def bench_gqa_decode(name: str, H: int, H_kv: int, D: int, B: int, ctx: int, sms
     vs = [torch.randn(n_slots, H_kv, D, device=DEV, dtype=DT) for _ in range(layers)]
     q = torch.randn(B, H, D, device=DEV, dtype=DT)
     seq_lens = torch.full((B,), ctx, device=DEV, dtype=torch.int64)
-    group = H // H_kv
-    splits = num_kv_splits(B, H_kv * triton.cdiv(group, max(16, triton.next_power_of_2(group))), sms)
-    mid_o, mid_lse = decode_scratch(B, H, D, splits, DEV)
     out = torch.empty_like(q)
-    ref = decode_attention_ref(q, ks[0], vs[0], r2t, rows, seq_lens, D**-0.5) if B * ctx <= 8 * 4096 else None
-    rows_out = []
-    for var in variants:
-        def run(var: dict = var) -> None:
+    ref = decode_attention_ref(q, ks[0], vs[0], r2t, rows, seq_lens, D**-0.5) if B * ctx <= 64 * 4096 else None
+    res = []
+    for var in GQA_VARIANTS:
+        splits = gqa_splits(var, B, H, H_kv, sms)
+        scratch = decode_scratch(B, H, D, splits, DEV)
+
+        def run(var: str = var, splits: int = splits, scratch: tuple = scratch) -> None:
             for k, v in zip(ks, vs):
-                decode_attention_fwd(q, k, v, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5, **var)
+                gqa_call(var, q, k, v, out, r2t, rows, seq_lens, scratch, splits)
 
         out.fill_(float("nan"))
-        decode_attention_fwd(q, ks[0], vs[0], out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5, **var)
+        gqa_call(var, q, ks[0], vs[0], out, r2t, rows, seq_lens, scratch, splits)
         torch.cuda.synchronize()
         err = rel_err(out, ref) if ref is not None else None
-        ms = graph_ms(run, layers) if not CHECK_ONLY else float("nan")
-        rows_out.append(dict(kernel="gqa_decode", model=name, batch=B, context=ctx, splits=splits, variant=var,
-                             us=ms * 1e3, bytes=kv_bytes, gbps=kv_bytes / ms / 1e6, rel_err=err))  # fmt: skip
-    return rows_out
+        ms = graph_ms(run, layers)
+        res.append(dict(kernel="gqa_decode", model=name, batch=B, context=ctx, splits=splits, variant=var,
+                        us=ms * 1e3, bytes=kv_bytes, gbps=kv_bytes / ms / 1e6, pct_copy=kv_bytes / ms / 1e6 / copy_gbps,
+                        floor_us=kv_bytes / copy_gbps / 1e3, rel_err=err))  # fmt: skip
+    return res
 
 
-def bench_mla_decode(B: int, ctx: int, sms: int, variants: list[dict]) -> list[dict]:
+def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, variants: dict[str, int]) -> list[dict]:
     H, L, R = MLA_SHAPE
     r2t, rows, n_slots = contiguous_table([ctx] * B)
     kv_bytes = B * ctx * (L + R) * 2
+    flops = 2 * B * ctx * H * ((L + R) + L)
     layers = max(1, min(32, math.ceil(L2_MULT / kv_bytes)))
     bufs = [torch.randn(n_slots, L + R, device=DEV, dtype=DT) for _ in range(layers)]
     q_nope = torch.randn(B, H, L, device=DEV, dtype=DT)
     q_rope = torch.randn(B, H, R, device=DEV, dtype=DT)
     seq_lens = torch.full((B,), ctx, device=DEV, dtype=torch.int64)
-    scale = (192) ** -0.5
-    ref = (
-        mla_attention_ref(q_nope, q_rope, bufs[0], r2t, rows, [ctx - 1] * B, [1] * B, scale)
-        if B * ctx <= 8 * 4096 else None
-    )  # fmt: skip
+    chk = min(B, 2)  # reference on the first rows only (float32 on the GPU)
+    ref = mla_attention_ref(q_nope[:chk], q_rope[:chk], bufs[0], r2t, rows[:chk], [ctx - 1] * chk, [1] * chk, MLA_SCALE)
     out = torch.empty_like(q_nope)
-    rows_out = []
-    for var in variants:
-        splits = num_kv_splits(B, triton.cdiv(H, var["block_h"]), sms)
-        mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
+    res = []
+    for name, msl in variants.items():
+        var = name.split("@")[0]
+        splits = mla_splits(var, B, sms)
+        scratch = decode_scratch(B, H, L, splits, DEV)
 
-        def run(var: dict = var, splits: int = splits, mid_o: torch.Tensor = mid_o, mid_lse: torch.Tensor = mid_lse) -> None:
+        def run(var: str = var, splits: int = splits, scratch: tuple = scratch, msl: int = msl) -> None:
             for buf in bufs:
-                mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale, **var)
+                mla_call(var, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, msl)
 
         out.fill_(float("nan"))
-        mla_decode_fwd(q_nope, q_rope, bufs[0], out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale, **var)
+        mla_call(var, q_nope, q_rope, bufs[0], out, r2t, rows, seq_lens, scratch, splits, msl)
         torch.cuda.synchronize()
-        err = rel_err(out, ref) if ref is not None else None
-        ms = graph_ms(run, layers) if not CHECK_ONLY else float("nan")
-        rows_out.append(dict(kernel="mla_decode", model="deepseek-v3", batch=B, context=ctx, splits=splits, variant=var,
-                             us=ms * 1e3, bytes=kv_bytes, gbps=kv_bytes / ms / 1e6, rel_err=err))  # fmt: skip
-    return rows_out
+        err = rel_err(out[:chk], ref)
+        ms = graph_ms(run, layers)
+        res.append(dict(kernel="mla_decode", model="deepseek-v3", batch=B, context=ctx, splits=splits, variant=name,
+                        us=ms * 1e3, bytes=kv_bytes, gbps=kv_bytes / ms / 1e6, pct_copy=kv_bytes / ms / 1e6 / copy_gbps,
+                        floor_us=kv_bytes / copy_gbps / 1e3, flops=flops, tflops=flops / ms / 1e9,
+                        matmul_floor_us=flops / mm_tflops / 1e6, rel_err=err))  # fmt: skip
+    return res
 
 
 def bench_extend(kind: str, T: int) -> list[dict]:
@@ -178,45 +312,47 @@ def bench_extend(kind: str, T: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--quick", action="store_true", help="fewer shapes and variants")
-    ap.add_argument("--only", default="", help="decode cases B:CTX[,B:CTX...] instead of the full table")
-    ap.add_argument("--kernels", default="gqa,mla,extend", help="which groups to run")
-    ap.add_argument("--check", action="store_true", help="run each decode case once, untimed")
+    ap.add_argument("--kernels", default="gqa,mla", help="groups: gqa, mla, extend")
+    ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
+    ap.add_argument("--mla-variants", default=",".join(MLA_VARIANTS),
+                    help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
+    ap.add_argument("--check-reps", type=int, default=4)
     args = ap.parse_args()
-    global CHECK_ONLY
-    CHECK_ONLY = args.check
+    for k in [k for k in GQA_VARIANTS if k not in args.gqa_variants.split(",")]:
+        del GQA_VARIANTS[k]
+    mla_vars = {v: int(v.split("@")[1]) if "@" in v else 0 for v in args.mla_variants.split(",")}
+    for k in [k for k in MLA_VARIANTS if k not in {v.split("@")[0] for v in mla_vars}]:
+        del MLA_VARIANTS[k]
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     sms = props.multi_processor_count
     copy_gbps, mm_tflops = copy_bandwidth(), matmul_rate()
     print(f"device {props.name}, {sms} SMs; copy {copy_gbps:.0f} GB/s; bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
-    cases = [(b, c) for b in BATCHES for c in CONTEXTS] + [(1, LONG)]
-    if args.quick:
-        cases = [(1, 4096), (1, LONG), (32, 4096)]
-    if args.only:
-        cases = [tuple(int(x) for x in c.split(":")) for c in args.only.split(",")]  # type: ignore[misc]
     groups = set(args.kernels.split(","))
-    gqa_vars = [dict(block_n=32), dict(block_n=64)]
-    mla_vars = [dict(block_h=16, block_n=32), dict(block_h=32, block_n=32, num_warps=4),
-                dict(block_h=64, block_n=16, num_warps=8), dict(block_h=64, block_n=32, num_warps=8),
-                dict(block_h=64, block_n=32, num_warps=8, num_stages=3)]  # fmt: skip
-    results: list[dict] = []
     t0 = time.time()
-    for name, (H, H_kv, D) in GQA_SHAPES.items() if "gqa" in groups else ():
-        for B, ctx in cases:
-            results += bench_gqa_decode(name, H, H_kv, D, B, ctx, sms, gqa_vars)
-            r = results[-len(gqa_vars):]
-            best = max(r, key=lambda x: x["gbps"])
-            print(f"gqa_decode {name:14s} B={B:<4d} ctx={ctx:<6d} " + "  ".join(
-                f"{x['variant']}: {x['us']:8.1f} us {x['gbps']:6.0f} GB/s ({x['gbps'] / copy_gbps:4.0%})" for x in r
-            ) + f"  err={best['rel_err']}", flush=True)  # fmt: skip
-    for B, ctx in cases if "mla" in groups else ():
-        results += bench_mla_decode(B, ctx, sms, mla_vars)
-        r = results[-len(mla_vars):]
-        print(f"mla_decode B={B:<4d} ctx={ctx:<6d} " + "  ".join(
-            f"h{x['variant']['block_h']}n{x['variant']['block_n']}w{x['variant'].get('num_warps', 4)}s{x['variant'].get('num_stages', 2)}: {x['us']:8.1f} us {x['gbps']:5.0f} GB/s "
-            f"({x['gbps'] / copy_gbps:4.0%}) err={x['rel_err'] if x['rel_err'] is None else round(x['rel_err'], 4)}"
-            for x in r), flush=True)  # fmt: skip
+    checks = {}
+    if "gqa" in groups:
+        checks["gqa"] = check_gqa(sms, args.check_reps)
+        print(f"check gqa (worst rel err, bf16 tol 1e-2): {checks['gqa']}  [{time.time() - t0:.0f}s]", flush=True)
+    if "mla" in groups:
+        checks["mla"] = check_mla(sms, max(1, args.check_reps // 2))
+        print(f"check mla (worst rel err, bf16 tol 1e-2): {checks['mla']}  [{time.time() - t0:.0f}s]", flush=True)
+    results: list[dict] = []
+    lines = []
+    for B, ctx in GQA_CASES if "gqa" in groups else ():
+        r = bench_gqa("qwen3-30b-a3b", B, ctx, sms, copy_gbps)
+        results += r
+        lines.append(f"gqa B={B:<4d} ctx={ctx:<6d} floor {r[0]['floor_us']:6.1f} us | " + " ".join(
+            f"{x['variant']}:{x['us']:7.1f}us {x['pct_copy']:4.0%}" for x in r))  # fmt: skip
+        print(lines[-1], flush=True)
+    for B, ctx in MLA_CASES if "mla" in groups else ():
+        variants = {k: v for k, v in mla_vars.items() if "@" not in k or (B == 1 and ctx == 4096)}
+        r = bench_mla(B, ctx, sms, copy_gbps, mm_tflops, variants)
+        results += r
+        floors = f"floor {r[0]['floor_us']:6.1f} us (matmul {r[0]['matmul_floor_us']:6.1f})"
+        lines.append(f"mla B={B:<3d} ctx={ctx:<6d} {floors} | "
+                     + " ".join(f"{x['variant']}:{x['us']:7.1f}us {x['pct_copy']:4.0%}" for x in r))  # fmt: skip
+        print(lines[-1], flush=True)
     for kind in ("qwen3-8b", "mla") if "extend" in groups else ():
         for T in (1024, 8192):
             for x in bench_extend(kind, T):
@@ -225,9 +361,11 @@ def main() -> None:
                       f"({x['tflops'] / mm_tflops:4.0%} of matmul)", flush=True)  # fmt: skip
     doc = dict(device=props.name, date=time.strftime("%Y-%m-%d"), torch=torch.__version__, triton=triton.__version__,
                copy_gbps=copy_gbps, matmul_tflops=mm_tflops, seconds=time.time() - t0,
-               command="PYTHONPATH=. python benchmarks/bench_attention.py", results=results)  # fmt: skip
+               command="PYTHONPATH=. python benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
+               checks=checks, results=results)  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "attention_h100.json").write_text(json.dumps(doc, indent=1))
+    print("\n".join(["", "summary:"] + lines))
 
 
 if __name__ == "__main__":

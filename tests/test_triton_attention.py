@@ -24,7 +24,7 @@ from ftransformers.kernels.triton_decode_attention import (
     decode_scratch,
 )
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd, extend_attention_ref
-from ftransformers.kernels.triton_mla_attention import mla_attention_ref, mla_decode_fwd, mla_extend_fwd
+from ftransformers.kernels.triton_mla_attention import latent_views, mla_attention_ref, mla_decode_fwd, mla_extend_fwd
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -59,6 +59,9 @@ DECODE_LENS = [1, 37, 5, 130] if not CUDA else [1, 17, 300, 4097, 1000, 64, 8191
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_gqa(group: int, head_dim: int) -> None:
+    """Several split counts and minimum split lengths, so rows of one split (written by stage 1), of
+    several and of a partial last split all occur; and the previous behaviour (direct=False: every
+    row through the partials and stage 2)."""
     gen = torch.Generator().manual_seed(group * 1000 + head_dim)
     h_kv = 2 if not CUDA else 8
     H, B, N = h_kv * group, len(DECODE_LENS), sum(DECODE_LENS) + 50
@@ -68,15 +71,20 @@ def test_decode_gqa(group: int, head_dim: int) -> None:
     k_buf, v_buf = randn(N + 1, h_kv, head_dim, gen=gen), randn(N + 1, h_kv, head_dim, gen=gen)
     scale = head_dim**-0.5
     ref = decode_attention_ref(q, k_buf, v_buf, r2t, rows, seq_lens, scale)
-    for splits in (1, 4) if not CUDA else (1, 8, 64):
+    block_n = 16 if not CUDA else 64
+    cases = [(1, 0, True), (4, 0, True), (4, 0, False), (4, 32, True)]
+    if CUDA:
+        cases = [(s, m, True) for s in (1, 8, 64) for m in (0, 512)] + [(64, 0, False)]
+    for splits, min_split_len, direct in cases:
         mid_o, mid_lse = decode_scratch(B, H, head_dim, splits, DEV)
         out = torch.full_like(q, float("nan"))
-        block_n = 16 if not CUDA else 32
-        decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale, block_n=block_n)
-        assert rel_err(out, ref) <= TOL, (splits, rel_err(out, ref))
+        decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
+                             block_n=block_n, min_split_len=min_split_len, direct=direct)  # fmt: skip
+        assert rel_err(out, ref) <= TOL, (splits, min_split_len, direct, rel_err(out, ref))
 
 
-def test_decode_padded_row_is_zero() -> None:
+@pytest.mark.parametrize("direct", [True, False])
+def test_decode_padded_row_is_zero(direct: bool) -> None:
     """A CUDA-graph padding row (seq_len 0) gets zeros, not NaN; the real rows are unaffected."""
     gen = torch.Generator().manual_seed(5)
     lens = [9, 1]
@@ -84,11 +92,13 @@ def test_decode_padded_row_is_zero() -> None:
     q, k_buf, v_buf = randn(3, 4, 16, gen=gen), randn(33, 2, 16, gen=gen), randn(33, 2, 16, gen=gen)
     seq_lens = torch.tensor(lens + [0], device=DEV)
     rows = torch.cat([rows, rows[:1]])
-    mid_o, mid_lse = decode_scratch(3, 4, 16, 4, DEV)
-    out = torch.full_like(q, float("nan"))
-    decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, 4, 0.25, block_n=16)
-    ref = decode_attention_ref(q[:2], k_buf, v_buf, r2t, rows[:2], seq_lens[:2], 0.25)
-    assert rel_err(out[:2], ref) <= TOL and torch.equal(out[2], torch.zeros_like(out[2]))
+    for splits in (1, 4):
+        mid_o, mid_lse = decode_scratch(3, 4, 16, splits, DEV)
+        out = torch.full_like(q, float("nan"))
+        decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, 0.25, block_n=16,
+                             direct=direct)  # fmt: skip
+        ref = decode_attention_ref(q[:2], k_buf, v_buf, r2t, rows[:2], seq_lens[:2], 0.25)
+        assert rel_err(out[:2], ref) <= TOL and torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 EXTEND = (
@@ -119,25 +129,41 @@ def test_extend(group: int) -> None:
     assert rel_err(out, ref) <= TOL
 
 
-MLA_SHAPES = [(16, 64, 16), (32, 64, 16)] if not CUDA else [(128, 512, 64), (16, 512, 64)]  # (H, L, R)
+MLA_SHAPES = [(16, 64, 16), (32, 48, 16)] if not CUDA else [(128, 512, 64), (16, 512, 64)]  # (H, L, R)
+# + a padded CUDA-graph row (0): zeros; lengths off the block size, a length-1 row, one over a split
+MLA_LENS = [1, 37, 5, 130, 64, 0] if not CUDA else [1, 17, 300, 4097, 1000, 64, 8191, 0]
 
 
 @pytest.mark.parametrize("shape", MLA_SHAPES)
 def test_mla_decode(shape: tuple[int, int, int]) -> None:
+    """The MLA decode kernel (one latent tile per head block, split-K) against mla_attention_ref, at
+    split counts and minimum split lengths that give rows of one split (written by stage 1) and of
+    several (merged by stage 2); and the generic GQA kernel on the latent views (the old path)."""
     H, L, R = shape
-    gen = torch.Generator().manual_seed(H)
-    B, N = len(DECODE_LENS), sum(DECODE_LENS) + 20
-    r2t, rows = paged(DECODE_LENS, N, gen)
-    seq_lens = torch.tensor(DECODE_LENS, device=DEV)
+    gen = torch.Generator().manual_seed(H + L)
+    B, N = len(MLA_LENS), sum(MLA_LENS) + 20
+    r2t, rows = paged([max(n, 1) for n in MLA_LENS], N, gen)
+    seq_lens = torch.tensor(MLA_LENS, device=DEV)
     q_nope, q_rope, buf = randn(B, H, L, gen=gen), randn(B, H, R, gen=gen), randn(N + 1, L + R, gen=gen)
     scale = (L + R) ** -0.5
-    ref = mla_attention_ref(q_nope, q_rope, buf, r2t, rows, [n - 1 for n in DECODE_LENS], [1] * B, scale)
+    real = B - 1
+    ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
+                            [1] * real, scale)  # fmt: skip
+    cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (16, 512)]
+    for splits, min_split_len in cases:
+        mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
+        out = torch.full_like(q_nope, float("nan"))
+        mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
+                       min_split_len=min_split_len)  # fmt: skip
+        assert rel_err(out[:real], ref) <= TOL, (splits, min_split_len, rel_err(out[:real], ref))
+        assert torch.equal(out[real], torch.zeros_like(out[real]))
+    c_kv, k_pe = latent_views(buf, L)
     splits = 4 if not CUDA else 32
     mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
     out = torch.full_like(q_nope, float("nan"))
-    mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
-                   block_n=16 if not CUDA else 32)  # fmt: skip
-    assert rel_err(out, ref) <= TOL
+    decode_attention_fwd(q_nope, c_kv, c_kv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
+                         q_pe=q_rope, kpe_buf=k_pe, block_n=16 if not CUDA else 32)  # fmt: skip
+    assert rel_err(out[:real], ref) <= TOL
 
 
 @pytest.mark.parametrize("shape", MLA_SHAPES[:1])

@@ -7,6 +7,8 @@ Numerically the same function as `torch_native` (softmax in float32, output in t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 
@@ -20,15 +22,26 @@ from ftransformers.kernels.triton_mla_prefill import mla_prefill_fwd, mla_prefil
 from ftransformers.kernels.triton_rope_store import rope_store
 
 MAX_KV_SPLITS = 64
+GQA_WAVES = 2  # H100: 2 waves of decode programs beat 4 by up to 9% from batch 32 (attention_h100.json)
+MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
+MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 DEFAULT_MAX_BS = 256
 SDPA_MAX_SEQS = 8  # not measured: above it, per-sequence launches are assumed to outweigh flash's speed
 
 
-def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int) -> int:
-    """Fixed split count for a decode launch: enough (batch x head-block x split) programs for about
-    four waves, so batch 1 at long context still fills the GPU. Depends on shapes only."""
-    want = triton.cdiv(4 * num_sms, max(1, batch_size * head_blocks))
+def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, waves: int = 4) -> int:
+    """Fixed split count for a GQA decode launch: enough (batch x head-block x split) programs for
+    about `waves` waves, so batch 1 at long context still fills the GPU. Depends on shapes only; the
+    kernel's split length (a multiple of BLOCK_N) makes short sequences use fewer."""
+    want = triton.cdiv(waves * num_sms, max(1, batch_size * head_blocks))
     return max(1, min(MAX_KV_SPLITS, triton.next_power_of_2(want)))
+
+
+def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int) -> int:
+    """Split count for the MLA decode kernel (one 8-warp program per SM, compute- and
+    bandwidth-bound): one wave of (batch x head-block x split) programs, rounded down so that a
+    second, mostly idle wave is not started; 1 from batch >= num_sms / head_blocks."""
+    return max(1, min(MAX_KV_SPLITS, num_sms // max(1, batch_size * head_blocks)))
 
 
 @register_attention_backend("triton")
@@ -92,18 +105,16 @@ class TritonAttentionBackend(AttentionBackend):
         return self._num_sms
 
     def _decode_scratch(
-        self, B: int, H: int, DV: int, head_blocks: int, device: torch.device
+        self, B: int, H: int, DV: int, split_rule: Callable[[int], int], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        sms = self._sms(device)
-        splits = num_kv_splits(B, head_blocks, sms)
+        # split_rule: batch size -> split count (num_kv_splits / mla_num_kv_splits with its head blocks)
+        splits = split_rule(B)
         per_row = H * (DV + 1)  # floats per (sequence, split): outputs + lse
         key = (H, DV, str(device))
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < B * splits * per_row:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("triton attention: decode scratch must be allocated before graph capture "
-                                   "(run one eager decode after init_cuda_graph_state)")  # fmt: skip
-            rows = max(b * num_kv_splits(b, head_blocks, sms) for b in range(1, max(self.max_bs, B) + 1))
+            self._check_not_capturing(device)
+            rows = max(b * split_rule(b) for b in range(1, max(self.max_bs, B) + 1))
             if buf is not None:
                 self._retired.append(buf)
             buf = torch.empty(rows * per_row, dtype=torch.float32, device=device)
@@ -112,6 +123,12 @@ class TritonAttentionBackend(AttentionBackend):
         mid_o = buf[: n * DV].view(B, H, splits, DV)
         mid_lse = buf[n * DV : n * (DV + 1)].view(B, H, splits)
         return mid_o, mid_lse, splits
+
+    @staticmethod
+    def _check_not_capturing(device: torch.device) -> None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("triton attention: decode scratch must be allocated before graph capture "
+                               "(run one eager decode after init_cuda_graph_state)")  # fmt: skip
 
     # AttentionBackend --------------------------------------------------------------------------
     def forward_mha(
@@ -161,9 +178,12 @@ class TritonAttentionBackend(AttentionBackend):
         T, H, _ = q.shape
         out = q.new_empty(T, H, v_buf.shape[-1])
         if batch.mode == ForwardMode.DECODE:
-            group = H // k_buf.shape[1]
-            head_blocks = k_buf.shape[1] * triton.cdiv(group, max(16, triton.next_power_of_2(group)))
-            mid_o, mid_lse, splits = self._decode_scratch(T, H, v_buf.shape[-1], head_blocks, q.device)
+            H_kv = k_buf.shape[1]
+            head_blocks = H_kv * triton.cdiv(H // H_kv, max(16, triton.next_power_of_2(H // H_kv)))
+            sms = self._sms(q.device)
+            mid_o, mid_lse, splits = self._decode_scratch(
+                T, H, v_buf.shape[-1], lambda b: num_kv_splits(b, head_blocks, sms, GQA_WAVES), q.device
+            )
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16,
@@ -192,11 +212,14 @@ class TritonAttentionBackend(AttentionBackend):
         q_rope = q_rope.to(q_nope.dtype)
         out = q_nope.new_empty(T, H, L)
         if batch.mode == ForwardMode.DECODE:
-            block_h = 32 if q_nope.is_cuda else 16  # H100 sweep: benchmarks/results/attention_h100.json
-            mid_o, mid_lse, splits = self._decode_scratch(T, H, L, triton.cdiv(H, block_h), q_nope.device)
+            block_h = MLA_BLOCK_H if q_nope.is_cuda else 16
+            head_blocks, sms = triton.cdiv(H, block_h), self._sms(q_nope.device)
+            mid_o, mid_lse, splits = self._decode_scratch(
+                T, H, L, lambda b: mla_num_kv_splits(b, head_blocks, sms), q_nope.device
+            )
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_h=block_h, block_n=32 if q_nope.is_cuda else 16,
+                mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return mla_extend_fwd(

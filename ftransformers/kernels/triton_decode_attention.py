@@ -1,15 +1,19 @@
-"""Paged decode attention (one new query token per sequence) in Triton, GQA- and MLA-aware.
+"""Paged decode attention (one new query token per sequence) in Triton, GQA-aware.
 
 Layout of the work: program (head block, KV split, sequence). A head block is up to BLOCK_H query
 heads of ONE KV head's group, so each KV row is loaded once per head block and fed to a
-[BLOCK_H, BLOCK_N] tensor-core dot; for MLA (one latent "KV head", all H query heads in its group)
-several head blocks read the same rows, adjacent in launch order so the repeats hit L2.
-Each sequence's tokens are cut into `num_kv_splits` (fixed per launch) contiguous splits of
-`cdiv(seq_len, num_kv_splits)` rounded up to BLOCK_N; stage 1 writes per split the unnormalised
-output and log-sum-exp, stage 2 merges the splits. Nothing here reads host data, so a launch is
-safe to capture in a CUDA graph and replay with refilled `seq_lens` / `req_pool_indices`.
+[BLOCK_H, BLOCK_N] tensor-core dot.
 
-Optional "PE" part (MLA): the score is q . k + q_pe . k_pe with k_pe read from a second view.
+Splits. `num_kv_splits` is fixed per launch (a host decision from the batch size, so a launch can
+be captured in a CUDA graph); each sequence's tokens are cut on the device into contiguous splits of
+`split_len = max(cdiv(seq_len, num_kv_splits) rounded up to BLOCK_N, min_split_len)` tokens, and the
+programs of splits past the end return at once. Stage 1 writes per split the normalised output and
+base-2 log-sum-exp; `_decode_stage2_kernel` merges them. A row covered by ONE split (or none: a
+padded CUDA-graph row, zeros) is finished by stage 1, which writes the output itself; stage 2 skips
+it, and is not launched at all when `num_kv_splits == 1`. Nothing here reads host data.
+
+Optional "PE" part (MLA through this generic kernel): the score is q . k + q_pe . k_pe with k_pe read
+from a second view; `kernels/triton_mla_attention.py` has the dedicated MLA decode kernel.
 """
 
 from __future__ import annotations
@@ -20,38 +24,45 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_bounds(seq_len, split_id, num_kv_splits, ALIGN: tl.constexpr):
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), ALIGN) * ALIGN
-    start = split_id * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    return start, end
+def _split_len(seq_len, num_kv_splits, min_split_len, ALIGN: tl.constexpr):
+    # an even share rounded up to ALIGN, at least min_split_len (a multiple of ALIGN)
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_kv_splits), ALIGN) * ALIGN, min_split_len)
 
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, QPE, K, KPE, V, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-    sm_scale, group, num_kv_splits, heads_per_kv_blocks,
+    Q, QPE, K, KPE, V, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+    sm_scale, group, num_kv_splits, min_split_len, heads_per_kv_blocks,
     s_q_t, s_q_h, s_qpe_t, s_qpe_h,
     s_k_n, s_k_h, s_kpe_n, s_kpe_h, s_v_n, s_v_h, s_r2t,
-    s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+    s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
     D: tl.constexpr, DPE: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
+    # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
     pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = pid_hb // heads_per_kv_blocks
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
     h_mask = local < group
     heads = kv_head * group + local  # [BLOCK_H]
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    start, end = _split_bounds(seq_len, split_id, num_kv_splits, BLOCK_N)
+    req = tl.load(req_pool_indices + b)  # issued with seq_len: one round trip less before the KV loads
+    split_len = _split_len(seq_len, num_kv_splits, min_split_len, BLOCK_N)
+    start = split_id * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
     if end <= start:
+        if DIRECT:
+            if split_id == 0:  # seq_len 0
+                tl.store(O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :],
+                         tl.zeros([BLOCK_H, BLOCK_DV], O.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
         return
-    req = tl.load(req_pool_indices + b)
 
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(Q + b * s_q_t + heads[:, None] * s_q_h + offs_d[None, :],
                 mask=h_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_H, BLOCK_D]
@@ -91,25 +102,34 @@ def _decode_stage1_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    out_ptr = mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_dv[None, :]
-    tl.store(out_ptr, acc / l_i[:, None], mask=h_mask[:, None] & (offs_dv[None, :] < DV))
-    # log-sum-exp in base 2 of this split's scores
-    tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
+    hd_mask = h_mask[:, None] & dv_mask[None, :]
+    o_ptr = O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :]
+    if (tl.cdiv(seq_len, split_len) == 1) & DIRECT:  # the row's only split: final output
+        tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=hd_mask)
+    else:
+        mid_o_ptr = mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_dv[None, :]
+        tl.store(mid_o_ptr, acc / l_i[:, None], mask=hd_mask)
+        # log-sum-exp in base 2 of this split's scores
+        tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
 
 
 @triton.jit
 def _decode_stage2_kernel(
-    mid_o, mid_lse, O, seq_lens, num_kv_splits,
+    mid_o, mid_lse, O, seq_lens, num_kv_splits, min_split_len,
     s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
-    DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, ALIGN: tl.constexpr,
+    DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, ALIGN: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     # all splits of one (sequence, head, CHUNK_DV slice) in one tile: a single round trip to memory
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
+    split_len = _split_len(seq_len, num_kv_splits, min_split_len, ALIGN)
+    if DIRECT:
+        n_live = tl.where(split_len >= seq_len, 0, num_kv_splits)  # 0: stage 1 wrote this row (or its zeros)
+    else:
+        n_live = num_kv_splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = c * CHUNK_DV + tl.arange(0, CHUNK_DV)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), ALIGN) * ALIGN
-    valid = (offs_s < num_kv_splits) & (offs_s * split_len < seq_len)  # non-empty splits
+    valid = (offs_s < n_live) & (offs_s * split_len < seq_len)  # non-empty splits
     lse = tl.load(mid_lse + b * s_ml_b + h * s_ml_h + offs_s, mask=valid, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(valid, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)  # [BLOCK_S]
@@ -118,7 +138,7 @@ def _decode_stage2_kernel(
     denom = tl.sum(w, 0)
     # seq_len 0 (a padded CUDA-graph row) has no split: write zeros, not NaN
     acc = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(O + b * s_o_t + h * s_o_h + offs_dv, acc.to(O.dtype.element_ty), mask=offs_dv < DV)
+    tl.store(O + b * s_o_t + h * s_o_h + offs_dv, acc.to(O.dtype.element_ty), mask=(offs_dv < DV) & (n_live > 0))
 
 
 def decode_scratch(batch: int, num_heads: int, v_head_dim: int, max_splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +150,29 @@ def decode_scratch(batch: int, num_heads: int, v_head_dim: int, max_splits: int,
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_combine(
+    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, D_v] float32, from a stage-1 launch
+    mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits]
+    out: torch.Tensor,  # [B, H, D_v]
+    seq_lens: torch.Tensor,  # [B]
+    num_kv_splits: int,
+    min_split_len: int,
+    align: int,
+    direct: bool = True,  # stage 1 wrote the rows of one split itself: skip them
+) -> torch.Tensor:
+    """Stage 2: merge each row's non-empty splits (same split rule as stage 1) into `out`."""
+    B, H, DV = out.shape
+    block_s = max(2, triton.next_power_of_2(num_kv_splits))
+    chunk_dv = min(max(16, triton.next_power_of_2(DV)), max(16, 8192 // block_s))
+    _decode_stage2_kernel[(B, H, triton.cdiv(DV, chunk_dv))](
+        mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def decode_attention_fwd(
@@ -150,6 +193,8 @@ def decode_attention_fwd(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
+    min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
+    direct: bool = True,  # False: every row goes through the partials and stage 2 (the pre-2026-11 behaviour)
 ) -> torch.Tensor:
     B, H, D = q.shape
     H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
@@ -158,6 +203,7 @@ def decode_attention_fwd(
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
     block_h = max(16, min(block_h, triton.next_power_of_2(group)))
     blocks_per_kv = triton.cdiv(group, block_h)
+    min_split_len = triton.cdiv(max(min_split_len, 1), block_n) * block_n
     dpe = 0 if q_pe is None else q_pe.shape[-1]
     if q_pe is None:
         q_pe, kpe_buf = q, k_buf  # unused placeholders
@@ -167,25 +213,21 @@ def decode_attention_fwd(
         v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride() and DV == D
     )  # MLA: c_kv is both key (with k_pe) and value
     _decode_stage1_kernel[grid](
-        q, q_pe, k_buf, kpe_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale, group, num_kv_splits, blocks_per_kv,
+        q, q_pe, k_buf, kpe_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale, group, num_kv_splits, min_split_len, blocks_per_kv,
         q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
         k_buf.stride(0), k_buf.stride(1), kpe_buf.stride(0), kpe_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         D=D, DPE=dpe, DV=DV,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, triton.next_power_of_2(dpe)),
         BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    block_s = max(2, triton.next_power_of_2(num_kv_splits))
-    chunk_dv = min(max(16, triton.next_power_of_2(DV)), max(16, 8192 // block_s))
-    _decode_stage2_kernel[(B, H, triton.cdiv(DV, chunk_dv))](
-        mid_o, mid_lse, out, seq_lens, num_kv_splits,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=block_n, num_warps=4,
-    )  # fmt: skip
+    if num_kv_splits > 1 or not direct:
+        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct)
     return out
 
 
