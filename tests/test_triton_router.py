@@ -4,17 +4,24 @@ CPU: TRITON_INTERPRET=1, tiny shapes. Fresh random inputs; the router math is fl
 agree within 1e-6 (abs and rel) and ids agree exactly: same order for softmax top-k (both sorted
 descending), same set per row for grouped top-k (torch's sorted=False order is unspecified, so both
 are sorted by id before comparing). bfloat16 logits tie often; there ties may pick other ids of the
-same score, so that case checks the kernel's ids against the reference probabilities instead."""
+same score, so that case checks the kernel's ids against the reference probabilities instead.
+The fused router (GEMV + selection in one launch) is checked against F.linear + the torch selection:
+float32 GEMV sums in another order, so ids must match and weights agree within 1e-5; bfloat16 logits are
+rounded like a bf16 nn.Linear, then compared as in the bf16 top-k case."""
 
 from __future__ import annotations
 
+from functools import partial
 
 import pytest
 import torch
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
-from ftransformers.kernels.triton_router import grouped_topk_sigmoid, softmax_topk
+import torch.nn.functional as F
+
+from ftransformers.kernels import triton_router
+from ftransformers.kernels.triton_router import fused_router_topk, grouped_topk_sigmoid, softmax_topk
 from ftransformers.layers.moe.grouped_topk import grouped_topk, grouped_topk_torch
 from ftransformers.layers.moe.topk import select_experts_softmax, select_experts_softmax_torch
 
@@ -104,21 +111,109 @@ def test_dispatch_by_device() -> None:
     assert torch.equal(ids.sort(-1)[0], ids_ref.sort(-1)[0])
 
 
+FUSED_TOKENS = [1, 7, 16]
+FUSED_TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def router_inputs(t: int, e: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, d, generator=gen).to(DEV, dtype)
+    weight = (torch.randn(e, d, generator=gen) * 2 / d**0.5).to(DEV, dtype)
+    return hidden, weight
+
+
+@pytest.mark.parametrize("t", FUSED_TOKENS)
+@pytest.mark.parametrize("e,d,k", [(128, 320, 8), (60, 72, 4)])
+@pytest.mark.parametrize("renorm", [False, True])
+def test_fused_router_softmax_fp32(t: int, e: int, d: int, k: int, renorm: bool) -> None:
+    hidden, weight = router_inputs(t, e, d, torch.float32, 100 * t + e)
+    w, ids = fused_router_topk(hidden, weight, k, softmax=True, renormalize=renorm, round_logits=True)
+    w_ref, ids_ref = select_experts_softmax_torch(F.linear(hidden, weight), k, renorm)
+    assert w.shape == ids.shape == (t, k) and ids.dtype == torch.int64
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, **FUSED_TOL)
+
+
+@pytest.mark.parametrize("t", FUSED_TOKENS)
+def test_fused_router_softmax_bf16(t: int) -> None:
+    e, d, k = 128, 256, 8
+    hidden, weight = router_inputs(t, e, d, torch.bfloat16, 7 * t)
+    w, ids = fused_router_topk(hidden, weight, k, softmax=True, renormalize=True, round_logits=True)
+    logits = F.linear(hidden.float(), weight.float()).to(torch.bfloat16)  # what a bf16 nn.Linear returns
+    w_ref, _ = select_experts_softmax_torch(logits, k, True)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    picked = probs.gather(1, ids)
+    torch.testing.assert_close(picked / picked.sum(-1, keepdim=True), w, **FUSED_TOL)
+    torch.testing.assert_close(w, w_ref, **FUSED_TOL)  # ties carry equal weights
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
+@pytest.mark.parametrize("t", FUSED_TOKENS if CUDA else [1, 7])
+@pytest.mark.parametrize("e,d,groups,topk_group,k", [(256, 200, 8, 4, 8), (48, 64, 4, 4, 5), (16, 32, None, None, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_router_grouped(t: int, e: int, d: int, groups, topk_group, k: int, dtype: torch.dtype) -> None:
+    hidden, weight = router_inputs(t, e, d, dtype, 31 * t + e)
+    corr = (torch.randn(e, generator=torch.Generator().manual_seed(e)) * 0.5).to(DEV)
+    w, ids = fused_router_topk(
+        hidden, weight, k, softmax=False, renormalize=True, num_expert_group=groups, topk_group=topk_group,
+        correction_bias=corr, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    logits = F.linear(hidden.float(), weight.float())  # DeepSeek's router: float32 GEMV
+    w_ref, ids_ref = grouped_topk_torch(logits, k, groups, topk_group, corr, True, 2.5)
+    ids_s, order = ids.sort(dim=-1)
+    ids_ref_s, order_ref = ids_ref.sort(dim=-1)
+    assert torch.equal(ids_s, ids_ref_s)
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), **FUSED_TOL)
+
+
+def test_fused_router_counter_resets() -> None:
+    # The last program hands the ticket counter back at 0, so repeated launches agree.
+    hidden, weight = router_inputs(3, 64, 96, torch.float32, 5)
+    first = fused_router_topk(hidden, weight, 4, softmax=True, renormalize=True)
+    for _ in range(3):
+        again = fused_router_topk(hidden, weight, 4, softmax=True, renormalize=True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert int(triton_router._COUNTERS[hidden.device].item()) == 0
+
+
+def test_router_softmax_topk_dispatch() -> None:
+    # The layer entry point: the fused kernel at decode sizes on a GPU, F.linear + top-k otherwise.
+    from ftransformers.layers.moe.topk import router_softmax_topk
+
+    for t in (2, triton_router.MAX_FUSED_TOKENS // 2 + 1, triton_router.MAX_FUSED_TOKENS + 1):
+        hidden, weight = router_inputs(t, 64, 96, torch.float32, t)
+        w, ids = router_softmax_topk(hidden, weight, 4, True)
+        w_ref, ids_ref = select_experts_softmax_torch(F.linear(hidden, weight), 4, True)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, **FUSED_TOL)
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay() -> None:
     t, e = 16, 256
     logits = logits_for(t, e, torch.float32, 11)
     corr = torch.randn(e, device=DEV) * 0.3
+    hidden, weight = router_inputs(t, e, 512, torch.bfloat16, 13)
+    fused = partial(fused_router_topk, hidden, weight, 8, softmax=False, renormalize=True, num_expert_group=8,
+                    topk_group=4, correction_bias=corr, routed_scaling_factor=2.5)  # fmt: skip
     for _ in range(2):  # warm up (compile) outside the capture
         softmax_topk(logits, 8, True)
         grouped_topk_sigmoid(logits, 8, 8, 4, corr, True, 2.5)
+        fused()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_s = softmax_topk(logits, 8, True)
         out_g = grouped_topk_sigmoid(logits, 8, 8, 4, corr, True, 2.5)
+        out_f = [fused() for _ in range(3)]  # three launches on one counter
     logits.copy_(logits_for(t, e, torch.float32, 12))
-    graph.replay()
+    hidden.copy_(router_inputs(t, e, 512, torch.bfloat16, 14)[0])
+    for _ in range(2):
+        graph.replay()
     torch.cuda.synchronize()
+    ref_f = grouped_topk_torch(F.linear(hidden.float(), weight.float()), 8, 8, 4, corr, True, 2.5)
+    for w_f, ids_f in out_f:
+        assert torch.equal(ids_f.sort(-1)[0], ref_f[1].sort(-1)[0])
+        torch.testing.assert_close(w_f.sort(-1)[0], ref_f[0].sort(-1)[0], **FUSED_TOL)
     ref_s = select_experts_softmax_torch(logits, 8, True)
     ref_g = grouped_topk_torch(logits, 8, 8, 4, corr, True, 2.5)
     assert torch.equal(out_s[1], ref_s[1])

@@ -10,15 +10,29 @@ Selection is an iterative argmax, K times. Output order: descending by the selec
 prob; biased sigmoid score). Ties go to the lowest expert index (and, for groups, the lowest group
 index); torch.topk leaves the order of ties unspecified, so on exactly tied scores the ids may differ
 from the torch reference, never otherwise. No host sync, outputs sized by shape only: graph-safe.
+
+`fused_router_topk` (decode, T <= MAX_FUSED_TOKENS): the router GEMV (hidden @ gate_weight^T) and the
+selection in ONE launch. Programs split the weight over (expert block, D split) and store fp32
+partial logits; the last program to finish (an atomic ticket on a per-device counter, which it resets
+to 0) sums the partials in split order (deterministic) and runs the selection for all tokens at once
+on a [T, G, S] tile. Invariant: launches sharing a counter never overlap, i.e. one device's router
+kernels are issued on one stream at a time (the runner's model stream; the graphs replay on it).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 MAX_EXPERTS = 1024
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_FUSED_TOKENS = 16
+MAX_FUSED_EXPERTS = 512
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_ROUND = {torch.bfloat16: 1, torch.float16: 2}  # logits rounding modes of the fused router
 
 
 @triton.jit
@@ -154,3 +168,185 @@ def grouped_topk_sigmoid(
             num_warps=4 if block_g * block_s >= 256 else 2,
         )  # fmt: skip
     return weights, ids
+
+
+@triton.jit
+def _fused_router_kernel(
+    x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
+    E: tl.constexpr, G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
+    ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
+    E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
+    pid = tl.program_id(0)
+    pid_e = pid % E_BLOCKS
+    pid_d = pid // E_BLOCKS
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_d = pid_d * (D_TILES * BLOCK_D) + tl.arange(0, BLOCK_D)
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_d[None, :]
+    w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_d[:, None]
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for dt in range(D_TILES):
+        d_ok = offs_d < D - dt * BLOCK_D
+        x = tl.load(x_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=d_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+        if IEEE:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_D
+        w_ptrs += BLOCK_D
+    tl.store(part_ptr + (pid_d * BLOCK_T + offs_t[:, None]) * E + offs_e[None, :], acc, mask=offs_e[None, :] < E)
+    # Phase 2, the last program only: the barrier orders the CTA's stores before its release ticket.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if ticket == E_BLOCKS * N_SPLIT - 1:
+        tl.store(counter_ptr, 0)
+        t3 = tl.arange(0, SEL_T)[:, None, None]
+        g3 = tl.arange(0, BLOCK_G)[None, :, None]
+        s3 = tl.arange(0, BLOCK_S)[None, None, :]
+        eid = g3 * S + s3  # [1, BG, BS] expert index
+        ev = (g3 < G) & (s3 < S)  # [1, BG, BS]
+        ld = ev & (t3 < T)
+        logits = tl.zeros([SEL_T, BLOCK_G, BLOCK_S], dtype=tl.float32)
+        for sp in tl.static_range(N_SPLIT):
+            logits += tl.load(part_ptr + (sp * BLOCK_T + t3) * E + eid, mask=ld, other=0.0, cache_modifier=".cg")
+        if ROUND == 1:  # the logits a bf16 nn.Linear returns: round to nearest even, in bits (exact
+            # on the GPU and in the interpreter, whose float casts truncate)
+            bits = logits.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            logits = bits.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
+            logits = logits.to(tl.float16).to(tl.float32)
+        if SOFTMAX:
+            lm = tl.where(ev, logits, float("-inf"))
+            num = tl.exp(lm - tl.max(tl.max(lm, 2), 1)[:, None, None])
+            scores = num / tl.sum(tl.sum(num, 2), 1)[:, None, None]
+            choice = tl.where(ev, scores, float("-inf"))
+        else:
+            scores = tl.sigmoid(logits)
+            choice = scores
+            if HAS_BIAS:
+                choice = scores + tl.load(bias_ptr + eid, mask=ev, other=0.0).to(tl.float32)
+            choice = tl.where(ev, choice, float("-inf"))
+        if GROUPED:
+            # group_scores [SEL_T, BG]: sum of the two best biased scores in each group
+            top1 = tl.max(choice, 2)
+            arg1 = tl.min(tl.where(choice == top1[:, :, None], s3, BLOCK_S), 2)
+            top2 = tl.max(tl.where(s3 == arg1[:, :, None], float("-inf"), choice), 2)
+            gidx = tl.arange(0, BLOCK_G)[None, :]  # [1, BG]
+            gs = tl.where(gidx < G, top1 + top2, float("-inf"))
+            keep = tl.zeros([SEL_T, BLOCK_G], dtype=tl.int32)
+            for _ in tl.static_range(TOPK_GROUP):
+                pick = tl.min(tl.where(gs == tl.max(gs, 1)[:, None], gidx, BLOCK_G), 1)  # [SEL_T]
+                keep = tl.where(gidx == pick[:, None], 1, keep)
+                gs = tl.where(gidx == pick[:, None], float("-inf"), gs)
+            choice = tl.where(keep[:, :, None] != 0, choice, float("-inf"))
+        koffs = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+        w_out = tl.zeros([SEL_T, BLOCK_K], dtype=tl.float32)
+        ids = tl.zeros([SEL_T, BLOCK_K], dtype=tl.int32)
+        for kk in tl.static_range(K):
+            best = tl.max(tl.max(choice, 2), 1)  # [SEL_T]
+            idx = tl.min(tl.min(tl.where(choice == best[:, None, None], eid, BLOCK_G * BLOCK_S), 2), 1)
+            hit = (eid == idx[:, None, None]) & ev
+            w_out = tl.where(koffs == kk, tl.sum(tl.sum(tl.where(hit, scores, 0.0), 2), 1)[:, None], w_out)
+            ids = tl.where(koffs == kk, idx[:, None], ids)
+            choice = tl.where(hit, float("-inf"), choice)
+        if RENORM:
+            if SOFTMAX:
+                w_out = w_out / tl.sum(w_out, 1)[:, None]
+            else:
+                w_out = w_out / (tl.sum(w_out, 1)[:, None] + 1e-20)
+        w_out = w_out * scale
+        t2 = tl.arange(0, SEL_T)[:, None]
+        omask = (t2 < T) & (koffs < K)
+        tl.store(tw_ptr + t2 * K + koffs, w_out, mask=omask)
+        tl.store(ids_ptr + t2 * K + koffs, ids.to(ids_ptr.dtype.element_ty), mask=omask)
+
+
+def _router_counter(device: torch.device) -> torch.Tensor | None:
+    """The per-device ticket counter (zero between launches); None while capturing before it exists,
+    since memory allocated inside a capture belongs to the graph's pool."""
+    counter = _COUNTERS.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def max_fused_tokens(weight: torch.Tensor) -> int:
+    """The one-launch router wins while the GEMV it saves outweighs its serial selection phase (H100,
+    bench_router.py): up to T=16 for DeepSeek-V3's 3.7 MB gate, T=8 for Qwen3-30B-A3B's 0.5 MB one."""
+    return MAX_FUSED_TOKENS if weight.numel() * weight.element_size() >= 2 << 20 else MAX_FUSED_TOKENS // 2
+
+
+def can_fuse_router(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fused_router_topk takes this call: small T, on a GPU (or the interpreter in tests)."""
+    return (
+        hidden.dim() == 2
+        and 0 < hidden.shape[0] <= max_fused_tokens(weight)
+        and weight.shape[0] <= MAX_FUSED_EXPERTS
+        and hidden.shape[1] == weight.shape[1]
+        and hidden.device == weight.device
+        and (hidden.is_cuda or _INTERPRET)
+        and _router_counter(hidden.device) is not None
+    )
+
+
+def fused_router_topk(
+    hidden: torch.Tensor,  # [T, D]
+    weight: torch.Tensor,  # [E, D] the router (gate) weight
+    top_k: int,
+    *,
+    softmax: bool,
+    renormalize: bool,
+    round_logits: bool = False,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    correction_bias: torch.Tensor | None = None,  # [E], sigmoid scoring only
+    routed_scaling_factor: float = 1.0,
+    ids_dtype: torch.dtype = torch.int64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits = hidden @ weight^T (float32 accumulation; `round_logits` rounds them to hidden's dtype as
+    nn.Linear would), then softmax_topk (softmax=True) or grouped_topk_sigmoid semantics.
+    Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router."""
+    t, d = hidden.shape
+    e = weight.shape[0]
+    grouped = not softmax and num_expert_group is not None and num_expert_group > 1
+    groups = num_expert_group if grouped else 1
+    assert e % groups == 0 and 0 < top_k <= e and 0 < t <= MAX_FUSED_TOKENS, (e, groups, top_k, t)
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    counter = _router_counter(hidden.device)
+    assert counter is not None, "check can_fuse_router first"
+    block_e, block_d = 32, 128
+    e_blocks, d_tiles = triton.cdiv(e, block_e), triton.cdiv(d, block_d)
+    n_split = min(d_tiles, max(1, 128 // e_blocks))  # ~128 programs of one or a few D tiles each
+    tiles_per_split = triton.cdiv(d_tiles, n_split)
+    n_split = triton.cdiv(d_tiles, tiles_per_split)
+    block_t = 16  # tl.dot needs M >= 16
+    part = torch.empty(n_split, block_t, e, dtype=torch.float32, device=hidden.device)
+    out_w = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
+    out_ids = torch.empty(t, top_k, dtype=ids_dtype, device=hidden.device)
+    bias = correction_bias.contiguous() if correction_bias is not None else out_w
+    block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
+    ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
+    sel_t = max(4, triton.next_power_of_2(t))  # H100: a [1, G, S] selection tile ran slower than [4, G, S]
+    _fused_router_kernel[(e_blocks * n_split,)](
+        hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
+        float(routed_scaling_factor),
+        E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
+        SOFTMAX=softmax, HAS_BIAS=correction_bias is not None and not softmax, GROUPED=grouped,
+        RENORM=bool(renormalize), ROUND=_ROUND.get(hidden.dtype, 0) if round_logits else 0, IEEE=ieee,
+        BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
+        N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=8 if sel_t * block_g * block_s >= 4096 else 4,
+    )  # fmt: skip
+    return out_w, out_ids

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ftransformers.layers.linear import ReplicatedLinear
-from ftransformers.layers.moe import FusedMoE, select_experts_softmax
+from ftransformers.layers.moe import FusedMoE, router_softmax_topk
 from ftransformers.models.llama import LlamaMLP
 from ftransformers.models.moe_weights import load_moe_model_weights
 from ftransformers.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -39,9 +39,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [T, D]; router_logits: [T, E]
-        router_logits = self.gate(hidden)
-        topk_weights, topk_ids = select_experts_softmax(router_logits, self.top_k, self.renormalize)
+        # hidden: [T, D] -> [T, D]. The gate is an unbiased linear [E, D]; at decode sizes its GEMV and
+        # the softmax top-k run as one kernel.
+        topk_weights, topk_ids = router_softmax_topk(hidden, self.gate.weight, self.top_k, self.renormalize)
         return self.experts(hidden, topk_weights, topk_ids)
 
 

@@ -92,6 +92,15 @@ class DeepseekTopkRouter(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden: [T, D] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)
+        if hidden.is_cuda:  # decode sizes: float32 GEMV + selection in one kernel, no casts of the weight
+            from ftransformers.kernels.triton_router import can_fuse_router, fused_router_topk
+
+            if can_fuse_router(hidden, self.weight):
+                return fused_router_topk(
+                    hidden, self.weight, self.top_k, softmax=False, renormalize=self.renormalize,
+                    num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                    correction_bias=self.e_score_correction_bias, routed_scaling_factor=self.routed_scaling_factor,
+                )  # fmt: skip
         router_logits = torch.nn.functional.linear(hidden.float(), self.weight.float())  # [T, E]
         return grouped_topk(
             router_logits,
