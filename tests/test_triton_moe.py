@@ -7,7 +7,6 @@ plus a CUDA-graph capture replayed on refilled inputs. Errors are ||out - ref|| 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -62,21 +61,24 @@ def check_alignment(topk_ids: torch.Tensor, e: int, block_m: int, sorted_ids, ex
     assert bool((ex[: used // block_m][1:] >= ex[: used // block_m][:-1]).all())
 
 
-@pytest.mark.parametrize("t,e,k,block_m", [(1, 8, 2, 16), (3, 128, 8, 16), (17, 16, 4, 32), (64, 64, 6, 16), (40, 8, 2, 64)])
-def test_alignment_invariants(t: int, e: int, k: int, block_m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "t,e,k,block_m", [(1, 8, 2, 16), (3, 128, 8, 16), (17, 16, 4, 32), (64, 64, 6, 16), (40, 8, 2, 64), (700, 16, 2, 16)]
+)
+def test_alignment_invariants(t: int, e: int, k: int, block_m: int) -> None:
+    # (700, 16, 2): 1400 pairs, more than one CHUNK of the multi-program kernel
     gen = torch.Generator().manual_seed(t * 1000 + e)
     _, ids = make_routing(t, e, k, gen)
-    monkeypatch.setattr(tfm, "SMALL_ALIGN_MAX_WORK", 1 << 40)  # the single-program kernel at every size
-    small = tfm.moe_align(ids, e, block_m)
+    out = tfm.moe_align(ids, e, block_m)
     ref = tfm.align_reference(ids, e, block_m)
-    check_alignment(ids, e, block_m, *small)
+    check_alignment(ids, e, block_m, *out)
     check_alignment(ids, e, block_m, *ref)
-    for a, b in zip(small, ref):
+    for a, b in zip(out, ref):
         assert torch.equal(a.cpu(), b.cpu())
 
 
+# fused_moe's default path (aligned; the pair path only for T*K <= tfm.PAIR_MAX_PAIRS).
 CPU_CASES = [(1, 8, 2), (3, 16, 4), (17, 8, 2), (64, 32, 8), (3, 128, 8)]
-CUDA_CASES = [(t, e, k) for t in (1, 3, 17, 64, 1024) for (e, k) in ((8, 2), (64, 6), (128, 8))]
+CUDA_CASES = [(t, e, k) for t in (1, 3, 8, 17, 64, 1024) for (e, k) in ((8, 2), (64, 6), (128, 8))]
 
 
 @pytest.mark.parametrize("t,e,k", CUDA_CASES if CUDA else CPU_CASES)
@@ -96,15 +98,30 @@ def test_fused_moe_matches_native(t: int, e: int, k: int, dtype: torch.dtype) ->
     "cfg",
     [tfm.MoEConfig(32, 16, 16, 32, 32, 8, 4, 2), tfm.MoEConfig(64, 32, 32, 16, 16, 2, 4, 2)],
 )
-def test_fused_moe_configs_and_sort_path(cfg: tfm.MoEConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Tiles smaller than D and I (several N and K steps), grouped launch order, the sort-based alignment.
-    monkeypatch.setattr(tfm, "SMALL_ALIGN_MAX_WORK", 0)
+def test_fused_moe_aligned_configs(cfg: tfm.MoEConfig) -> None:
+    # The aligned path with tiles smaller than D and I (several N and K steps), grouped launch order.
     gen = torch.Generator().manual_seed(11)
     t, e, k = 21, 8, 3
     hidden, w13, w2 = make_experts(t, 72, 40, e, torch.float32, gen)
     weights, ids = make_routing(t, e, k, gen)
     ref = moe_forward_native(hidden, w13, w2, weights, ids)
     assert rel_err(tfm.fused_moe(hidden, w13, w2, weights, ids, cfg), ref) <= 1e-4
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 4, 3), (9, 16, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", ["small", "default"])
+def test_pair_path_repeated_experts(t: int, e: int, k: int, dtype: torch.dtype, tiles: str) -> None:
+    # The pair path forced by a PairConfig (also at 9 * 8 = 72 pairs) with tiles smaller than D and
+    # I and odd sizes (D=72, I=40: partial N and K tiles); with E < T*K many tokens share an expert.
+    gen = torch.Generator().manual_seed(5 * t + e)
+    hidden, w13, w2 = make_experts(t, 72, 40, e, dtype, gen)
+    weights, ids = make_routing(t, e, k, gen)
+    ref = moe_forward_native(hidden.float(), w13.float(), w2.float(), weights, ids)
+    cfg = tfm.PairConfig(up_n=16, up_k=32, down_n=16, down_k=16) if tiles == "small" else tfm.default_pair_config(t, 72)
+    out = tfm.fused_moe(hidden, w13, w2, weights, ids.int(), cfg)
+    assert out.shape == hidden.shape and out.dtype == dtype
+    assert rel_err(out, ref) <= (1e-4 if dtype == torch.float32 else 1e-2)
 
 
 def test_moe_sum() -> None:

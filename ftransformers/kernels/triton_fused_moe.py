@@ -1,9 +1,19 @@
-"""Fused MoE in Triton: token/expert alignment, grouped GEMMs over expert-aligned row blocks, top-k sum.
+"""Fused MoE in Triton: two paths, both CUDA-graph safe (sizes depend only on (T, K, E), no host sync).
 
-Pairs are the T*K (token, slot) entries of `topk_ids`, numbered `pair = t * K + k`. Alignment sorts
-them by expert (stable: ties keep pair order) and pads each expert's run to a multiple of BLOCK_M, so
-every BLOCK_M block of sorted rows belongs to ONE expert. Padding rows hold the sentinel `T*K`.
-All sizes depend only on (T, K, E, BLOCK_M): no host sync, so the launchers are CUDA-graph safe.
+Pairs are the T*K (token, slot) entries of `topk_ids`, numbered `pair = t * K + k`.
+
+Pair path (a PairConfig, or T*K <= PAIR_MAX_PAIRS: one decode token): no alignment, no top-k sum
+kernel. `pair_gate_up` runs one program per (I-block, pair) and writes
+act[pair] = topk_weight * silu(gate) * up; `pair_down_sum` runs one program per (D-block, token) and
+contracts over all K of its pairs at once (one fp32 accumulator), so out[t] = sum_k act[t*K+k] @ w2[e_k]^T
+lands directly in [T, D]. Both are one-row GEMVs on CUDA cores (narrow N tiles, long K steps, float32
+sums), the form that streams weights fastest at one row (kernels/triton_gemv.py). Programs for one
+weight block are launched next to each other, so an expert hit by several tokens is re-read from L2.
+
+Aligned path (more pairs): alignment sorts the pairs by expert (stable: ties keep pair order) and pads
+each expert's run to a multiple of BLOCK_M, so every BLOCK_M block of sorted rows belongs to ONE
+expert; grouped GEMMs run over those blocks and `moe_sum` adds the K rows of each token.
+Padding rows hold the sentinel `T*K`.
 
     sorted_ids  [max_padded] int32     pair index or T*K (padding)
     expert_ids  [max_blocks] int32     expert of each block (E past the used blocks)
@@ -20,10 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-# The single-program alignment kernel is serial over pairs x experts (H100: ~7 us at 8 pairs; 45 us at
-# 512 pairs x 256 and 86 us at 512 x 512); past this much work the sort-based torch ops (~75-90 us in a
-# graph, flat in size) win.
-SMALL_ALIGN_MAX_WORK = 1 << 18
+# Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
+# (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
+# 34.4 vs 38.0 us, DeepSeek-V3 237.7 vs 250.5 us; from T=2 the aligned path ties or wins on DeepSeek
+# (441 vs 448 us) and by T=16 on both.
+PAIR_MAX_PAIRS = 8
+# Every alignment program reads all pairs: linear in T (H100, E=128: 4.6 us at 1K pairs, 20 us at 8K,
+# 178 us at 64K) while the torch sort path is flat (~145 us); past this many pairs the sort wins.
+SORT_ALIGN_MIN_PAIRS = 1 << 15
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -39,6 +53,21 @@ class MoEConfig:
     num_stages: int = 4
 
 
+@dataclass(frozen=True)
+class PairConfig:
+    """Tiles of the pair path: gate-up (N over I, K over D) and down+sum (N over D, K over I); K tiles
+    are capped at the next power of two of the contracted size."""
+
+    up_n: int = 4
+    up_k: int = 1024
+    down_n: int = 2
+    down_k: int = 1024
+    up_warps: int = 4
+    up_stages: int = 4
+    down_warps: int = 4
+    down_stages: int = 4
+
+
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
     """Tiles by the expected rows per expert, from an H100 sweep (benchmarks/bench_moe.py): decode-shaped
     blocks of 16 rows and long K tiles while weights dominate, 64- then 128-row blocks for prefill."""
@@ -50,48 +79,61 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
     return MoEConfig(128, 128, 64, 256, 64, 8, 8, 3)
 
 
+def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
+    """Narrow N tiles and 1024-wide K steps, as for the dense one-row GEMV (kernels/triton_gemv.py);
+    the best of the T=1 sweep on the H100 (moe_pair_h100.json): D=2048 up_n 8 / down_n 2, D=7168
+    up_n 4 / down_n 4, two stages. The down kernel has T * D/down_n programs."""
+    if num_tokens * hidden_size <= 4096:
+        return PairConfig(up_n=8, down_n=2, up_stages=2, down_stages=2)
+    return PairConfig(up_n=4, down_n=4, up_stages=2, down_stages=2)
+
+
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return triton.cdiv(bound, block_m) * block_m
 
 
 @triton.jit
-def _align_small_kernel(
+def _align_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_experts, max_padded, max_blocks,
-    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr,
-    PAIR_CHUNKS: tl.constexpr, PAD_CHUNKS: tl.constexpr, BLK_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, MAX_BLOCKS_P2: tl.constexpr,
 ):
-    # One program: histogram -> padded exclusive offsets -> stable scatter of pairs; pairs <= a few K.
-    # Loop counts are constexpr bounds (bucketed by the launcher); the runtime sizes only mask.
-    e_range = tl.arange(0, E_P2)
+    # One program per expert e. Each builds the whole histogram (cheap: ids are a few KB in L2), so it
+    # knows where its padded run starts, then scatters its own pairs in pair order (stable), pads its
+    # run and names its blocks. Runs are disjoint: no atomics, deterministic. The tail past the used
+    # rows is filled by all programs, strided.
+    e = tl.program_id(0)
     c_range = tl.arange(0, CHUNK)
     counts = tl.zeros([E_P2], dtype=tl.int32)
-    for ci in range(PAIR_CHUNKS):
-        c = ci * CHUNK
-        ids = tl.load(ids_ptr + c + c_range, mask=c + c_range < num_pairs, other=E_P2)
-        counts += tl.sum((ids[:, None] == e_range[None, :]).to(tl.int32), axis=0)
+    for c in range(0, num_pairs, CHUNK):
+        m = c + c_range < num_pairs
+        ids = tl.load(ids_ptr + c + c_range, mask=m, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_P2, mask=m)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # [E_P2] inclusive
-    starts = ends - padded
-    tl.store(num_post_ptr, tl.sum(padded, axis=0))
-    for pi in range(PAD_CHUNKS):
-        p = pi * CHUNK
+    starts = tl.cumsum(padded, axis=0) - padded  # [E_P2] exclusive
+    sel = tl.arange(0, E_P2) == e
+    start = tl.sum(tl.where(sel, starts, 0), axis=0)
+    count = tl.sum(tl.where(sel, counts, 0), axis=0)
+    run = tl.sum(tl.where(sel, padded, 0), axis=0)
+    total = tl.sum(padded, axis=0)
+    seen = tl.sum(tl.zeros([1], dtype=tl.int32), axis=0)
+    for c in range(0, num_pairs, CHUNK):
+        m = c + c_range < num_pairs
+        hit = (tl.load(ids_ptr + c + c_range, mask=m, other=0).to(tl.int32) == e) & m
+        rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1 + seen
+        tl.store(sorted_ptr + start + rank, c + c_range, mask=hit)
+        seen += tl.sum(hit.to(tl.int32), axis=0)
+    pad = start + count + tl.arange(0, BLOCK_M)  # at most BLOCK_M - 1 padding rows
+    tl.store(sorted_ptr + pad, tl.zeros([BLOCK_M], tl.int32) + num_pairs, mask=pad < start + run)
+    blk = tl.arange(0, MAX_BLOCKS_P2)
+    tl.store(expert_ids_ptr + start // BLOCK_M + blk, tl.zeros([MAX_BLOCKS_P2], tl.int32) + e,
+             mask=blk < run // BLOCK_M)
+    for p in range(total + e * CHUNK, max_padded, num_experts * CHUNK):
         tl.store(sorted_ptr + p + c_range, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=p + c_range < max_padded)
-    for bi in range(BLK_CHUNKS):
-        b = bi * CHUNK
-        blk = (b + c_range) * BLOCK_M
-        hit = (ends[None, :] <= blk[:, None]) & (e_range[None, :] < num_experts)
-        tl.store(expert_ids_ptr + b + c_range, tl.sum(hit.to(tl.int32), axis=1), mask=b + c_range < max_blocks)
-    tl.debug_barrier()
-    seen = tl.zeros([E_P2], dtype=tl.int32)
-    for ci in range(PAIR_CHUNKS):
-        c = ci * CHUNK
-        ids = tl.load(ids_ptr + c + c_range, mask=c + c_range < num_pairs, other=E_P2)
-        onehot = (ids[:, None] == e_range[None, :]).to(tl.int32)  # [CHUNK, E_P2]
-        before = tl.cumsum(onehot, axis=0) - onehot + seen[None, :]
-        dest = tl.sum(onehot * (before + starts[None, :]), axis=1)
-        tl.store(sorted_ptr + dest, c + c_range, mask=c + c_range < num_pairs)
-        seen += tl.sum(onehot, axis=0)
+    for b in range(total // BLOCK_M + e * CHUNK, max_blocks, num_experts * CHUNK):
+        tl.store(expert_ids_ptr + b + c_range, tl.zeros([CHUNK], tl.int32) + num_experts, mask=b + c_range < max_blocks)
+    if e == 0:
+        tl.store(num_post_ptr, total)
 
 
 def align_reference(
@@ -119,8 +161,7 @@ def moe_align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, K] -> (sorted_ids [max_padded], expert_ids [max_padded / block_m], num_post [1])."""
     n = topk_ids.numel()
-    e_p2 = triton.next_power_of_2(num_experts + 1)
-    if n * e_p2 > SMALL_ALIGN_MAX_WORK:
+    if n >= SORT_ALIGN_MIN_PAIRS:
         return align_reference(topk_ids, num_experts, block_m)
     max_padded = max_padded_rows(n, num_experts, block_m)
     dev = topk_ids.device
@@ -128,12 +169,11 @@ def moe_align(
     expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)  # any integer dtype; the kernel compares in registers
-    chunk = max(1, min(32, 4096 // e_p2))
-    bucket = max_padded_rows(triton.next_power_of_2(n), num_experts, block_m)  # fewer recompiles
-    _align_small_kernel[(1,)](
+    chunk = min(1024, max(128, triton.next_power_of_2(n)))
+    _align_kernel[(num_experts,)](
         ids, sorted_ids, expert_ids, num_post, n, num_experts, max_padded, max_padded // block_m,
-        BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, PAIR_CHUNKS=triton.cdiv(triton.next_power_of_2(n), chunk),
-        PAD_CHUNKS=triton.cdiv(bucket, chunk), BLK_CHUNKS=triton.cdiv(bucket // block_m, chunk), num_warps=4,
+        BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=chunk,
+        MAX_BLOCKS_P2=triton.next_power_of_2(triton.cdiv(n, block_m)), num_warps=4,
     )
     return sorted_ids, expert_ids, num_post
 
@@ -228,6 +268,109 @@ def moe_gemm(
 
 
 @triton.jit
+def _pair_gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, ids_ptr, tw_ptr, N, K, num_pairs, up_offset,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+):
+    # act[pair, n] = w[pair] * silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, up_offset + n]), t = pair // TOP_K.
+    # One row, so a GEMV on CUDA cores: [BLOCK_N, BLOCK_K] weight tiles times the x row, summed over
+    # K in float32. Pair fastest in the grid: programs sharing an N block (and so an expert's rows) run
+    # together, and an expert hit by several tokens is re-read from L2.
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    pid_n = pid // num_pairs
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k * stride_xk  # [BK]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(K_TILES):
+        k_ok = offs_k < K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.load(w_ptrs + up_offset, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(g * x, axis=1)
+        acc_up += tl.sum(u * x, axis=1)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    act = acc / (1.0 + tl.exp(-acc)) * acc_up * tl.load(tw_ptr + pair)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _pair_down_sum_kernel(
+    act_ptr, w_ptr, out_ptr, ids_ptr, N, K, num_tokens,
+    stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+):
+    # out[t, n] = sum_k act[t*TOP_K + k] @ w2[e_k, n]^T, one float32 accumulator over (k, i); act
+    # already carries the routing weight. The TOP_K slots are unrolled, so their expert ids and weight
+    # loads are independent of each other. Token fastest in the grid.
+    pid = tl.program_id(0)
+    t = pid % num_tokens
+    pid_n = pid // num_tokens
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+    a_base = act_ptr + (t * TOP_K).to(tl.int64) * stride_am + offs_k  # [BK]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + t * TOP_K + slot).to(tl.int64)
+        for k in range(K_TILES):
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_base + slot * stride_am + k * BLOCK_K, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_base + expert * stride_we + k * BLOCK_K * stride_wk, mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)  # fmt: skip
+            acc += tl.sum(w * a[None, :], axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def pair_gate_up(
+    hidden: torch.Tensor,  # [T, D]
+    w13: torch.Tensor,  # [E, 2I, D]
+    topk_ids: torch.Tensor,  # [T, K] contiguous
+    weights: torch.Tensor,  # [T*K] float32
+    cfg: PairConfig,
+) -> torch.Tensor:  # act [T*K, I], routing weight applied
+    num_pairs, d = topk_ids.numel(), hidden.shape[1]
+    inter = w13.shape[1] // 2
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    block_k = min(cfg.up_k, triton.next_power_of_2(d))
+    grid = (num_pairs * triton.cdiv(inter, cfg.up_n),)
+    _pair_gate_up_kernel[grid](
+        hidden, w13, act, topk_ids, weights, inter, d, num_pairs, inter * w13.stride(1),
+        hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=triton.cdiv(d, block_k),
+        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+    )  # fmt: skip
+    return act
+
+
+def pair_down_sum(
+    act: torch.Tensor,  # [T*K, I] contiguous
+    w2: torch.Tensor,  # [E, D, I]
+    topk_ids: torch.Tensor,  # [T, K] contiguous
+    out: torch.Tensor,  # [T, D]
+    cfg: PairConfig,
+) -> torch.Tensor:
+    t, top_k = topk_ids.shape
+    d, inter = w2.shape[1], w2.shape[2]
+    block_k = min(cfg.down_k, triton.next_power_of_2(inter))
+    grid = (t * triton.cdiv(d, cfg.down_n),)
+    _pair_down_sum_kernel[grid](
+        act, w2, out, topk_ids, d, inter, t, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        out.stride(0), TOP_K=top_k, BLOCK_N=cfg.down_n, BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _moe_sum_kernel(x_ptr, out_ptr, D, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr):
     # x: [T, TOP_K, D] contiguous -> out [T, D], float32 accumulation.
     t = tl.program_id(0).to(tl.int64)
@@ -252,13 +395,21 @@ def fused_moe(
     w2: torch.Tensor,  # [E, D, I]
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
-    config: MoEConfig | None = None,
+    config: MoEConfig | PairConfig | None = None,
 ) -> torch.Tensor:  # [T, D]
+    """The pair path for a PairConfig (or T*K <= PAIR_MAX_PAIRS), else the aligned path."""
     t, d = hidden.shape
     e, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
     if t == 0:
         return hidden.new_empty(0, d)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
+    if isinstance(config, PairConfig) or (config is None and t * top_k <= PAIR_MAX_PAIRS):
+        cfg = config if isinstance(config, PairConfig) else default_pair_config(t, d)
+        ids = topk_ids.contiguous()
+        act = pair_gate_up(hidden, w13, ids, weights, cfg)  # [T*K, I]
+        out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
+        return pair_down_sum(act, w2, ids, out, cfg)
     cfg = config or default_config(t, e, top_k)
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, e, cfg.block_m)
     act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
@@ -267,7 +418,6 @@ def fused_moe(
         cfg.group_m, cfg.num_warps, cfg.num_stages, fuse_silu=True,
     )
     y = torch.empty(t * top_k, d, dtype=hidden.dtype, device=hidden.device)  # [T*K, D]
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     moe_gemm(
         act, w2, y, sorted_ids, expert_ids, num_post, 1, cfg.block_m, cfg.down_n, cfg.down_k,
         cfg.group_m, cfg.num_warps, cfg.num_stages, weights=weights,
