@@ -397,7 +397,7 @@ def run_model(
     for buf in getattr(pool, "k_buffers", []) + getattr(pool, "v_buffers", []) + getattr(pool, "latent_buffers", []):
         buf.uniform_(-1.0, 1.0)
     bw, rate = ceil["copy_GBps"] * 1e9, ceil["matmul_TFLOPs"] * 1e12
-    res["decode"] = [bench_decode(runner, acc, bw, b, c, args.iters, engine=main_entry and c == contexts[0])
+    res["decode"] = [bench_decode(runner, acc, bw, b, c, args.iters, engine=c == contexts[0])
                      for c in contexts for b in args.batches]  # fmt: skip
     for r in res["decode"]:
         print(f"  {name}:{layers} decode {r}", flush=True)
