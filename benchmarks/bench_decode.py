@@ -10,9 +10,10 @@ registered once with `prefix_len = context` and its slots, then timed steps re-d
 `context` (slots_start = context), so no prefill is needed.
 
 Engine rows (`engine_overlap_ms`, `engine_sync_ms`): the same batch served through the `Scheduler`
-loop (requests of `context` prompt tokens, greedy, ignore_eos), with overlap scheduling on and off:
-per decode step = (time for 72 new tokens - time for 8) / 64, so prefill cancels out. This is the
-step time a server or `LLM.generate` user sees, host scheduling included.
+loop (requests of `context` prompt tokens, greedy, ignore_eos, 64 new tokens), with overlap
+scheduling on and off: the median wall time of the `Scheduler.step()` calls that launch a decode of
+all B sequences right after another one (steady decode; prefill steps excluded). This is the step
+time a server or `LLM.generate` user sees, host scheduling included.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --out $OUT/decode_h100.json \
         --models qwen3-30b-a3b:48,qwen3-8b:36,deepseek-v3:3
@@ -207,45 +208,55 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
         t = median_ms(lambda: runner.forward_step(timed), iters if mode == "graph" else max(3, iters // 2))
         row[f"{mode}_ms"], row[f"{mode}_ratio"] = t, t / floor
     runner.graph_runner = graphs
-    for overlap in (True, False) if engine else ():
+    if graphs is not None and batch in graphs.graphs:
+        g = graphs.graphs[batch]
+        row["replay_ms"] = median_ms(g.replay, iters)  # the graph alone, buffers as the timed step left them
+        row["tok_per_s"] = batch / row["graph_ms"] * 1e3
+    for overlap in (True, False) if engine else ():  # last: the engine runs refill the graph buffers
         ms = engine_step_ms(runner, acc["vocab"], batch, ctx, overlap)
         if ms is not None:
             key = "overlap" if overlap else "sync"
             row[f"engine_{key}_ms"], row[f"engine_{key}_ratio"] = ms, ms / floor
-    if graphs is not None and batch in graphs.graphs:
-        g = graphs.graphs[batch]
-        row["replay_ms"] = median_ms(g.replay, iters)  # the graph alone, buffers as last filled
-        row["tok_per_s"] = batch / row["graph_ms"] * 1e3
     return row
 
 
-def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool,
-                   short: int = 8, long: int = 72) -> float | None:
-    """Per decode step through the Scheduler loop: (T(long new tokens) - T(short)) / (long - short)."""
+def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool, new_tokens: int = 64) -> float | None:
+    """Median wall time of steady decode steps through the Scheduler loop (see the module doc)."""
     from ftransformers.config.sampling_params import SamplingParams
     from ftransformers.scheduler.io_struct import GenerateReq
     from ftransformers.scheduler.scheduler import Scheduler
 
-    if batch * (ctx + long + 1) > runner.kv_capacity or ctx + long > runner.max_context_len:
+    if batch * (ctx + new_tokens + 1) > runner.kv_capacity or ctx + new_tokens > runner.max_context_len:
         return None
     prompts = torch.randint(0, vocab, (batch, ctx)).tolist()
+    launched: list[bool] = []  # per launch: a decode of all `batch` sequences
+    launch = runner.launch_step
 
-    def generate(new_tokens: int) -> float:
-        sched = Scheduler(runner, runner.server_args, [], overlap=overlap)  # fresh: no prefix-cache hits
-        sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            sched.add_request(GenerateReq(rid=f"e{i}", input_ids=p, sampling_params=sp))
-        sync()
-        t0 = time.perf_counter()
-        while sched.has_work():
-            sched.step()
-        sync()
-        return time.perf_counter() - t0
+    def recording_launch(step_batch: Any) -> Any:
+        launched.append(len(step_batch.seqs) == batch and step_batch.num_tokens == batch)
+        return launch(step_batch)
 
-    generate(short)  # warm-up
-    t_short = min(generate(short) for _ in range(2))
-    t_long = min(generate(long) for _ in range(2))
-    return (t_long - t_short) / (long - short) * 1e3
+    runner.launch_step = recording_launch  # instance attribute: shadows the method for this run
+    try:
+        times: list[float] = []
+        for _ in range(2):  # the first run warms up
+            sched = Scheduler(runner, runner.server_args, [], overlap=overlap)  # fresh: no prefix-cache hits
+            sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+            for i, p in enumerate(prompts):
+                sched.add_request(GenerateReq(rid=f"e{i}", input_ids=p, sampling_params=sp))
+            launched.clear()
+            times.clear()
+            sync()
+            while sched.has_work():
+                n = len(launched)
+                t0 = time.perf_counter()
+                sched.step()
+                # steady: this call launched a full decode, and so did the one before (whose step it read)
+                if len(launched) == n + 1 and n >= 1 and launched[n] and launched[n - 1]:
+                    times.append(time.perf_counter() - t0)
+    finally:
+        del runner.launch_step
+    return statistics.median(times) * 1e3 if len(times) >= 8 else None
 
 
 def distinct_experts(runner: Any, step: Any) -> float | None:
