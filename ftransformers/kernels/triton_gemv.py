@@ -6,9 +6,9 @@ attention projections of Qwen3-30B-A3B and DeepSeek-V3 and 4% for a 128-expert r
 program owns BLOCK_N output features and walks the whole K once, so every weight byte is read
 exactly once, with no second kernel:
 
-- M <= 4 (`_gemv_small_m_kernel`): broadcast-multiply-reduce on CUDA cores, [BLOCK_M, BLOCK_N,
-  BLOCK_K] products summed over K in float32 (tensor cores would waste 3/4 of their rows at M = 1..4).
-- 4 < M <= 16 (`_gemv_dot_kernel`): x padded to 16 rows in registers and tl.dot on tensor cores.
+- M <= 4: broadcast-multiply-reduce on CUDA cores, [BLOCK_M, BLOCK_N, BLOCK_K] products summed over
+  K in float32 (tensor cores would waste 3/4 of their rows at M = 1..4).
+- 4 < M <= 16 (`DOT`): x padded to 16 rows in registers and tl.dot on tensor cores.
 
 Tiles come from `gemv_config` (measured by benchmarks/bench_gemv.py on an H100): small BLOCK_N so
 that N / BLOCK_N programs cover the SMs several times over, long BLOCK_K for wide vector loads.
@@ -31,11 +31,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _gemv_small_m_kernel(
+def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,43 +54,13 @@ def _gemv_small_m_kernel(
             mask_k = (k0 + offs_k) < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
-        acc += tl.sum(prod, axis=2)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _gemv_dot_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        else:
-            mask_k = (k0 + offs_k) < K
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+        if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
+            if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:  # CUDA cores: [BM, BN, BK] products summed over K
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -124,11 +95,11 @@ def gemv(
     assert 1 <= M <= GEMV_MAX_M, M
     cfg = dict(config or gemv_config(M, N, K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    kernel = _gemv_small_m_kernel if cfg["BLOCK_M"] <= 4 else _gemv_dot_kernel
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-    kernel[grid](
+    _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
         **cfg,
     )  # fmt: skip
     return y
