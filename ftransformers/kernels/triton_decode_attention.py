@@ -138,7 +138,8 @@ def _decode_stage2_kernel(
     denom = tl.sum(w, 0)
     # seq_len 0 (a padded CUDA-graph row) has no split: write zeros, not NaN
     acc = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(O + b * s_o_t + h * s_o_h + offs_dv, acc.to(O.dtype.element_ty), mask=(offs_dv < DV) & (n_live > 0))
+    live = (offs_dv * 0 + n_live) > 0  # a tensor compare: n_live may be a plain int (DIRECT off)
+    tl.store(O + b * s_o_t + h * s_o_h + offs_dv, acc.to(O.dtype.element_ty), mask=(offs_dv < DV) & live)
 
 
 def decode_scratch(batch: int, num_heads: int, v_head_dim: int, max_splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
