@@ -18,6 +18,7 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA, torch_native on CPU
 MOE_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
+QUANTIZATION_CHOICES = ("auto", "none", "w8a8_int8")  # auto: the checkpoint's quantization_config
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -45,6 +46,10 @@ class ServerArgs:
     context_length: int | None = field(default=None, metadata=_opt("Override the model's context length"))
     load_format: str = field(
         default="auto", metadata=_opt("Weight format; 'dummy' makes random weights", LOAD_FORMAT_CHOICES)
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=_opt("Weight quantization; 'auto' reads the checkpoint's quantization_config", QUANTIZATION_CHOICES),
     )
     attention_backend: str = field(
         default="auto", metadata=_opt("Attention kernels (auto: triton on CUDA)", ATTENTION_BACKEND_CHOICES)

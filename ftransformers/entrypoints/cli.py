@@ -70,13 +70,20 @@ def bench_main(argv: Sequence[str]) -> int:
     return bench(argv)
 
 
+def quantize_main(argv: Sequence[str]) -> int:
+    from ftransformers.entrypoints.quantize import main as quantize
+
+    return quantize(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve": serve, "bench": bench_main}
+    commands = {"serve": serve, "bench": bench_main, "quantize": quantize_main}
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: ftransformers {serve,bench} [flags]\n\n"
-              "  serve   start the OpenAI-compatible server (demo model when no --model-path)\n"
-              "  bench   measure a running OpenAI-compatible server (`bench report DIR...` re-renders runs)")
+        print("usage: ftransformers {serve,bench,quantize} [flags]\n\n"
+              "  serve     start the OpenAI-compatible server (demo model when no --model-path)\n"
+              "  bench     measure a running OpenAI-compatible server (`bench report DIR...` re-renders runs)\n"
+              "  quantize  write a quantized copy of a checkpoint (--method w8a8-int8)")
         return 0 if argv else 2
     command = commands.get(argv[0])
     if command is None:

@@ -8,6 +8,7 @@ Weights are [out, in] as in `nn.Linear`.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +31,16 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        # Set by quant.apply_quant_config: a LinearQuantMethod that owns the weight tensors and the forward.
+        self.quant_method: Any = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *shard: Hashable) -> None:
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         w = self.weight
         if (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in _GEMV_DTYPES and w.dtype == x.dtype
                 and x.stride(-1) == 1 and w.stride(-1) == 1):  # fmt: skip

@@ -23,6 +23,7 @@ from ftransformers.layers.weight_utils import (
     WeightShapeError,
 )
 from ftransformers.models.registry import UnsupportedArchitectureError, get_model_class
+from ftransformers.quant import apply_quant_config, finish_quantized_load, quant_config_for
 
 __all__ = [
     "MissingWeightFilesError",
@@ -73,13 +74,17 @@ def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
-    """Seeded uniform values for every parameter (norm weights too), on the parameter's device."""
+    """Seeded uniform values for every parameter (norm weights too), on the parameter's device;
+    integer (quantized) parameters get small random integers."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.data.uniform_(low, high, generator=gen)
+        if param.dtype.is_floating_point:
+            param.data.uniform_(low, high, generator=gen)
+        else:
+            param.data.random_(-8, 8, generator=gen)
 
 
 def load_model(
@@ -88,9 +93,12 @@ def load_model(
     dtype: torch.dtype | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str = "auto",
 ) -> nn.Module:
     """Build the registered model class on `device` in `dtype` and load its weights.
 
+    `quantization` ('auto': the checkpoint's `quantization_config`; 'none'; or a method name) swaps
+    the quantized linear layers' weights for the method's tensors before loading (quant/base.py).
     After loading, a model's optional `post_load_weights()` runs (e.g. MLA weight absorption).
     """
     model_cls = get_model_class(getattr(model_config.hf_config, "architectures", None) or [model_config.architecture])
@@ -102,12 +110,17 @@ def load_model(
             model = model_cls(model_config.hf_config)
     finally:
         torch.set_default_dtype(previous)
+    qconfig = quant_config_for(model_config.hf_config, quantization)
+    if qconfig is not None:
+        apply_quant_config(model, qconfig)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     elif load_format in ("auto", "safetensors"):
         model.load_weights(iterate_weights(model_config.model_path))
     else:
         raise ValueError(f"unknown load format {load_format!r}; valid: auto, safetensors, dummy")
+    if qconfig is not None:
+        finish_quantized_load(model)
     post = getattr(model, "post_load_weights", None)
     if callable(post):
         post()

@@ -36,6 +36,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.renormalize = bool(getattr(config, "norm_topk_prob", False))
         num_experts = num_experts_of(config)
         self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False)
+        self.gate.skip_quant = True  # read as a plain weight by the fused router
         self.experts = FusedMoE(num_experts, config.hidden_size, config.moe_intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
