@@ -43,7 +43,9 @@ def test_config_resolution() -> None:
     qc = quant_config_for(Cfg())
     assert qc is not None and qc.method == "w8a8_int8" and qc.ignore == ("lm_head",)
     assert quant_config_for(Plain()) is None
-    assert quant_config_for(Plain(), "w8a8_int8") is not None  # forced on an unquantized checkpoint's config
+    assert quant_config_for(Cfg(), "w8a8_int8") is not None
+    with pytest.raises(QuantError, match="no quantization_config"):
+        quant_config_for(Plain(), "w8a8_int8")  # no quantization at load time
     with pytest.raises(QuantError, match="checkpoint is quantized"):
         quant_config_for(Cfg(), "none")
     Cfg.quantization_config = {"quant_method": "awq-ish"}

@@ -91,8 +91,9 @@ def _import_methods() -> None:
 
 
 def quant_config_for(hf_config: Any, override: str = "auto") -> QuantConfig | None:
-    """The QuantConfig of a checkpoint: its `quantization_config`, or `override` when not 'auto'
-    ('none' loads an unquantized checkpoint and refuses a quantized one)."""
+    """The QuantConfig of a checkpoint's `quantization_config`. `override`: 'auto' takes it as it is,
+    'none' refuses a quantized checkpoint, a method name must match the checkpoint's (weights are
+    not quantized at load time)."""
     _import_methods()
     raw = getattr(hf_config, "quantization_config", None)
     if raw is not None and not isinstance(raw, dict):
@@ -107,7 +108,10 @@ def quant_config_for(hf_config: Any, override: str = "auto") -> QuantConfig | No
             return None
         name = found
     else:
-        if found and found != override:
+        if not found:
+            raise QuantError(f"--quantization {override}: the checkpoint has no quantization_config; "
+                             "write a quantized copy with `ftransformers quantize`")
+        if found != override:
             raise QuantError(f"--quantization {override} does not match the checkpoint's quant_method {found!r}")
         name = override
     parser = _PARSERS.get(name)
