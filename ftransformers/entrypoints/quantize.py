@@ -47,13 +47,12 @@ METHODS["w8a8-int8"] = ("w8a8_int8", _w8a8)
 
 def quantized_module_names(hf_config: Any, quant_method: str, ignore: Sequence[str]) -> set[str]:
     """Checkpoint module names (e.g. model.layers.0.self_attn.q_proj) the loader expects quantized."""
+    from types import SimpleNamespace
+
     from ftransformers.models.registry import get_model_class
 
-    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-    cfg["quantization_config"] = {"quant_method": quant_method, "ignore": list(ignore)}
-    from transformers import PretrainedConfig
-
-    qconfig = quant_config_for(PretrainedConfig.from_dict(cfg), "auto")
+    written = SimpleNamespace(quantization_config={"quant_method": quant_method, "ignore": list(ignore)})
+    qconfig = quant_config_for(written, "auto")  # the config the loader will build from what we write
     assert qconfig is not None
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     with torch.device("meta"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +56,6 @@ class QuantConfig:
     method: str
     linear_method: LinearQuantMethod
     ignore: tuple[str, ...] = ()
-    params: dict[str, Any] = field(default_factory=dict)
 
     def is_ignored(self, hf_names: Iterable[str]) -> bool:
         for name in hf_names:

@@ -70,4 +70,4 @@ def _parse(raw: dict[str, Any]) -> QuantConfig:
     ignore = raw.get("ignore") or raw.get("modules_to_not_convert") or []
     if not isinstance(ignore, list) or not all(isinstance(m, str) for m in ignore):
         raise QuantError("w8a8_int8: quantization_config 'ignore' must be a list of module names")
-    return QuantConfig("w8a8_int8", W8A8Int8LinearMethod(), tuple(ignore), raw)
+    return QuantConfig("w8a8_int8", W8A8Int8LinearMethod(), tuple(ignore))
