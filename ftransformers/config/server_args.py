@@ -18,7 +18,9 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA, torch_native on CPU
 MOE_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
-QUANTIZATION_CHOICES = ("auto", "none", "w8a8_int8")  # auto: the checkpoint's quantization_config
+# auto: the checkpoint's quantization_config; a checkpoint method must match it; fp8 / w8a8_int8 / int4 /
+# mxfp4 / nvfp4 on a float checkpoint quantize it at load time (quant/online.py)
+QUANTIZATION_CHOICES = ("auto", "none", "awq", "gptq", "compressed-tensors", "fp8", "w8a8_int8", "int4", "mxfp4", "nvfp4")
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -49,7 +51,13 @@ class ServerArgs:
     )
     quantization: str = field(
         default="auto",
-        metadata=_opt("Weight quantization; 'auto' reads the checkpoint's quantization_config", QUANTIZATION_CHOICES),
+        metadata=_opt("Weight quantization; 'auto' reads the checkpoint's quantization_config; on a float checkpoint "
+                      "fp8, w8a8_int8, int4, mxfp4 or nvfp4 quantize at load time", QUANTIZATION_CHOICES),
+    )
+    quantization_ignore: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt("Modules kept in the model dtype under load-time quantization (names or re: regexes, "
+                      "e.g. lm_head 're:.*self_attn.*')"),
     )
     attention_backend: str = field(
         default="auto", metadata=_opt("Attention kernels (auto: triton on CUDA)", ATTENTION_BACKEND_CHOICES)
@@ -94,6 +102,9 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.quantization_ignore, (list, str)):  # from LLM(**kwargs) or a single name
+            names = [self.quantization_ignore] if isinstance(self.quantization_ignore, str) else self.quantization_ignore
+            object.__setattr__(self, "quantization_ignore", tuple(names))
         self.validate()
 
     def validate(self) -> None:
@@ -138,6 +149,9 @@ class ServerArgs:
             help_text = f.metadata.get("help", "")
             if f.type in (bool, "bool"):
                 parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+                continue
+            if "tuple[" in str(f.type):
+                parser.add_argument(flag, dest=f.name, nargs="*", default=f.default, metavar="NAME", help=help_text)
                 continue
             kind = _scalar_type(f.type)
             # Choices are checked in validate() so that the message names every valid value.

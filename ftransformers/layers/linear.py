@@ -3,6 +3,15 @@
 Tensor parallel size is 1 for now: every layer holds the whole weight, but the names (and the
 shard arguments of the loaders) are those of vLLM so that sharding can arrive without renames.
 Weights are [out, in] as in `nn.Linear`.
+
+Quantized checkpoints replace `weight` by tensors in their own layout (quant/), which the same loaders
+fill shard by shard. A parameter says where a shard lands through attributes (`shard_view`):
+  output_dim      the dim holding output features (default 0; AWQ/GPTQ tensors use 1)
+  packed_factor   output features per element along output_dim (AWQ qweight/qzeros pack 8 per int32)
+  shard_layout    "rows" (default: rows offset/pf .. (offset+size)/pf), "blocks" (block scales: each
+                  shard holds ceil(size/block_n) rows after the blocks of the shards before it), or
+                  "per_shard" (dim 0 indexes the shard: per-module scalars, g_idx, weight_shape)
+Every loader sets `param.ft_loaded = True` once a tensor reached it.
 """
 
 from __future__ import annotations
@@ -14,10 +23,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftransformers.layers.weight_utils import check_shape, default_weight_loader
-
+from ftransformers.layers.weight_utils import WeightShapeError, check_shape
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+Shard = tuple[int, int]  # (offset, size) in output features
+
+
+def shard_view(param: nn.Parameter, data: torch.Tensor, shards: list[Shard], index: int, what: str = "") -> torch.Tensor:
+    """The part of `data` (param's tensor, or one expert's slice of it) that shard `index` fills."""
+    layout = getattr(param, "shard_layout", "rows")
+    if layout == "per_shard":
+        return data[index]
+    dim = getattr(param, "output_dim", 0)
+    offset, size = shards[index]
+    if layout == "blocks":
+        bn = int(param.block_n)  # type: ignore[attr-defined]
+        start = sum(-(-s // bn) for _, s in shards[:index])
+        return data.narrow(dim, start, -(-size // bn))
+    pf = getattr(param, "packed_factor", 1)
+    if offset % pf or size % pf:
+        raise WeightShapeError(f"{what}: a shard of {size} rows at offset {offset} does not align with "
+                               f"{pf} output features packed per element")  # fmt: skip
+    return data.narrow(dim, offset // pf, size // pf)
+
+
+def copy_checked(param: nn.Parameter, dst: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    """Copy `loaded` into `dst` after checking its shape and, for quantized params (`quant_desc`), its dtype."""
+    desc = getattr(param, "quant_desc", None)
+    label = f"{desc}, {what}" if desc and what else (desc or what)
+    check_shape(dst, loaded, label)
+    allowed = getattr(param, "allowed_dtypes", None)
+    if allowed is not None and loaded.dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise WeightShapeError(f"dtype mismatch ({label}): expected {names}, got {str(loaded.dtype).removeprefix('torch.')}")
+    dst.copy_(loaded)
+    param.ft_loaded = True  # type: ignore[attr-defined]
 
 
 class LinearBase(nn.Module):
@@ -35,7 +75,12 @@ class LinearBase(nn.Module):
         self.quant_method: Any = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *shard: Hashable) -> None:
-        default_weight_loader(param, loaded_weight)
+        dst = param.data[0] if getattr(param, "shard_layout", "rows") == "per_shard" else param.data
+        copy_checked(param, dst, loaded_weight, "")
+
+    def output_shards(self) -> list[Shard]:
+        """(offset, size) of each checkpoint module stacked in this layer's output (one for a plain layer)."""
+        return [(0, self.output_size)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
@@ -80,14 +125,16 @@ class _ShardedColumnLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *shard: Hashable) -> None:
         if not shard:
-            default_weight_loader(param, loaded_weight)
+            copy_checked(param, param.data, loaded_weight, "")
             return
         if shard[0] not in self.shard_offsets:
             raise KeyError(f"unknown shard {shard[0]!r}; valid: {list(self.shard_offsets)}")
-        offset, size = self.shard_offsets[shard[0]]
-        dst = param.data.narrow(0, offset, size)
-        check_shape(dst, loaded_weight, f"shard {shard[0]!r}")
-        dst.copy_(loaded_weight)
+        index = list(self.shard_offsets).index(shard[0])
+        what = f"shard {shard[0]!r}"
+        copy_checked(param, shard_view(param, param.data, self.output_shards(), index, what), loaded_weight, what)
+
+    def output_shards(self) -> list[Shard]:
+        return list(self.shard_offsets.values())
 
 
 class MergedColumnParallelLinear(_ShardedColumnLinear):

@@ -84,6 +84,7 @@ class DeepseekV3Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
         self.kv_b_proj = ReplicatedLinear(self.kv_lora_rank, H * (self.qk_nope_head_dim + self.v_head_dim))
         self.kv_b_proj.skip_quant = True  # its weight is absorbed into the attention (post_load_weights)
+        self.kv_b_proj.accept_quantized = True  # DeepSeek's own FP8 checkpoints store it quantized: dequantized
         self.o_proj = RowParallelLinear(H * self.v_head_dim, hidden, bias=bias)
         self.rotary_emb, scale_multiplier = get_deepseek_rope(config)
         self.scaling = self.qk_head_dim**-0.5 * scale_multiplier

@@ -74,17 +74,24 @@ def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
-    """Seeded uniform values for every parameter (norm weights too), on the parameter's device;
-    integer (quantized) parameters get small random integers."""
+    """Seeded uniform values for every parameter (norm weights too), on the parameter's device.
+    Quantized parameters carry a `dummy_fill(generator)` (quant/kernel_method.py) giving values valid
+    for their format: packed codes, positive scales, finite FP8, a real g_idx; with dequantized
+    weights of the same magnitude as the float ones."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        if param.dtype.is_floating_point:
+        fill = getattr(param, "dummy_fill", None)
+        if fill is not None:
+            fill(gen)
+        elif param.dtype.is_floating_point:
             param.data.uniform_(low, high, generator=gen)
+            param.ft_loaded = True  # type: ignore[attr-defined]
         else:
             param.data.random_(-8, 8, generator=gen)
+            param.ft_loaded = True  # type: ignore[attr-defined]
 
 
 def load_model(
@@ -94,11 +101,14 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str = "auto",
+    quantization_ignore: tuple[str, ...] = (),
 ) -> nn.Module:
     """Build the registered model class on `device` in `dtype` and load its weights.
 
-    `quantization` ('auto': the checkpoint's `quantization_config`; 'none'; or a method name) swaps
-    the quantized linear layers' weights for the method's tensors before loading (quant/base.py).
+    `quantization` ('auto': the checkpoint's `quantization_config`; 'none'; a method name matching
+    the checkpoint's; or, for a float checkpoint, a load-time method) swaps the quantized layers'
+    weights for the method's tensors before loading and converts them to kernel layouts after
+    (quant/base.py); `quantization_ignore` keeps modules float under load-time quantization.
     After loading, a model's optional `post_load_weights()` runs (e.g. MLA weight absorption).
     """
     model_cls = get_model_class(getattr(model_config.hf_config, "architectures", None) or [model_config.architecture])
@@ -110,13 +120,16 @@ def load_model(
             model = model_cls(model_config.hf_config)
     finally:
         torch.set_default_dtype(previous)
-    qconfig = quant_config_for(model_config.hf_config, quantization)
+    qconfig = quant_config_for(model_config.hf_config, quantization, quantization_ignore)
+    zero_bias: set[str] = set()
     if qconfig is not None:
-        apply_quant_config(model, qconfig)
+        quantized = apply_quant_config(model, qconfig)
+        zero_bias = _biasless_checkpoint_modules(model, quantized)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     elif load_format in ("auto", "safetensors"):
-        model.load_weights(iterate_weights(model_config.model_path))
+        weights = iterate_weights(model_config.model_path)
+        model.load_weights(_drop_zero_biases(weights, zero_bias) if zero_bias else weights)
     else:
         raise ValueError(f"unknown load format {load_format!r}; valid: auto, safetensors, dummy")
     if qconfig is not None:
@@ -125,3 +138,25 @@ def load_model(
     if callable(post):
         post()
     return model.eval()
+
+
+def _biasless_checkpoint_modules(model: nn.Module, quantized: list[str]) -> set[str]:
+    """Checkpoint names of quantized modules without a bias (AutoGPTQ writes an all-zero `bias` for
+    every linear it packs, bias or not; such tensors are dropped, as vLLM does)."""
+    from ftransformers.quant.base import checkpoint_module_names
+
+    stacked = getattr(model, "stacked_params_mapping", ())
+    modules = dict(model.named_modules())
+    out: set[str] = set()
+    for name in quantized:
+        if getattr(modules[name], "bias", None) is None:
+            out.update(checkpoint_module_names(name, stacked))
+    return out
+
+
+def _drop_zero_biases(weights: Iterator[tuple[str, torch.Tensor]], names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        module = name.removesuffix(".bias")
+        if module != name and (module in names or module.rsplit(".", 2)[0] in names) and not tensor.any():
+            continue
+        yield name, tensor

@@ -35,8 +35,9 @@ def route_expert_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, str, torch.Tensor, int | None, str | None]]:
     """Yield (checkpoint name, param name, tensor, expert id, shard id); expert id is None for
-    non-expert tensors. `...experts.{e}.{gate,up,down}_proj.weight` map onto the stacked
-    parameters; fused 3-D `experts.gate_up_proj` [E, 2I, D] / `experts.down_proj` [E, D, I] (the
+    non-expert tensors. `...experts.{e}.{gate,up,down}_proj.{suffix}` map onto the stacked
+    parameters `w13_{suffix}` / `w2_{suffix}` (`weight`, or a quantized layout's `qweight`,
+    `weight_scale`, ...); fused 3-D `experts.gate_up_proj` [E, 2I, D] / `experts.down_proj` [E, D, I] (the
     transformers>=5 in-memory layout) are split per expert."""
     shards = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
     for name, w in weights:
@@ -46,8 +47,9 @@ def route_expert_weights(
         prefix, rest = name.split(".experts.", 1)
         parts = rest.split(".")
         w13, w2 = f"{prefix}.experts.w13_weight", f"{prefix}.experts.w2_weight"
-        if len(parts) == 3 and parts[0].isdigit() and parts[1] in shards and parts[2] == "weight":
-            yield name, (w2 if parts[1] == "down_proj" else w13), w, int(parts[0]), shards[parts[1]]
+        if len(parts) == 3 and parts[0].isdigit() and parts[1] in shards:
+            stack = "w2" if parts[1] == "down_proj" else "w13"
+            yield name, f"{prefix}.experts.{stack}_{parts[2]}", w, int(parts[0]), shards[parts[1]]
         elif rest == "gate_up_proj" and w.dim() == 3:
             half = w.shape[1] // 2
             for e in range(w.shape[0]):

@@ -4,24 +4,27 @@ Checkpoint layout (SGLang's `w8a8_int8`, the channel-wise scheme of compressed-t
     <module>.weight        int8     [out, in]
     <module>.weight_scale  float    [out, 1]    w ≈ weight * weight_scale
 and `quantization_config = {"quant_method": "w8a8_int8"}` (optional `ignore` / `modules_to_not_convert`).
+Kernel layout "int8": the same weight, scales float32 [out].
 
 Forward: each row of x gets scale s_x = max|x_row| / 127 and x_q = round(x / s_x) in [-127, 127];
-y = (x_q @ weight^T) * s_x * weight_scale^T (+ bias). The reference path computes x_q @ weight^T in
-float32, exact while in_features * 127 * 127 < 2^24 (in <= 1040) and within float32 rounding beyond.
+y = (x_q @ weight^T) * s_x * weight_scale^T (+ bias): `quant_linear_ref` on CPU, the Triton INT8 GEMM
+on CUDA. `w8a8_linear_ref` below is the same function on plain tensors.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ftransformers.quant.base import LinearQuantMethod, QuantConfig, QuantError, register_quant_method, replace_parameter
-
-if TYPE_CHECKING:
-    from ftransformers.layers.linear import LinearBase
+from ftransformers.kernels.quant_formats import QuantizedWeight
+from ftransformers.quant.base import QuantConfig, Scheme, Shard, TensorSpec, register_quant_method
+from ftransformers.quant.fp8 import ignore_list
 
 QMAX = 127.0
+INT8_DUMMY_SCALE = 1e-3 / QMAX
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,24 +53,22 @@ def w8a8_linear_ref(
     return y.to(x.dtype)
 
 
-class W8A8Int8LinearMethod(LinearQuantMethod):
-    name = "w8a8_int8"
+@dataclass(frozen=True)
+class Int8ChannelScheme(Scheme):
+    name: str = "w8a8_int8"
+    fmt: str = "int8"
 
-    def create_weights(self, layer: LinearBase) -> None:
-        n, k = layer.output_size, layer.input_size
-        dev = layer.weight.device
-        replace_parameter(layer, "weight", torch.empty(n, k, dtype=torch.int8, device=dev), output_dim=0)
-        replace_parameter(layer, "weight_scale", torch.empty(n, 1, dtype=torch.float32, device=dev), output_dim=0)
+    def specs(self, k: int, dtype: torch.dtype) -> list[TensorSpec]:
+        return [
+            TensorSpec("weight", torch.int8, (None, k), dummy=("int8",)),
+            TensorSpec("weight_scale", torch.float32, (None, 1), dummy=("scale", INT8_DUMMY_SCALE)),
+        ]
 
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        y = w8a8_linear_ref(x2, layer.weight, layer.weight_scale, layer.bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def to_kernel(self, t: dict[str, torch.Tensor], n: int, k: int, shards: Sequence[Shard], where: str) -> QuantizedWeight:
+        scale = t["weight_scale"].float().squeeze(-1).contiguous()  # [.., N]
+        return QuantizedWeight("int8", t["weight"].contiguous(), scale, n, k, k)
 
 
 @register_quant_method("w8a8_int8")
 def _parse(raw: dict[str, Any]) -> QuantConfig:
-    ignore = raw.get("ignore") or raw.get("modules_to_not_convert") or []
-    if not isinstance(ignore, list) or not all(isinstance(m, str) for m in ignore):
-        raise QuantError("w8a8_int8: quantization_config 'ignore' must be a list of module names")
-    return QuantConfig("w8a8_int8", W8A8Int8LinearMethod(), tuple(ignore))
+    return QuantConfig("w8a8_int8", Int8ChannelScheme(), ignore_list(raw, "w8a8_int8", ("ignore", "modules_to_not_convert")))

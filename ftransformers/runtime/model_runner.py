@@ -59,7 +59,7 @@ class ModelRunner:
 
         self.model = load_model(
             model_config, self.device, self.dtype, server_args.load_format, seed=server_args.random_seed,
-            quantization=server_args.quantization,
+            quantization=server_args.quantization, quantization_ignore=tuple(server_args.quantization_ignore),
         )
         self.attn_backend_name = resolve_attention_backend(server_args.attention_backend, self.device)
         self.attn_backend = create_attention_backend(self.attn_backend_name)

@@ -1,0 +1,100 @@
+"""Every quantized checkpoint format on a dense model (tiny Qwen3: fused qkv and gate_up), CPU.
+
+Each test writes the checkpoint with the independent writers of test_quant_load_common.py, loads it
+with ftransformers (format detected from `quantization_config`) and checks
+  (a) every layer's dequantized kernel-layout weight equals what the test quantized: bit-exact for the
+      integer and FP8 formats (the same products of exactly representable values), to 1 ulp of
+      float32 for NVFP4 (we multiply by 1/global_scale where compressed-tensors divides);
+  (b) greedy decoding through the loader and paged KV equals transformers running the same model with
+      the dequantized weights (and, for W8A8 / FP8, each quantized layer's input fake-quantized as the
+      format does), teacher-forced on the engine's tokens. Weight-only formats: logits to 5e-5 (float32,
+      different op order; 4e-6 seen). Activation-quantized formats: the same holds until one element of
+      a layer's input lands on the other side of a rounding boundary (1e-7 input differences), which
+      moves it an int8 step (1/127 of the row's max) or an E4M3 step (1/16 relative), and in an MoE
+      model may change a token's experts. Batching prompts changes GEMM op order enough to do that
+      (seen on DeepSeek-V3 FP8: logits off by 0.18), so these formats run one prompt per batch, where
+      the engine matches to 2e-6; the bounds allow an isolated flip: logits to 5e-3 on average and
+      0.1 at worst, the engine's greedy token transformers' or within 0.05 of its best logit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.model_harness import make_tiny_checkpoint, run_engineless_greedy
+from tests.test_quant_load_common import engine_weights, hf_logits, write_dequantized, write_quantized
+
+PROMPTS = [[5, 9, 17, 33, 2, 71], [7, 7, 7, 120, 3]]
+NEW_TOKENS = 5
+DENSE_FORMATS = ["awq", "gptq", "gptq_v2_act", "ct_int4", "ct_int4_asym", "ct_w8a8", "ct_fp8", "ct_nvfp4",
+                 "ct_mxfp4", "ct_mixed", "fp8", "w8a8_int8"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3") / "src")
+
+
+def check_format(src: Path, tmp: Path, fmt: str) -> None:
+    from ftransformers.config.model_config import ModelConfig
+    from ftransformers.models.loader import load_model
+
+    deq = write_quantized(src, tmp / fmt, fmt)
+    model = load_model(ModelConfig.from_pretrained(tmp / fmt, dtype="float32"), "cpu", torch.float32)
+    got = engine_weights(model)
+    for module, (want, _) in deq.items():
+        rtol = 2e-7 if fmt == "ct_nvfp4" else 0.0
+        torch.testing.assert_close(got[module], want, rtol=rtol, atol=0.0, msg=lambda m, name=module: f"{name}: {m}")
+    quantized = [m for m in model.modules() if getattr(m, "qw", None) is not None or getattr(m, "w13_qw", None) is not None]
+    assert len(quantized) > 0 and all(getattr(m, "quant_method", None) is not None for m in quantized)
+    for m in quantized:  # row-major strides, size-1 dims included: the Triton launchers assert them
+        for qw in (getattr(m, "qw", None), getattr(m, "w13_qw", None), getattr(m, "w2_qw", None)):
+            for t in (qw.qweight, qw.scales, qw.zeros, qw.global_scale) if qw is not None else ():
+                if t is not None:
+                    assert t.stride() == torch.empty(t.shape, device="meta").stride(), (fmt, t.shape, t.stride())
+
+    act_quant = any(kind is not None for _, kind in deq.values())
+    if act_quant:  # one prompt per batch: batched GEMMs' op order alone flips roundings (docstring)
+        runs = [run_engineless_greedy(tmp / fmt, [p], NEW_TOKENS, chunk_size=4) for p in PROMPTS]
+        tokens, logits = [r[0][0] for r in runs], [r[1][0] for r in runs]
+    else:
+        tokens, logits = run_engineless_greedy(tmp / fmt, PROMPTS, NEW_TOKENS, chunk_size=4)
+    ref_dir = write_dequantized(src, tmp / f"{fmt}-deq", deq)
+    refs = hf_logits(ref_dir, deq, [p + t for p, t in zip(PROMPTS, tokens)])
+    diffs = []
+    for prompt, toks, ours, ref in zip(PROMPTS, tokens, logits, refs):
+        ref = ref[len(prompt) - 1 : len(prompt) - 1 + len(toks)]  # rows that chose each new token
+        diffs.append((ours - ref).abs())
+        best = ref.max(-1).values
+        chosen = ref.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1)
+        assert bool(((best - chosen) <= (0.05 if act_quant else 1e-4)).all()), (fmt, toks, best - chosen)
+    diff = torch.cat(diffs)
+    if act_quant:
+        assert diff.mean() <= 5e-3 and diff.max() <= 0.1, (fmt, diff.mean().item(), diff.max().item())
+    else:
+        assert diff.max() <= 5e-5, (fmt, diff.max().item())
+
+
+@pytest.mark.parametrize("fmt", DENSE_FORMATS)
+def test_dense_checkpoint_loads_and_matches_transformers(fmt: str, qwen3: Path, tmp_path: Path) -> None:
+    check_format(qwen3, tmp_path, fmt)
+
+
+def test_act_order_becomes_a_column_permutation(qwen3: Path, tmp_path: Path) -> None:
+    from ftransformers.config.model_config import ModelConfig
+    from ftransformers.models.loader import load_model
+
+    write_quantized(qwen3, tmp_path / "g", "gptq_v2_act")
+    model = load_model(ModelConfig.from_pretrained(tmp_path / "g", dtype="float32"), "cpu", torch.float32)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qw.perm is not None and sorted(qkv.qw.perm.tolist()) == list(range(64))
+    assert qkv.qw.zeros is not None  # asymmetric: zeros kept
+    sym = ModelConfig.from_pretrained(qwen3, dtype="float32")
+    write_quantized(qwen3, tmp_path / "s", "gptq")
+    model = load_model(ModelConfig.from_pretrained(tmp_path / "s", dtype="float32"), "cpu", torch.float32)
+    qw = model.model.layers[0].mlp.down_proj.qw
+    assert qw.perm is None and qw.zeros is None and sym is not None  # symmetric v1: every zero 8, dropped
+    assert not any("qweight" in n or "g_idx" in n for n, _ in model.named_parameters())  # checkpoint layouts freed
