@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU correctness matrix for the fast path, one device call: kernel and runtime tests on CUDA, then
+# GPU correctness matrix for the fast path, one device call: kernel and runtime tests on CUDA, the
+# quantized-weight kernels and quantized models on CUDA, then
 # the engine parity tests against transformers in bf16 with the defaults (Triton kernels, CUDA
 # graphs, overlap scheduling), with graphs off, with overlap off, and in float32. Logs under $OUT.
 #   OUT=/tmp/out bash benchmarks/gpu_validate.sh
@@ -19,6 +20,8 @@ run() {  # name, env..., -- pytest args...
 run gpu_kernel_tests FT_NONE=1 -- tests/test_triton_attention.py tests/test_triton_moe.py tests/test_triton_router.py \
   tests/test_triton_gemv.py tests/test_triton_fusions.py tests/test_triton_rope_store.py tests/test_cuda_graph.py \
   tests/test_model_runner.py tests/test_sampler.py tests/test_scheduler.py
+run gpu_quant_tests FT_NONE=1 -- tests/test_quant_formats.py tests/test_triton_w4a16.py tests/test_triton_moe_w4.py \
+  tests/test_triton_w8.py tests/test_quant_load_cuda.py
 run parity_bf16_default FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 -- tests/test_engine_parity.py
 run parity_bf16_graph_off FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 FT_TEST_DISABLE_CUDA_GRAPH=1 -- tests/test_engine_parity.py
 run parity_bf16_overlap_off FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 FT_TEST_DISABLE_OVERLAP=1 -- tests/test_engine_parity.py

@@ -1,0 +1,240 @@
+"""4-bit-weight GEMM (kernels/triton_w4a16.py) on the dense shapes of the issue's models, beside the bf16
+peers in the same process: the one-row Triton GEMV (`triton_gemv.gemv`, M <= 16) and cuBLAS (`F.linear`).
+
+Decode (M <= 16): achieved GB/s = (qweight + scales + zeros + global scale + x + y bytes) / median time,
+beside the device-to-device copy bandwidth measured in the same run. Each timed call runs the product
+over enough weight copies to exceed L2 several times, inside a CUDA graph, and reports the median per
+product. Prefill (M = 512, 2048): TFLOP/s beside cuBLAS bf16 on the dequantized weight and beside the
+bf16 matmul rate measured on an 8192^3 product. Every config is checked against `quant_linear_ref`
+before it is timed. Kernels are compiled first in a process pool (Triton's disk cache), so the run
+spends its time measuring.
+
+    PYTHONPATH=. python benchmarks/bench_w4a16.py --out $OUT/w4a16_h100.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench_cudagraph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
+from ftransformers.kernels.triton_gemv import gemv
+from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
+
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+SHAPES = {  # name: (N, K) of the weight [N, K]
+    "qwen3-30b qkv": (5120, 2048), "qwen3-30b o": (2048, 4096), "qwen3-8b gate_up": (24576, 4096),
+    "qwen3-8b down": (4096, 12288), "dsv3 q_b": (24576, 1536), "dsv3 o": (7168, 16384),
+    "dsv3 shared gate_up": (4096, 7168),
+}  # fmt: skip
+VARIANTS = {"int4-sym": ("int4", 128, False), "int4-asym": ("int4", 128, True), "mxfp4": ("mxfp4", 32, False),
+            "nvfp4": ("nvfp4", 16, False)}  # fmt: skip
+ROWS = [1, 2, 4, 8, 16]
+PREFILL_ROWS = [512, 2048]
+L2_BYTES = 50 << 20
+SWEEP_SHAPES = ["qwen3-30b qkv", "qwen3-30b o", "qwen3-8b gate_up"]  # prefill rows: on every sweep shape
+SWEEP_VARIANTS = ["int4-asym", "nvfp4"]
+SWEEP_ROWS = [1, 2, 4, 8, 16]
+
+
+def make_weight(variant: str, N: int, K: int, gen: torch.Generator) -> QuantizedWeight:
+    fmt, group, has_zeros = VARIANTS[variant]
+    q = torch.randint(-(2**31), 2**31, (N, K // 8), device=DEV, dtype=torch.int32, generator=gen)
+    zeros = gs = None
+    if fmt == "int4":
+        scales = (torch.rand(N, K // group, device=DEV, generator=gen) * 0.01 + 0.005).half()
+        if has_zeros:
+            zeros = torch.randint(0, 16, (N, K // group), device=DEV, dtype=torch.uint8, generator=gen)
+    elif fmt == "mxfp4":
+        scales = torch.randint(119, 124, (N, K // group), device=DEV, dtype=torch.uint8, generator=gen)
+    else:
+        scales = (torch.rand(N, K // group, device=DEV, generator=gen) * 440 + 1).to(torch.float8_e4m3fn)
+        gs = torch.rand(N, device=DEV, generator=gen) * 1e-5 + 5e-6
+    return QuantizedWeight(fmt, q, scales, N, K, group, zeros=zeros, global_scale=gs)
+
+
+def sweep_configs(M: int) -> list[dict[str, int]]:
+    def dot(bn: int, bk: int, warps: int = 4, split_k: int = 1) -> dict[str, int]:
+        return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": 1,
+                "num_warps": warps, "num_stages": 3}  # fmt: skip
+
+    def fma(bn: int, bk: int, split_k: int = 1) -> dict[str, int]:
+        return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k,
+                "num_warps": bk // 256, "num_stages": 2}  # fmt: skip
+
+    if M <= 2:
+        deep = [{**fma(4, 2048), "num_warps": w} for w in (4, 8)]
+        return [fma(bn, bk) for bn in (4, 8, 16) for bk in (512, 1024)] + [fma(8, 1024, 2)] + deep
+    if M <= 4:
+        return [fma(bn, bk) for bn in (4, 8) for bk in (512, 1024)] + [dot(16, 256), dot(32, 256), dot(64, 128)]
+    extra = [fma(4, 1024)] if M <= 8 else []
+    return (
+        [dot(bn, bk) for bn in (16, 32, 64) for bk in (128, 256)] + [dot(32, 256, split_k=2), dot(64, 128, 8)] + extra
+    )
+
+
+def prefill_sweep() -> list[dict[str, int]]:
+    return [{"GEMV": 0, "SPLIT_K": 1, "GROUP_M": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w,
+             "num_stages": s} for bm, bn, bk, w, s in [(128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                                                      (256, 128, 128, 8, 2), (128, 128, 64, 8, 4), (256, 64, 128, 8, 3)]]  # fmt: skip
+
+
+def _compile_job(job: tuple[str, int, int, int, dict[str, int] | None]) -> str:
+    variant, N, K, M, cfg = job
+    try:
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        qw = make_weight(variant, N, K, gen)
+        x = torch.randn(M, K, device=DEV, dtype=DT, generator=gen)
+        w4a16_linear(x, qw, config=cfg)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # noqa: BLE001 - reported by the timing pass
+        return f"{variant} {N}x{K} M={M} {cfg}: {type(e).__name__}: {str(e)[:200]}"
+
+
+def precompile(jobs: list[tuple[str, int, int, int, dict[str, int] | None]], workers: int) -> None:
+    seen: set[str] = set()
+    unique = []
+    for v, N, K, M, cfg in jobs:
+        c = cfg or w4a16_config(M, N, K, VARIANTS[v][0])
+        key = f"{v} {sorted(c.items())} {K % c['BLOCK_K'] == 0} {M == 1} {N % 16 == 0}"
+        if key not in seen:
+            seen.add(key)
+            unique.append((v, N, K, M, cfg))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.map(_compile_job, unique, chunksize=1) if e]
+    print(f"precompiled {len(unique)} kernels in {time.time() - t0:.0f} s; {len(errors)} failed", flush=True)
+    for e in errors[:10]:
+        print("  ", e, flush=True)
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 29
+    src = torch.rand(n, device=DEV, dtype=DT)
+    dst = torch.empty_like(src)
+    t = do_bench_cudagraph(lambda: dst.copy_(src), rep=50)
+    return 2 * 2 * n / t / 1e6  # GB/s (read + write)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    b = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    t = do_bench_cudagraph(lambda: F.linear(a, b), rep=50)
+    return 2 * 8192**3 / t / 1e9  # TFLOP/s
+
+
+def time_per_call(fn_for: Any, copies: int) -> float:
+    """Median ms of one product, from a graph of `copies` products over distinct weights."""
+    return do_bench_cudagraph(lambda: [fn_for(i) for i in range(copies)], rep=20) / copies
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def checked_time(x: torch.Tensor, qws: list[QuantizedWeight], cfg: dict[str, int] | None) -> float | str:
+    try:
+        err = rel_err(w4a16_linear(x, qws[0], config=cfg), quant_linear_ref(x, qws[0]))
+        if not err < 1e-2:
+            return f"rel err {err:.3g}"
+        return time_per_call(lambda i: w4a16_linear(x, qws[i], config=cfg), len(qws))
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--rows", default=",".join(map(str, ROWS + PREFILL_ROWS)))
+    p.add_argument("--sweep", action="store_true", help="also time a tile sweep")
+    p.add_argument("--sweep-shapes", default=",".join(SWEEP_SHAPES))
+    p.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS + PREFILL_ROWS)))
+    p.add_argument("--workers", type=int, default=12)
+    args = p.parse_args()
+    shapes, variants = args.shapes.split(","), args.variants.split(",")
+    rows = [int(m) for m in args.rows.split(",")]
+    sweep_shapes, sweep_rows = args.sweep_shapes.split(","), [int(m) for m in args.sweep_rows.split(",")]
+    jobs = [(v, *SHAPES[s], M, None) for s, v, M in itertools.product(shapes, variants, rows)]
+    if args.sweep:
+        jobs += [(v, *SHAPES[s], M, c) for s, v, M in itertools.product(sweep_shapes, SWEEP_VARIANTS, sweep_rows)
+                 for c in (sweep_configs(M) if M <= 16 else prefill_sweep())]  # fmt: skip
+    precompile(jobs, args.workers)
+
+    bw, peak = copy_bandwidth(), matmul_rate()
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                           "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
+                           "copy_GBps": bw, "bf16_matmul_TFLOPs": peak, "rows": [], "prefill": [], "sweep": []}  # fmt: skip
+    print(f"{out['device']}  copy {bw:.0f} GB/s  bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    peers: dict[tuple[str, int], tuple[float, float]] = {}
+    for name in shapes:
+        N, K = SHAPES[name]
+        w16 = [torch.randn(N, K, device=DEV, dtype=DT, generator=gen) / K**0.5 for _ in range(max(2, -(-4 * L2_BYTES // (2 * N * K))))]  # fmt: skip
+        for v in variants:
+            probe = make_weight(v, N, K, gen)
+            copies = max(2, -(-4 * L2_BYTES // probe.nbytes()))
+            qws = [probe] + [make_weight(v, N, K, gen) for _ in range(copies - 1)]
+            for M in rows:
+                x = torch.randn(M, K, device=DEV, dtype=DT, generator=gen)
+                t = checked_time(x, qws, None)
+                if (name, M) not in peers:  # the bf16 peers on the same x, once per shape and M
+                    t_gemv = time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16)) if M <= 16 else float("nan")
+                    peers[name, M] = (t_gemv, time_per_call(lambda i, x=x, w=w16: F.linear(x, w[i]), len(w16)))
+                t_gemv, t_cublas = peers[name, M]
+                row: dict[str, Any] = {"shape": name, "N": N, "K": K, "M": M, "fmt": v, "config": w4a16_config(M, N, K, VARIANTS[v][0])}  # fmt: skip
+                if isinstance(t, str):
+                    row["error"] = t
+                    print(f"{name:20s} {v:9s} M={M:<4d} ERROR {t}", flush=True)
+                elif M <= 16:
+                    nbytes = probe.nbytes() + 2 * M * (K + N)
+                    b16 = 2 * N * K + 2 * M * (K + N)
+                    row.update(bytes=nbytes, floor_ms=nbytes / bw / 1e6, ms=t, GBps=nbytes / t / 1e6, pct_copy=100 * nbytes / t / 1e6 / bw,
+                               gemv_bf16_ms=t_gemv, gemv_bf16_pct_copy=100 * b16 / t_gemv / 1e6 / bw, cublas_bf16_ms=t_cublas,
+                               cublas_bf16_pct_copy=100 * b16 / t_cublas / 1e6 / bw, speedup_vs_best_bf16=min(t_gemv, t_cublas) / t)  # fmt: skip
+                    print(f"{name:20s} {v:9s} M={M:<4d} floor {row['floor_ms'] * 1e3:6.1f} us  w4 {t * 1e3:6.1f} us "
+                          f"({row['pct_copy']:3.0f}% copy)  bf16 gemv {t_gemv * 1e3:6.1f} us ({row['gemv_bf16_pct_copy']:3.0f}%)  "
+                          f"cublas {t_cublas * 1e3:6.1f} us ({row['cublas_bf16_pct_copy']:3.0f}%)  x{row['speedup_vs_best_bf16']:.2f}", flush=True)  # fmt: skip
+                else:
+                    flops = 2 * M * N * K
+                    row.update(ms=t, TFLOPs=flops / t / 1e9, pct_matmul_rate=100 * flops / t / 1e9 / peak, floor_ms=flops / peak / 1e9,
+                               cublas_bf16_ms=t_cublas, cublas_bf16_TFLOPs=flops / t_cublas / 1e9)  # fmt: skip
+                    print(f"{name:20s} {v:9s} M={M:<4d} floor {row['floor_ms'] * 1e3:7.1f} us  w4 {t * 1e3:7.1f} us "
+                          f"({row['TFLOPs']:4.0f} TFLOP/s, {row['pct_matmul_rate']:3.0f}%)  cublas bf16 {t_cublas * 1e3:7.1f} us "
+                          f"({row['cublas_bf16_TFLOPs']:4.0f} TFLOP/s)", flush=True)  # fmt: skip
+                out["rows" if M <= 16 else "prefill"].append(row)
+                Path(args.out).write_text(json.dumps(out, indent=1))
+            if args.sweep and name in sweep_shapes and v in SWEEP_VARIANTS:
+                for M in sweep_rows:
+                    x = torch.randn(M, K, device=DEV, dtype=DT, generator=gen)
+                    res = [(c, checked_time(x, qws, c)) for c in (sweep_configs(M) if M <= 16 else prefill_sweep())]
+                    ok = sorted(((t, c) for c, t in res if not isinstance(t, str)), key=lambda r: r[0])
+                    out["sweep"].append({"shape": name, "fmt": v, "M": M, "default": w4a16_config(M, N, K, VARIANTS[v][0]),
+                                         "results": [[c, t] for c, t in res]})  # fmt: skip
+                    for t, c in ok[:3]:
+                        print(f"  sweep {name} {v} M={M} {t * 1e3:7.1f} us {c}", flush=True)
+                    for c, t in res:
+                        if isinstance(t, str):
+                            print(f"  sweep {name} {v} M={M} FAILED {c}: {t}", flush=True)
+                    Path(args.out).write_text(json.dumps(out, indent=1))
+            del qws, probe
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""4-bit weight x 16-bit activation GEMM: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4", "mxfp4"
+and "nvfp4" layouts of kernels/quant_formats.py, dequantizing W in registers (no 16-bit copy of W).
+
+Two kernels, chosen by `w4a16_config` from M and the weight size:
+
+- `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights): CUDA cores. Tensors are
+  [word, n, m, nibble]; each thread owns word columns of a K tile for all its n, m and the 8 nibbles,
+  so qweight (4-byte words, coalesced along K), x (one 16-byte vector per word and row) and the
+  scales meet in one register layout with no shared-memory round trip. Per weight element it costs
+  one LOP3 and one FMA per row (int4) or three integer ops and one FMA per row (FP4).
+- `_w4a16_gemm_kernel` (M > 2, prefill): tensor cores (mma / wgmma). The weight tile is dequantized
+  per nibble, interleaved in registers into K order ([BLOCK_N, BLOCK_K], 16-byte shared stores) and
+  fed to tl.dot with float32 accumulation; x and qweight tiles are pipelined through shared memory.
+
+Dequantization without int-to-float conversions (a quarter-rate instruction on H100):
+
+- int4: a nibble masked in place (bits 4e..4e+3 of the word, or of word >> 12 for nibbles 5..7) read
+  as float32 is the subnormal code * 16^e * 2^-149. The GEMV multiplies x by 2^(100 - 4e) instead
+  (products code * x * 2^-49) and subtracts zero * sum(x) once per word and row; the GEMM scales the
+  subnormal by 2^(126 - 4e) and forms code * scale - zero * scale in one FMA.
+- FP4 (E2M1): the nibble shifted to bits 31..28, arithmetic-shifted right by 6 and masked leaves the
+  sign at bit 31 and exponent / mantissa at bits 24..22: the float32 e2m1 * 2^-126 (+-0.5 lands on a
+  subnormal). The GEMV multiplies x by 2^64, the GEMM the weight by 2^63 * (scale * 2^63).
+- Plain fp32 mul / fma keep subnormals (Triton emits no .ftz for them); results are scaled back in
+  float32. Invariants: |x| < 2^28, FP4 scales < 2^64, int4 scales < 2^100.
+
+Scales (and zeros) are loaded per word (8 columns), so any group size G with G % 8 == 0 works; nvfp4's
+E4M3 and mxfp4's E8M0 scales are decoded from their bits. `SPLIT_K > 1` writes float32 partials
+[SPLIT_K, M, N] summed by torch afterwards (deterministic; no atomics). Graph-safe: no host syncs,
+sizes depend on shapes only. `perm` (GPTQ act-order) gathers x's columns before the kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
+
+GEMV_MAX_M = 4
+DECODE_MAX_M = 16
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
+_FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_TWO_23: tl.constexpr = tl.constexpr(2.0**23)
+_TWO_49: tl.constexpr = tl.constexpr(2.0**49)
+_TWO_M49: tl.constexpr = tl.constexpr(2.0**-49)
+_TWO_62: tl.constexpr = tl.constexpr(2.0**62)
+_TWO_63: tl.constexpr = tl.constexpr(2.0**63)
+_TWO_64: tl.constexpr = tl.constexpr(2.0**64)
+_TWO_120: tl.constexpr = tl.constexpr(2.0**120)
+
+
+@triton.jit
+def _scale_f32(s, FMT: tl.constexpr):
+    """Raw scales -> float32: int4 any float dtype; mxfp4 E8M0 bytes; nvfp4 E4M3 bytes (uint8 view)."""
+    if FMT == 0:
+        return s.to(tl.float32)
+    u = s.to(tl.int32)
+    if FMT == 1:  # 2^(e - 127); e = 0 is 2^-127, a float32 subnormal
+        return tl.where(u == 0, 0x00400000, u << 23).to(tl.float32, bitcast=True)
+    # E4M3 sign / 4-bit exponent / 3-bit mantissa at float32 positions: value * 2^-120 (subnormals too)
+    bits = ((u & 0x7F) << 20) | ((u & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True) * _TWO_120
+
+
+@triton.jit(do_not_specialize=["unit"])
+def _w4a16_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, M, N, K, unit,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
+    # along W only; a thread holds all N, M and J of its word column, so x (one 16-byte vector per word and
+    # row), q and the scales meet in one layout without shuffles. `unit` (== 1, never specialized) hides
+    # q's contiguity so that its load takes that one-word-per-thread layout too.
+    BW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    w4 = tl.arange(0, BW)[:, None, None, None]
+    n4 = offs_n[None, :, None, None]
+    j4 = tl.arange(0, 8)[None, None, None, :]
+    mask_n4 = n4 < N
+    mask_m4 = offs_m[None, None, :, None] < M
+    q_ptrs = q_ptr + n4 * stride_qn + w4 * unit  # [BW, BN, 1, 1]
+    x_ptrs = x_ptr + offs_m[None, None, :, None] * stride_xm + w4 * 8 + j4  # [BW, 1, BM, 8]
+    s_rows = s_ptr + n4 * stride_sn
+    z_rows = z_ptr + n4 * stride_zn
+    if FMT == 0:
+        # nibble j is bits 4e.. of q (j < 5) or of q >> 12 (j >= 5); as float32 bits, code * 16^e * 2^-149
+        e4 = tl.where(j4 < 5, j4, j4 - 3)
+        nib_mask = 0xF << (4 * e4)
+        x_mul = ((227 - 4 * e4) << 23).to(tl.float32, bitcast=True)  # 2^(100 - 4e)
+    if FMT == 2:
+        gs = tl.load(gs_ptr + n4, mask=mask_n4, other=0.0)
+    acc = tl.zeros([BW, BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        if EVEN_K:
+            mask_q = mask_n4
+            mask_x = mask_m4
+        else:
+            mask_w4 = (k0 // 8 + w4) < K // 8
+            mask_q = mask_n4 & mask_w4
+            mask_x = mask_m4 & mask_w4
+        x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
+        q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
+        grp = (k0 + w4 * 8) // GROUP
+        scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])
+        if FMT == 2:
+            scale = scale * tl.reshape(gs, [1, BLOCK_N, 1])
+        if FMT == 0:
+            d = (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)  # [BW, BN, 1, 8]
+            t = tl.sum((x * x_mul) * d, axis=3)  # [BW, BN, BM]: 2^-49 * sum_j x_j code_j
+            xsum = tl.sum(x, axis=3) * _TWO_M49  # [BW, 1, BM]
+            if HAS_ZEROS:
+                zero = tl.reshape(tl.load(z_rows + grp, mask=mask_q, other=0).to(tl.float32), [BW, BLOCK_N, 1])
+            else:
+                zero = 8.0
+            acc += scale * t
+            acc -= (scale * zero) * xsum
+        else:
+            qs = tl.where(j4 < 7, q << (28 - 4 * j4), q)  # nibble j at bits 31..28
+            d = ((qs >> 6) & -0x7E400000).to(tl.float32, bitcast=True)  # e2m1 * 2^-126; mask 0x81C00000
+            acc += scale * tl.sum((x * _TWO_64) * d, axis=3)  # 2^-62 * sum_j x_j e2m1_j
+    out = tl.sum(acc, axis=0) * (_TWO_49 if FMT == 0 else _TWO_62)  # [BN, BM]
+    if HAS_BIAS:  # added once: by the first K split
+        out += tl.load(b_ptr + offs_n, mask=(offs_n < N) & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+
+
+@triton.jit
+def _nibble_value(q, qh, J: tl.constexpr, scale, zero_scale, FMT: tl.constexpr):
+    """Dequantized nibble J of each word of q, float32. int4: q & mask read as float32 is the subnormal
+    code * 16^e * 2^-149 (nibble J at bits 4e of q, or of qh = q >> 12 for J >= 5); one multiply makes it
+    code * 2^-23 and one FMA gives code * scale - zero * scale, with `scale` multiplied by 2^23.
+    FP4: e2m1 * 2^-126 (see _w4a16_gemv_kernel), with `scale` multiplied by 2^63."""
+    if FMT == 0:
+        if J < 5:
+            v = (q & (0xF << (4 * J))).to(tl.float32, bitcast=True) * (2.0 ** (126 - 4 * J))
+        else:
+            v = (qh & (0xF << (4 * J - 12))).to(tl.float32, bitcast=True) * (2.0 ** (138 - 4 * J))
+        v = v * scale - zero_scale
+    else:
+        if J < 7:
+            q = q << (28 - 4 * J)
+        # nibble at bits 31..28 (sign, e1, e0, m) -> sign at 31 (arithmetic shift), e1 e0 m at 24..22
+        v = (((q >> 6) & -0x7E400000).to(tl.float32, bitcast=True) * _TWO_63) * scale  # mask 0x81C00000
+    return v
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym,
+    FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    BW: tl.constexpr = BLOCK_K // 8  # words per row of a K tile
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # GROUP_M row tiles in a row walk each weight column tile while it is in L2
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    rows = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows
+    pid_n = (pid % width) // rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BW)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :]  # [BN, BW]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    if FMT == 2:
+        gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+        if EVEN_K:
+            mask_q = mask_n[:, None]
+            x = tl.load(x_ptrs + k0, mask=mask_m[:, None], other=0.0)
+        else:
+            mask_q = mask_n[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
+            x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
+        # scales and zeros are gathered as [BW, BN] and transposed: lanes then run along the words, and
+        # the dequantized tile reaches shared memory in 16-byte stores
+        grp = ((k0 + offs_w * 8) // GROUP)[:, None]  # scale column of each word
+        mask_t = tl.trans(mask_q)
+        scale = tl.trans(_scale_f32(tl.load(s_ptr + offs_n[None, :] * stride_sn + grp, mask=mask_t, other=0), FMT))
+        if FMT == 0:
+            if HAS_ZEROS:
+                zero = tl.trans(tl.load(z_ptr + offs_n[None, :] * stride_zn + grp, mask=mask_t, other=0).to(tl.float32))
+            else:
+                zero = 8.0
+            zero_scale = zero * scale
+            scale = scale * _TWO_23
+        else:
+            zero_scale = 0.0
+            if FMT == 2:
+                scale = scale * gs[:, None]
+            scale = scale * _TWO_63
+        qh = q >> 12
+        v0 = _nibble_value(q, qh, 0, scale, zero_scale, FMT)
+        v1 = _nibble_value(q, qh, 1, scale, zero_scale, FMT)
+        v2 = _nibble_value(q, qh, 2, scale, zero_scale, FMT)
+        v3 = _nibble_value(q, qh, 3, scale, zero_scale, FMT)
+        v4 = _nibble_value(q, qh, 4, scale, zero_scale, FMT)
+        v5 = _nibble_value(q, qh, 5, scale, zero_scale, FMT)
+        v6 = _nibble_value(q, qh, 6, scale, zero_scale, FMT)
+        v7 = _nibble_value(q, qh, 7, scale, zero_scale, FMT)
+        # [BN, BK] in K order (k = 8 w + j), interleaved in registers
+        w = tl.interleave(tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6)),
+                          tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7)))  # fmt: skip
+        if IEEE:  # float32 operands (or the CPU interpreter, whose 16-bit dot is wrong)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+    if HAS_BIAS:  # added once: by the first K split
+        acc += tl.load(b_ptr + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def w4a16_config(M: int, N: int, K: int, fmt: str) -> dict[str, int]:
+    """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt: the layouts share one table).
+
+    From the H100 sweeps kept in benchmarks/results/w4a16_h100.json. Up to 2 rows, and up to 4 on weights
+    under 2^25 elements: the CUDA-core kernel, one warp per 32 word columns of a 1024-wide K tile, 4
+    output rows per program on small weights, 8 on large. Up to 16 rows: one 16-row tensor-core tile,
+    narrow and deep on small weights (more programs), wide on large ones. Prefill from M = 129: 256 x 128
+    tiles (two warpgroups share each dequantized weight tile)."""
+    large = N * K >= (1 << 25)
+    if M <= 2 or (M <= GEMV_MAX_M and not large):
+        return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": 1024,
+                "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # fmt: skip
+    if M <= DECODE_MAX_M:
+        return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": 64 if large else 16, "BLOCK_K": 128 if large else 256,
+                "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
+    bm, bn, bk, warps, stages = (
+        (64, 128, 128, 4, 3) if M <= 64 else (128, 128, 64, 8, 4) if M <= 128 else (256, 128, 64, 8, 3)
+    )
+    return {"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "GROUP_M": 8,
+            "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+
+def _check(x: torch.Tensor, qw: QuantizedWeight) -> None:
+    if qw.fmt not in FOUR_BIT_FORMATS:
+        raise ValueError(
+            f"w4a16_linear: format {qw.fmt!r} is not a 4-bit weight format ({', '.join(FOUR_BIT_FORMATS)})"
+        )
+    if qw.qweight.dim() != 2:
+        raise ValueError(f"w4a16_linear: needs a 2-D weight, got qweight of shape {tuple(qw.qweight.shape)}")
+    N, K, G = qw.out_features, qw.in_features, qw.group_size
+    if qw.fmt in _FP4_GROUP and G != _FP4_GROUP[qw.fmt]:
+        raise ValueError(f"w4a16_linear: {qw.fmt} has group size {_FP4_GROUP[qw.fmt]}, got {G}")
+    if K % 8 or G % 8 or K % G:
+        raise ValueError(f"w4a16_linear: in_features {K} must be a multiple of 8 and of the group size {G}")
+    if tuple(qw.qweight.shape) != (N, K // 8) or tuple(qw.scales.shape) != (N, K // G):
+        raise ValueError(f"w4a16_linear: qweight {tuple(qw.qweight.shape)} / scales {tuple(qw.scales.shape)} "
+                         f"do not match [{N}, {K}] with group {G}")  # fmt: skip
+    if qw.fmt == "nvfp4" and qw.global_scale is None:
+        raise ValueError("w4a16_linear: nvfp4 needs global_scale")
+    if x.shape[-1] != K:
+        raise ValueError(f"w4a16_linear: x has {x.shape[-1]} features, the weight {K}")
+    if x.dtype not in _X_DTYPES:
+        raise ValueError(f"w4a16_linear: x dtype {x.dtype} not in bfloat16 / float16 / float32")
+
+
+def w4a16_linear(
+    x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
+    qw: QuantizedWeight,  # 2-D "int4" / "mxfp4" / "nvfp4"
+    bias: torch.Tensor | None = None,  # [N]
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:  # [..., N], x.dtype
+    _check(x, qw)
+    lead = x.shape[:-1]
+    x = x.reshape(-1, qw.in_features)
+    if qw.perm is not None:
+        x = x.index_select(1, qw.perm)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = qw.out_features
+    if M == 0:
+        return x.new_empty(*lead, N)
+    cfg = dict(config or w4a16_config(M, N, K, qw.fmt))
+    split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
+    q, s, z, gs = qw.qweight, qw.scales, qw.zeros, qw.global_scale
+    if qw.fmt == "nvfp4":
+        s = s.view(torch.uint8)
+    assert q.stride(1) == 1 and s.stride(1) == 1 and (z is None or z.stride(1) == 1)
+    if split_k > 1:
+        y = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(1, M, N, dtype=x.dtype, device=x.device)
+    # s stands in for the absent optional tensors (never read)
+    args = (x, q, s, s if z is None else z, s if gs is None else gs, s if bias is None else bias, y, M, N, K)
+    strides = (x.stride(0), q.stride(0), s.stride(0), z.stride(0) if z is not None else 0, y.stride(0), y.stride(1))
+    flags = {"FMT": _FMT_ID[qw.fmt], "GROUP": qw.group_size, "HAS_ZEROS": z is not None, "HAS_BIAS": bias is not None,
+             "SPLIT_K": split_k, "EVEN_K": K % cfg["BLOCK_K"] == 0}  # fmt: skip
+    if gemv:
+        assert M <= cfg["BLOCK_M"], (M, cfg)
+        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](*args, 1, *strides, **flags, **cfg)
+    else:
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        ieee = x.dtype == torch.float32 or _INTERPRET
+        _w4a16_gemm_kernel[grid](*args, *strides, **flags, GROUP_M=group_m, IEEE=ieee, **cfg)
+    out = y[0] if split_k == 1 else y.sum(0).to(x.dtype)
+    return out.reshape(*lead, N)

@@ -1,0 +1,147 @@
+"""Triton 4-bit-weight GEMM (int4 / mxfp4 / nvfp4, decode and prefill paths) vs `quant_linear_ref` on
+fresh random inputs: int4 scales ~0.01 with and without zero points, FP4 scales of the same weight
+magnitude, x ~ N(0, 1).
+
+CPU: TRITON_INTERPRET=1 and small shapes (odd N, K a multiple of 128, one K not a multiple of the
+K tile). Tolerances (||out - ref|| / ||ref||): float32 1e-5; bfloat16 / float16 1e-2 (the weight is
+exact in float32; the tensor-core path rounds it to x.dtype, and the output is rounded once, which the
+interpreter does by truncation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
+
+from ftransformers.kernels.quant_formats import QuantizedWeight, pack_int4, quant_linear_ref
+from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# (N, K): N not a multiple of any BLOCK_N, K not a multiple of the default BLOCK_K, large-weight tiles
+SHAPES = [(5120, 2048), (1029, 4096), (2051, 1408), (8192, 4096)] if DEV == "cuda" else [(37, 256), (20, 384)]
+ROWS = [1, 3, 8, 16, 33] + ([300] if DEV == "cuda" else [])
+# (fmt, group, zeros, scale dtype)
+WEIGHTS = [
+    ("int4", 32, False, torch.float16), ("int4", 64, True, torch.bfloat16), ("int4", 128, True, torch.float16),
+    ("int4", 128, False, torch.bfloat16), ("mxfp4", 32, False, None), ("nvfp4", 16, False, None),
+]  # fmt: skip
+
+
+def random_weight(
+    fmt: str, n: int, k: int, g: torch.Generator, group: int = 128, zeros: bool = False,
+    scale_dtype: torch.dtype | None = torch.float16, perm: bool = False,
+) -> QuantizedWeight:  # fmt: skip
+    """Weights of magnitude ~0.01-0.1 in the given layout, on DEV."""
+    qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    z = gs = None
+    if fmt == "int4":
+        scales = (torch.rand(n, k // group, generator=g) * 0.01 + 0.005).to(scale_dtype or torch.float16)
+        if zeros:
+            z = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
+    elif fmt == "mxfp4":
+        group = 32
+        scales = torch.randint(119, 124, (n, k // group), generator=g).to(torch.uint8)  # 2^-8 .. 2^-4
+    else:
+        group = 16
+        scales = (torch.rand(n, k // group, generator=g) * 440 + 1).to(torch.float8_e4m3fn)
+        gs = torch.rand(n, generator=g) * 1e-5 + 5e-6
+    p = torch.randperm(k, generator=g).to(DEV) if perm else None
+    return QuantizedWeight(
+        fmt, qweight.to(DEV), scales.to(DEV), n, k, group,
+        zeros=None if z is None else z.to(DEV), global_scale=None if gs is None else gs.to(DEV), perm=p,
+    )  # fmt: skip
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and out.dtype == ref.dtype and not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("weight", WEIGHTS, ids=lambda w: f"{w[0]}-g{w[1]}-{'z' if w[2] else 'sym'}")
+def test_matches_reference(weight: tuple, M: int, dtype: torch.dtype) -> None:
+    fmt, group, zeros, sdt = weight
+    gen = torch.Generator().manual_seed(M * 31 + group)
+    for N, K in SHAPES:
+        qw = random_weight(fmt, N, K, gen, group, zeros, sdt)
+        x = torch.randn(M, K, generator=gen).to(DEV, dtype)
+        assert rel_err(w4a16_linear(x, qw), quant_linear_ref(x, qw)) < tol(dtype), (N, K)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("M", [1, 8, 33])
+def test_perm_bias_and_leading_dims(fmt: str, M: int) -> None:
+    gen = torch.Generator().manual_seed(7 + M)
+    N, K = SHAPES[0]
+    qw = random_weight(fmt, N, K, gen, zeros=fmt == "int4", perm=True)
+    x = torch.randn(M, K, generator=gen).to(DEV, torch.bfloat16)
+    b = torch.randn(N, generator=gen).to(DEV, torch.bfloat16)
+    ref = quant_linear_ref(x, qw, b)
+    assert rel_err(w4a16_linear(x, qw, b), ref) < 1e-2
+    assert rel_err(w4a16_linear(x.view(1, M, K), qw, b).view(M, N), ref) < 1e-2
+    xf = x.float()
+    assert rel_err(w4a16_linear(xf, qw, b.float()), quant_linear_ref(xf, qw, b.float())) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_every_tile_path(fmt: str) -> None:
+    """FMA and tensor-core tiles, several programs along N and M, masked K tails and split-K."""
+    gen = torch.Generator().manual_seed(3)
+    qw = random_weight(fmt, 40, 384, gen, group=64, zeros=True)
+    base = {"SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
+    cases = [
+        (2, {"BLOCK_M": 2, "BLOCK_N": 4, "BLOCK_K": 128, "GEMV": 1}),
+        (3, {"BLOCK_M": 4, "BLOCK_N": 8, "BLOCK_K": 256, "GEMV": 1, "SPLIT_K": 2}),
+        (16, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "GEMV": 0}),
+        (5, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GEMV": 0, "SPLIT_K": 3}),
+        (40, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "GEMV": 0, "GROUP_M": 2}),
+    ]
+    for M, cfg in cases:
+        x = torch.randn(M, 384, generator=gen).to(DEV)
+        b = torch.randn(40, generator=gen).to(DEV)
+        out = w4a16_linear(x, qw, b, config={**base, **cfg})
+        assert rel_err(out, quant_linear_ref(x, qw, b)) < 1e-5, cfg
+
+
+def test_config_paths() -> None:
+    assert w4a16_config(1, 5120, 2048, "int4")["GEMV"] == 1 and w4a16_config(4, 5120, 2048, "int4")["BLOCK_M"] == 4
+    assert w4a16_config(16, 5120, 2048, "nvfp4")["GEMV"] == 0 and w4a16_config(16, 5120, 2048, "nvfp4")["BLOCK_M"] == 16
+    assert w4a16_config(2048, 5120, 2048, "mxfp4")["BLOCK_M"] >= 64
+
+
+def test_rejects_unsupported() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 256, generator=gen).to(DEV)
+    int8 = QuantizedWeight("int8", torch.zeros(8, 256, dtype=torch.int8), torch.ones(8), 8, 256, 256)
+    with pytest.raises(ValueError, match="not a 4-bit"):
+        w4a16_linear(x, int8)
+    qw = random_weight("int4", 8, 256, gen)
+    stacked = QuantizedWeight("int4", qw.qweight[None], qw.scales[None], 8, 256, 128)
+    with pytest.raises(ValueError, match="2-D"):
+        w4a16_linear(x, stacked)
+    bad_group = QuantizedWeight("int4", qw.qweight[:, :25], qw.scales, 8, 200, 128)
+    with pytest.raises(ValueError, match="multiple"):
+        w4a16_linear(x[:, :200], bad_group)
+    with pytest.raises(ValueError, match="features"):
+        w4a16_linear(x[:, :128], qw)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_cuda_graph_replay(M: int) -> None:
+    gen = torch.Generator().manual_seed(M)
+    qw = random_weight("nvfp4", 2048, 4096, gen)
+    x = torch.randn(M, 4096, generator=gen).to(DEV, torch.bfloat16)
+    w4a16_linear(x, qw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4a16_linear(x, qw)
+    x.copy_(torch.randn(M, 4096, generator=gen).to(DEV, torch.bfloat16))
+    graph.replay()
+    assert rel_err(out, quant_linear_ref(x, qw)) < 1e-2
