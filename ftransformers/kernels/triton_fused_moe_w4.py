@@ -1,0 +1,513 @@
+"""Fused MoE over 4-bit experts (int4 / mxfp4 / nvfp4 layouts of kernels/quant_formats.py), in Triton.
+
+Same two paths as kernels/triton_fused_moe.py (pairs = the T*K (token, slot) entries, pair = t*K + k),
+weights dequantized in registers only; CUDA-graph safe (sizes depend only on T, K, E; no host sync).
+
+Pair path (T*K <= W4_PAIR_MAX_PAIRS): `_pair_gate_up_w4_kernel`, one program per (I-block, pair),
+writes act[pair] = silu(gate) * up rounded to hidden.dtype (held in float32 "planes", plane j = the
+elements 8w + j, so the down kernel reads each plane with 16-byte loads and converts nothing);
+`_pair_down_sum_w4_kernel`, one program per (D-block, token), sums w[t, k] * (act[t*K + k] @ w2[e_k]^T)
+over its K slots in float32 straight into [T, D]. GEMVs on CUDA cores over [BLOCK_N, BLOCK_K / 8]
+tiles of 32-bit words (16-byte loads along K): the 8 nibbles of a word are unrolled (a constant shift
+each) against x[8w + j] (hidden read as int32 pairs of 16-bit values); nibble products are summed per
+group, then scaled once per (row, group).
+
+Aligned path: `moe_align` of the bf16 module, then grouped GEMMs whose B tiles [BLOCK_K, BLOCK_N] are
+dequantized to hidden.dtype in registers (the 8 nibbles joined in-thread, then reshaped) before
+tl.dot (gate-up with fused SiLU*up; down with the routing weight), and the bf16 module's `moe_sum`.
+
+Decoding, a shift and one or two logic ops per weight, no int->float conversion:
+  int4   bits (1.0f | code << 19) = 1 + code/16, so (code - zero) * s = (f - (1 + zero/16)) * 16 s;
+         with x: sum_j (c_j - z) s x_j = 16 s * (sum_j f_j x_j - (1 + z/16) * sum_j x_j).
+  E2M1   magnitude bits to 22..24 (the exponent's two low bits and the top mantissa bit), sign to 31:
+         an fp32 equal to value * 2^-126 exactly (code 1 is the subnormal 2^-127). It only ever meets
+         operands pre-scaled by 2^63 (x in the GEMVs, the scale in both), so no product is subnormal.
+  scales mxfp4 E8M0 e -> bits e << 23 = 2^(e-127); nvfp4 E4M3 bits -> fp32 bits (b & 0x7F) << 20 with
+         the sign at 31 = value * 2^-120 (subnormals included), times global_scale.
+The constant OR-ed in (`magic`) is a kernel argument: in a register, ptxas fuses mask-and-or into one
+LOP3, which it does not for two immediates.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
+from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
+
+# Up to this many (token, slot) pairs fused_moe_w4 takes the pair path.
+W4_PAIR_MAX_PAIRS = 8
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
+_MAGIC = {"int4": 0x3F800000, "mxfp4": -(2**31), "nvfp4": -(2**31)}  # 1.0f; the sign bit
+_P63 = tl.constexpr(9.223372036854775808e18)  # 2^63
+_P60 = tl.constexpr(1.152921504606846976e18)  # 2^60
+# Triton's CPU interpreter truncates float32 -> bfloat16; round to nearest even by hand there.
+_MANUAL_RNE = tl.constexpr(_INTERPRET)
+
+
+@dataclass(frozen=True)
+class W4PairConfig:
+    """Pair-path tiles: gate-up (N over I, K over D) and down+sum (N over D, K over I). BLOCK_K is
+    capped at the contracted size (rounded up to a power of two) and raised to at least one group."""
+
+    up_n: int = 8
+    up_k: int = 512
+    down_n: int = 8
+    down_k: int = 256
+    up_warps: int = 4
+    down_warps: int = 2
+    stages: int = 3
+
+
+def default_w4_pair_config(num_tokens: int, hidden_size: int) -> W4PairConfig:
+    return W4PairConfig()
+
+
+def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size: int) -> MoEConfig:
+    """The bf16 tiles, with K tiles at least one quantization group long."""
+    cfg = default_config(num_tokens, num_experts, top_k)
+    up_k, down_k = max(cfg.up_k, group_size), max(cfg.down_k, group_size)
+    return MoEConfig(cfg.block_m, cfg.up_n, up_k, cfg.down_n, down_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+
+
+@triton.jit
+def _nibble(q, J: tl.constexpr, magic, FMT: tl.constexpr):
+    # q uint32 words -> nibble J as float32: int4 1 + code/16 (magic = 1.0f); E2M1 value * 2^-126
+    # (magic = the sign bit).
+    if FMT == 0:
+        if J <= 4:
+            m = q << (19 - 4 * J)
+        else:
+            m = q >> (4 * J - 19)
+        bits = (m & 0x00780000) | magic
+    else:
+        if J <= 5:
+            m = q << (22 - 4 * J)
+        else:
+            m = q >> (4 * J - 22)
+        bits = (m & 0x01C00000) | ((q << (28 - 4 * J)) & magic)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scale(s_ptrs, z_ptrs, gs, mask, FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr):
+    # Per (row, group): int4 (16 * scale, 1 + zero/16); E2M1 (scale * 2^63, unused).
+    if FMT == 0:
+        scale = _load(s_ptrs, mask, EVEN).to(tl.float32) * 16.0
+        if HAS_ZERO:
+            z = _load(z_ptrs, mask, EVEN).to(tl.uint32)
+            zz = ((z << 19) | 0x3F800000).to(tl.float32, bitcast=True)
+        else:
+            zz = tl.full(scale.shape, 1.5, tl.float32)
+        return scale, zz
+    e = _load(s_ptrs, mask, EVEN).to(tl.uint32)
+    if FMT == 1:  # E8M0: 2^(e - 127); e = 0 is the subnormal 2^-127
+        scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True) * _P63
+    else:  # E4M3 bits -> value * 2^-120, then * 2^120 in two exact steps
+        bits = ((e & 0x7F) << 20) | ((e >> 7) << 31)
+        scale = bits.to(tl.float32, bitcast=True) * _P60 * _P60 * gs * _P63
+    return scale, scale
+
+
+@triton.jit
+def _to_16bit(x, DTYPE: tl.constexpr):
+    # float32 -> DTYPE (bf16 / fp16), rounded to nearest even
+    if _MANUAL_RNE and DTYPE == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _x_pair(ptrs, mask, FMT: tl.constexpr, X_F16: tl.constexpr, EVEN: tl.constexpr):
+    # int32 words holding two 16-bit activations -> (low, high) in float32, E2M1: times 2^63
+    v = _load(ptrs, mask, EVEN).to(tl.uint32, bitcast=True)
+    if X_F16:
+        lo = (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (v >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = (v << 16).to(tl.float32, bitcast=True)
+        hi = (v & 0xFFFF0000).to(tl.float32, bitcast=True)
+    if FMT != 0:
+        lo = lo * _P63
+        hi = hi * _P63
+    return lo, hi
+
+
+@triton.jit
+def _x_words(ptrs, mask, FMT: tl.constexpr, X_F16: tl.constexpr, EVEN: tl.constexpr):
+    # ptrs [BKW]: int32 pair 0 of each word's 8 activations -> (x_0..x_7 [BKW] float32, sum_j x_j)
+    x0, x1 = _x_pair(ptrs, mask, FMT, X_F16, EVEN)
+    x2, x3 = _x_pair(ptrs + 1, mask, FMT, X_F16, EVEN)
+    x4, x5 = _x_pair(ptrs + 2, mask, FMT, X_F16, EVEN)
+    x6, x7 = _x_pair(ptrs + 3, mask, FMT, X_F16, EVEN)
+    return (x0, x1, x2, x3, x4, x5, x6, x7), ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+
+
+@triton.jit
+def _x_planes(ptrs, plane, mask, EVEN: tl.constexpr):
+    # ptrs [BKW] into a [8, K/8] float32 act row (plane j = x[8w + j]) -> (x_0..x_7, sum_j x_j)
+    x0 = _load(ptrs, mask, EVEN)
+    x1 = _load(ptrs + plane, mask, EVEN)
+    x2 = _load(ptrs + 2 * plane, mask, EVEN)
+    x3 = _load(ptrs + 3 * plane, mask, EVEN)
+    x4 = _load(ptrs + 4 * plane, mask, EVEN)
+    x5 = _load(ptrs + 5 * plane, mask, EVEN)
+    x6 = _load(ptrs + 6 * plane, mask, EVEN)
+    x7 = _load(ptrs + 7 * plane, mask, EVEN)
+    return (x0, x1, x2, x3, x4, x5, x6, x7), ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+
+
+@triton.jit
+def _group_sums(sx, FMT: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr):
+    # sx [BKW] -> [BN, NG] sums per group, reduced like the products (same layout, no second x load);
+    # only int4 needs them.
+    bkw: tl.constexpr = NG * WPG
+    if FMT == 0:
+        sums = tl.sum(tl.reshape(tl.broadcast_to(sx[None, :], [BLOCK_N, bkw]), [BLOCK_N, NG, WPG]), axis=2)
+    else:
+        sums = tl.zeros([BLOCK_N, NG], tl.float32)
+    return sums
+
+
+@triton.jit
+def _gemv_tile(q_ptrs, q_mask, s_ptrs, z_ptrs, s_mask, gs, xs, sxg, magic,
+               FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+               NG: tl.constexpr, WPG: tl.constexpr):  # fmt: skip
+    # q_ptrs [BN, BKW] words, xs the 8 [BKW] activations of each word, sxg [BN, NG] sums of x per group
+    # -> [BN, NG] float32 contributions of the tile.
+    q = _load(q_ptrs, q_mask, EVEN).to(tl.uint32, bitcast=True)
+    p = _nibble(q, 0, magic, FMT) * xs[0][None, :]
+    for j in tl.static_range(1, 8):
+        p += _nibble(q, j, magic, FMT) * xs[j][None, :]
+    pg = tl.sum(tl.reshape(p, [BLOCK_N, NG, WPG]), axis=2)  # [BN, NG]
+    scale, zz = _group_scale(s_ptrs, z_ptrs, gs, s_mask, FMT, HAS_ZERO, EVEN)
+    if FMT == 0:
+        return scale * (pg - zz * sxg)
+    return scale * pg
+
+
+@triton.jit
+def _pair_gate_up_w4_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, act_ptr, ids_ptr, N, K, num_pairs,
+    stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ge,
+    FMT: tl.constexpr, HAS_ZERO: tl.constexpr, X_F16: tl.constexpr, ACT_BF16: tl.constexpr, EVEN: tl.constexpr,
+    GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+):  # fmt: skip
+    # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]), t = pair // TOP_K, e = ids[pair],
+    # rounded to hidden's dtype. x_ptr: the int32 view of hidden (stride_xm in int32s). act_ptr: float32
+    # [num_pairs, 8, N/8], element (j, w) = act[8w + j] (E2M1: times 2^63), the down kernel's planes.
+    BKW: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // GROUP
+    WPG: tl.constexpr = GROUP // 8
+    pid = tl.program_id(0)
+    pair = pid % num_pairs
+    pid_n = pid // num_pairs
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    magic = magic.to(tl.uint32, bitcast=True)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w = tl.arange(0, BKW)
+    g = tl.arange(0, NG)
+    q_ptrs = q_ptr + expert * stride_qe + offs_n[:, None].to(tl.int64) * stride_qn + w[None, :]  # [BN, BKW]
+    s_off = expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn + g[None, :]  # [BN, NG]
+    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + w * 4  # [BKW]
+    gs_g = 0.0
+    gs_u = 0.0
+    if FMT == 2:
+        gs_g = _load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
+        gs_u = _load(gs_ptr + expert * stride_ge + N + offs_n, n_ok, EVEN)[:, None]
+    up_q = N * stride_qn
+    up_s = N * stride_sn
+    acc_g = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+    for kt in range(K_TILES):
+        w_ok = kt * BKW + w < K // 8
+        g_ok = kt * NG + g < K // GROUP
+        xs, sx = _x_words(x_ptrs + kt * (BLOCK_K // 2), w_ok, FMT, X_F16, EVEN)
+        sxg = _group_sums(sx, FMT, BLOCK_N, NG, WPG)
+        q_mask = n_ok[:, None] & w_ok[None, :]
+        s_mask = n_ok[:, None] & g_ok[None, :]
+        qp = q_ptrs + kt * BKW
+        so = s_off + kt * NG
+        acc_g += _gemv_tile(qp, q_mask, s_ptr + so, z_ptr + so, s_mask, gs_g, xs, sxg, magic,
+                            FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
+        acc_u += _gemv_tile(qp + up_q, q_mask, s_ptr + so + up_s, z_ptr + so + up_s, s_mask, gs_u, xs, sxg, magic,
+                            FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _to_16bit(act, tl.bfloat16 if ACT_BF16 else tl.float16).to(tl.float32)
+    if FMT != 0:
+        act = act * _P63
+    plane = N // 8
+    tl.store(act_ptr + pair.to(tl.int64) * N + (offs_n % 8) * plane + offs_n // 8, act, mask=n_ok)
+
+
+@triton.jit
+def _pair_down_sum_w4_kernel(
+    act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, out_ptr, ids_ptr, tw_ptr, N, K, num_tokens, plane,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ge, stride_om,
+    FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+):  # fmt: skip
+    # out[t, n] = sum_k tw[t, k] * (act[t*TOP_K + k] @ w2[e_k, n]), float32 across the slots; act_ptr:
+    # the gate-up kernel's float32 planes [T*TOP_K, 8, K/8]; plane = K / 8 (an argument, so that its
+    # divisibility is known and the plane loads are 16 bytes wide).
+    BKW: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // GROUP
+    WPG: tl.constexpr = GROUP // 8
+    pid = tl.program_id(0)
+    t = pid % num_tokens
+    pid_n = pid // num_tokens
+    magic = magic.to(tl.uint32, bitcast=True)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w = tl.arange(0, BKW)
+    g = tl.arange(0, NG)
+    q_rows = offs_n[:, None].to(tl.int64) * stride_qn + w[None, :]  # [BN, BKW]
+    s_rows = offs_n[:, None].to(tl.int64) * stride_sn + g[None, :]  # [BN, NG]
+    a_ptrs = act_ptr + (t * TOP_K).to(tl.int64) * K + w  # [BKW]
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        expert = tl.load(ids_ptr + t * TOP_K + slot).to(tl.int64)
+        gs = 0.0
+        if FMT == 2:
+            gs = _load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
+        part = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+        for kt in range(K_TILES):
+            w_ok = kt * BKW + w < K // 8
+            g_ok = kt * NG + g < K // GROUP
+            xs, sx = _x_planes(a_ptrs + slot * K + kt * BKW, plane, w_ok, EVEN)
+            sxg = _group_sums(sx, FMT, BLOCK_N, NG, WPG)
+            so = expert * stride_se + s_rows + kt * NG
+            part += _gemv_tile(q_ptr + expert * stride_qe + q_rows + kt * BKW, n_ok[:, None] & w_ok[None, :],
+                               s_ptr + so, z_ptr + so, n_ok[:, None] & g_ok[None, :], gs, xs, sxg, magic,
+                               FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
+        acc += tl.load(tw_ptr + t * TOP_K + slot) * tl.sum(part, axis=1)
+    out = _to_16bit(acc, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out, mask=n_ok)
+
+
+@triton.jit
+def _dequant(q, J: tl.constexpr, magic, scale, zz, FMT: tl.constexpr):
+    # Nibble J of q as its float32 weight (scale, zz from _group_scale; E2M1 in two exact 2^63 steps).
+    if FMT == 0:
+        return (_nibble(q, J, magic, FMT) - zz) * scale
+    return (_nibble(q, J, magic, FMT) * _P63) * scale
+
+
+@triton.jit
+def _dequant_tile(q_ptrs, q_mask, s_ptrs, z_ptrs, s_mask, gs, magic, FMT: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    # q_ptrs / s_ptrs [BKW, BN] (scales gathered per word) -> B tile [BLOCK_K, BLOCK_N] in DTYPE,
+    # k = 8 * w + j. The 8 nibbles are joined in-thread, highest index bit first, so that the
+    # reshape of [BKW, 2, 2, 2] puts nibble j at 8 * w + j.
+    q = tl.load(q_ptrs, mask=q_mask, other=0).to(tl.uint32, bitcast=True)
+    scale, zz = _group_scale(s_ptrs, z_ptrs, gs, s_mask, FMT, HAS_ZERO, False)
+    e0 = tl.join(_dequant(q, 0, magic, scale, zz, FMT), _dequant(q, 4, magic, scale, zz, FMT))
+    e1 = tl.join(_dequant(q, 2, magic, scale, zz, FMT), _dequant(q, 6, magic, scale, zz, FMT))
+    o0 = tl.join(_dequant(q, 1, magic, scale, zz, FMT), _dequant(q, 5, magic, scale, zz, FMT))
+    o1 = tl.join(_dequant(q, 3, magic, scale, zz, FMT), _dequant(q, 7, magic, scale, zz, FMT))
+    b = tl.join(tl.join(e0, e1), tl.join(o0, o1))  # [BKW, BN, 2, 2, 2]: bits 2, 1, 0 of j
+    b = tl.reshape(tl.permute(b, (0, 2, 3, 4, 1)), [BLOCK_K, BLOCK_N])
+    return _to_16bit(b, DTYPE)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # float32 products of the same rounded operands (the CPU interpreter's bf16 dot is wrong)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _moe_gemm_w4_kernel(
+    a_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, c_ptr, w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+    N, K, num_pairs, max_padded, stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_ge, stride_cm,
+    A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    FMT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    K_TILES: tl.constexpr,
+):  # fmt: skip
+    # C[pair, n] = A[pair // A_DIV] @ W[e, n]^T over one expert-aligned block of sorted rows;
+    # FUSE_SILU: rows n (gate) and N + n (up) -> silu(gate) * up; MUL_WEIGHT: times the routing weight.
+    BKW: tl.constexpr = BLOCK_K // 8
+    WPG: tl.constexpr = GROUP // 8
+    pid = tl.program_id(0)
+    num_pid_m = max_padded // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_size
+    pid_n = (pid % group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    magic = magic.to(tl.uint32, bitcast=True)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+    row_ok = pair < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w = tl.arange(0, BKW)
+    a_ptrs = a_ptr + (pair // A_DIV)[:, None] * stride_am + offs_k[None, :]
+    q_ptrs = q_ptr + expert * stride_qe + offs_n[None, :].to(tl.int64) * stride_qn + w[:, None]  # [BKW, BN]
+    s_rows = expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn  # [1, BN]
+    gs_g = 0.0
+    gs_u = 0.0
+    if FMT == 2:
+        gs_g = tl.load(gs_ptr + expert * stride_ge + offs_n, mask=n_ok, other=0.0)[None, :]
+        if FUSE_SILU:
+            gs_u = tl.load(gs_ptr + expert * stride_ge + N + offs_n, mask=n_ok, other=0.0)[None, :]
+    dt = a_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(K_TILES):
+        w_ok = kt * BKW + w < K // 8
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < K - kt * BLOCK_K), other=0.0)
+        q_mask = w_ok[:, None] & n_ok[None, :]
+        qp = q_ptrs + kt * BKW
+        so = s_rows + ((kt * BKW + w) // WPG)[:, None]  # [BKW, BN]: each word's group
+        b = _dequant_tile(qp, q_mask, s_ptr + so, z_ptr + so, q_mask, gs_g, magic, FMT, HAS_ZERO,
+                          BLOCK_K, BLOCK_N, dt)  # fmt: skip
+        acc = _dot(a, b, acc, IEEE)
+        if FUSE_SILU:
+            so = so + N * stride_sn
+            b = _dequant_tile(qp + N * stride_qn, q_mask, s_ptr + so, z_ptr + so, q_mask, gs_u, magic, FMT, HAS_ZERO,
+                              BLOCK_K, BLOCK_N, dt)  # fmt: skip
+            acc_up = _dot(a, b, acc_up, IEEE)
+        a_ptrs += BLOCK_K
+    if FUSE_SILU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    c = _to_16bit(acc, c_ptr.dtype.element_ty)
+    tl.store(c_ptrs, c, mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _weight_args(qw: QuantizedWeight) -> tuple:
+    """qweight, scales, zeros, global_scale, magic and the strides, as the kernels take them. Absent
+    tensors alias the scales; FP8 scales travel as their uint8 bits (decoded in-kernel)."""
+    s = qw.scales.view(torch.uint8) if qw.scales.dtype == torch.float8_e4m3fn else qw.scales
+    z = qw.zeros if qw.zeros is not None else s
+    gs, ge = (qw.global_scale, qw.global_scale.stride(0)) if qw.global_scale is not None else (s, 0)
+    q = qw.qweight
+    return q, s, z, gs, _MAGIC[qw.fmt], q.stride(0), q.stride(1), s.stride(0), s.stride(1), ge
+
+
+def _check(qw: QuantizedWeight, name: str, n: int, k: int) -> None:
+    if qw.fmt not in FOUR_BIT_FORMATS:
+        raise ValueError(f"fused_moe_w4: {name} has format {qw.fmt!r}; valid: {', '.join(FOUR_BIT_FORMATS)}")
+    e, g = qw.qweight.shape[0], qw.group_size
+    if qw.qweight.dim() != 3 or tuple(qw.qweight.shape[1:]) != (n, k // 8) or qw.perm is not None:
+        raise ValueError(f"fused_moe_w4: {name} qweight {tuple(qw.qweight.shape)} is not [E, {n}, {k // 8}]")
+    if g % 8 or g & (g - 1) or k % g or tuple(qw.scales.shape) != (e, n, k // g):
+        raise ValueError(f"fused_moe_w4: {name} scales {tuple(qw.scales.shape)} do not fit group {g}, K {k}")
+    gs = qw.global_scale
+    if qw.fmt == "nvfp4" and (gs is None or gs.dtype != torch.float32 or tuple(gs.shape) != (e, n)):
+        raise ValueError(f"fused_moe_w4: {name} nvfp4 needs float32 global_scale [E, {n}]")
+    if qw.zeros is not None and (qw.zeros.shape != qw.scales.shape or qw.zeros.stride() != qw.scales.stride()):
+        raise ValueError(f"fused_moe_w4: {name} zeros must have the shape and strides of the scales")
+    if any(t is not None and t.stride(-1) != 1 for t in (qw.qweight, qw.scales, qw.zeros, gs)):
+        raise ValueError(f"fused_moe_w4: {name} tensors need unit stride along the last dim")
+
+
+def _block_k(want: int, k: int, group: int) -> int:
+    return max(group, min(want, triton.next_power_of_2(k)))
+
+
+def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
+    t, d = hidden.shape
+    num_pairs, top_k, inter = ids.numel(), ids.shape[1], w2.in_features
+    act = torch.empty(num_pairs, inter, dtype=torch.float32, device=hidden.device)  # planes [T*K, 8, I/8]
+    x = (hidden if hidden.stride(0) % 2 == 0 else hidden.contiguous()).view(torch.int32)  # [T, D/2] pairs
+    bk = _block_k(cfg.up_k, d, w13.group_size)
+    _pair_gate_up_w4_kernel[(num_pairs * triton.cdiv(inter, cfg.up_n),)](
+        x, *_weight_args(w13)[:5], act, ids, inter, d, num_pairs, x.stride(0), *_weight_args(w13)[5:],
+        FMT=_FMT_ID[w13.fmt], HAS_ZERO=w13.zeros is not None, X_F16=hidden.dtype == torch.float16,
+        ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
+        GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=triton.cdiv(d, bk),
+        num_warps=cfg.up_warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
+    bk = _block_k(cfg.down_k, inter, w2.group_size)
+    _pair_down_sum_w4_kernel[(t * triton.cdiv(d, cfg.down_n),)](
+        act, *_weight_args(w2)[:5], out, ids, weights, d, inter, t, inter // 8, *_weight_args(w2)[5:],
+        out.stride(0), FMT=_FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
+        EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, BLOCK_N=cfg.down_n,
+        BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return out
+
+
+def _moe_gemm_w4(
+    a: torch.Tensor,  # [rows, K] rows = T (a_div = top_k) or T*top_k (a_div = 1), unit stride along K
+    qw: QuantizedWeight,  # [E, N or 2N, K]
+    out: torch.Tensor,  # [T*top_k, N]
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # moe_align's sorted_ids, expert_ids, num_post
+    a_div: int,
+    block_n: int,
+    block_k: int,
+    cfg: MoEConfig,
+    weights: torch.Tensor | None = None,  # [T*top_k] float32: the down GEMM (else gate-up, fused SiLU)
+) -> None:
+    n, k = out.shape[1], a.shape[1]
+    bk = _block_k(block_k, k, qw.group_size)
+    max_padded = align[0].numel()
+    _moe_gemm_w4_kernel[((max_padded // cfg.block_m) * triton.cdiv(n, block_n),)](
+        a, *_weight_args(qw)[:5], out, weights if weights is not None else out, *align,
+        n, k, out.shape[0], max_padded, a.stride(0), *_weight_args(qw)[5:], out.stride(0),
+        A_DIV=a_div, FUSE_SILU=weights is None, MUL_WEIGHT=weights is not None, IEEE=_INTERPRET,
+        FMT=_FMT_ID[qw.fmt], HAS_ZERO=qw.zeros is not None, GROUP=qw.group_size, BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, K_TILES=triton.cdiv(k, bk),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def fused_moe_w4(
+    hidden: torch.Tensor,  # [T, D] bf16 / fp16
+    w13: QuantizedWeight,  # [E, 2I, D], rows [gate | up]
+    w2: QuantizedWeight,  # [E, D, I]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int
+    config: MoEConfig | W4PairConfig | None = None,
+) -> torch.Tensor:  # [T, D] hidden.dtype
+    """quant_moe_ref's function: the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
+    the aligned path."""
+    t, d = hidden.shape
+    inter, top_k = w2.in_features, topk_ids.shape[1]
+    _check(w13, "w13", 2 * inter, d)
+    _check(w2, "w2", d, inter)
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.stride(1) != 1:
+        raise ValueError(f"fused_moe_w4: hidden must be bf16 / fp16 with unit stride along D, got {hidden.dtype}")
+    if t == 0:
+        return hidden.new_empty(0, d)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
+    if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
+        cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d)
+        return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)
+    e = w13.qweight.shape[0]
+    c = config or default_w4_config(t, e, top_k, max(w13.group_size, w2.group_size))
+    align = moe_align(topk_ids, e, c.block_m)
+    act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
+    _moe_gemm_w4(hidden, w13, act, align, top_k, c.up_n, c.up_k, c)
+    y = torch.empty(t * top_k, d, dtype=hidden.dtype, device=hidden.device)  # [T*K, D]
+    _moe_gemm_w4(act, w2, y, align, 1, c.down_n, c.down_k, c, weights)
+    return moe_sum(y.view(t, top_k, d), torch.empty_like(hidden))

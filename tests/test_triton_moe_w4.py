@@ -1,0 +1,162 @@
+"""Fused MoE over 4-bit experts (kernels/triton_fused_moe_w4.py) vs quant_moe_ref, fresh random inputs.
+
+Formats int4 (group 32 and 128, zeros absent and present, bf16 / fp16 / fp32 scales), mxfp4, nvfp4;
+hidden bf16 and fp16; T in {1, 2, 5, 33}, top-k 2 and 8 (pair path at T*K <= W4_PAIR_MAX_PAIRS, else
+aligned), both paths also forced with small tiles. Expert ids: random, repeated across tokens, never all
+one expert. CPU: TRITON_INTERPRET=1, tiny shapes (D=128, I=128: one int4 group of 128; E 8..16) and a
+covering subset of the matrix. CUDA: E=128, D=2048, I=768, the full matrix, and a CUDA-graph replay on
+refilled inputs.
+Tolerance: ||out - ref|| / ||ref|| <= 1e-2 for bf16 and fp16 hidden (the kernels dequantize exactly
+the reference's float32 weights; the differences are summation order, the 16-bit B tiles of the
+aligned path's tensor-core dots, and the 16-bit rounding of intermediates).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
+
+from ftransformers.kernels import triton_fused_moe_w4 as w4
+from ftransformers.kernels.quant_formats import QuantizedWeight, quant_moe_ref
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+TOL = 1e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and out.dtype == ref.dtype and not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def random_qw(
+    fmt: str, e: int, n: int, k: int, gen: torch.Generator, group: int = 128, zeros: bool = False,
+    scale_dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedWeight:  # fmt: skip
+    """Random words (8 random codes each) and scales sized so that x @ W^T keeps unit scale, made on
+    DEV with gen (a generator on DEV)."""
+    g = {"int4": group, "mxfp4": 32, "nvfp4": 16}[fmt]
+    kw = {"generator": gen, "device": DEV}
+    qweight = torch.randint(-(2**31), 2**31 - 1, (e, n, k // 8), dtype=torch.int32, **kw)
+    z = gs = None
+    if fmt == "int4":
+        scales = ((torch.rand(e, n, k // g, **kw) + 0.5) * 0.5 / k**0.5).to(scale_dtype)
+        if zeros:
+            z = torch.randint(4, 12, (e, n, k // g), dtype=torch.uint8, **kw)
+    elif fmt == "mxfp4":  # 2^(s-127) ~ 0.25 / sqrt(k) .. 1 / sqrt(k)
+        base = 127 - int(torch.log2(torch.tensor(float(k))).item() / 2)
+        scales = torch.randint(base - 2, base + 1, (e, n, k // g), dtype=torch.uint8, **kw)
+    else:
+        scales = (torch.rand(e, n, k // g, **kw) * 300 + 20).to(torch.float8_e4m3fn)
+        gs = (torch.rand(e, n, **kw) + 0.5) / (200 * k**0.5)
+    return QuantizedWeight(fmt, qweight, scales, n, k, g, zeros=z, global_scale=gs)
+
+
+def make_routing(t: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Duplicate-free top-k ids [T, K] drawn from about half the experts (so tokens repeat experts, but
+    never all the same one), and weights [T, K] float32."""
+    allowed = torch.randperm(e, generator=gen, device=DEV)[: max(k + 1, e // 2)]
+    pick = torch.rand(t, allowed.numel(), generator=gen, device=DEV).topk(k, dim=-1).indices
+    weights = torch.rand(t, k, generator=gen, device=DEV) + 0.1
+    return weights / weights.sum(-1, keepdim=True), allowed[pick]
+
+
+def run_case(fmt: str, t: int, e: int, k: int, d: int, inter: int, dtype: torch.dtype, seed: int,
+             config=None, **qkw) -> float:  # fmt: skip
+    gen = torch.Generator(DEV).manual_seed(seed)
+    hidden = torch.randn(t, d, generator=gen, device=DEV).to(dtype)
+    w13 = random_qw(fmt, e, 2 * inter, d, gen, **qkw)
+    w2 = random_qw(fmt, e, d, inter, gen, **qkw)
+    weights, ids = make_routing(t, e, k, gen)
+    assert ids.unique().numel() > 1
+    out = w4.fused_moe_w4(hidden, w13, w2, weights, ids, config)
+    assert out.shape == hidden.shape and out.dtype == dtype
+    return rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids))
+
+
+SHAPE = (2048, 768) if CUDA else (128, 128)  # (D, I): I >= the 128 group
+TOKENS = [1, 2, 5, 33]
+# (fmt, quantization kwargs): int4 g128 sym / asym, int4 g32 sym / asym, mxfp4, nvfp4
+FORMATS = [
+    ("int4", {"group": 128}),
+    ("int4", {"group": 128, "zeros": True}),
+    ("int4", {"group": 32}),
+    ("int4", {"group": 32, "zeros": True, "scale_dtype": torch.float16}),
+    ("mxfp4", {}),
+    ("nvfp4", {}),
+]
+
+
+# Every (format, T, top-k) on CUDA; on CPU (interpreter) a covering subset: each format on both paths,
+# each T and top-k at least twice. The index picks the FORMATS entry.
+CPU_CASES = [(0, 1, 8), (1, 2, 8), (2, 5, 2), (3, 33, 8), (4, 1, 8), (4, 5, 8), (5, 1, 2), (5, 33, 2),
+             (1, 1, 2), (2, 2, 2), (4, 33, 2), (5, 2, 8)]  # fmt: skip
+CUDA_CASES = [(f, t, k) for f in range(len(FORMATS)) for t in TOKENS for k in (2, 8)]
+
+
+@pytest.mark.parametrize("case", CUDA_CASES if CUDA else CPU_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if CUDA else [None])
+def test_fused_moe_w4_matches_reference(case: tuple[int, int, int], dtype: torch.dtype | None) -> None:
+    f, t, k = case
+    fmt, qkw = FORMATS[f]
+    e = 128 if CUDA else (8 if k == 2 else 16)
+    dtype = dtype or (torch.bfloat16 if (t + k) % 2 else torch.float16)
+    err = run_case(fmt, t, e, k, *SHAPE, dtype, seed=31 * t + k + f, **qkw)
+    assert err <= TOL, (fmt, qkw, t, k, dtype, err)
+
+
+@pytest.mark.parametrize("f,dtype", [(1, torch.bfloat16), (4, torch.float16), (5, torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("path", ["pair", "aligned"])
+def test_both_paths_small_tiles(f: int, dtype: torch.dtype, path: str) -> None:
+    # Each path forced, with tiles smaller than D and I (several N and K steps) and D, I not multiples
+    # of the K tile (masked groups): D=160, I=96, groups of 32 (16 for nvfp4); 5 tokens of top-3.
+    fmt, qkw = FORMATS[f]
+    cfg = (
+        w4.W4PairConfig(up_n=64, up_k=64, down_n=64, down_k=64) if path == "pair" else w4.MoEConfig(16, 64, 64, 64, 64)
+    )
+    err = run_case(fmt, 5, 8, 3, 160, 96, dtype, seed=3 + f, config=cfg, **{**qkw, "group": 32})
+    assert err <= TOL, (fmt, path, err)
+
+
+def test_rejects_bad_layouts() -> None:
+    gen = torch.Generator(DEV).manual_seed(0)
+    w13 = random_qw("int4", 4, 128, 64, gen, group=32)
+    w2 = random_qw("int4", 4, 64, 64, gen, group=32)
+    hidden = torch.randn(1, 64).to(DEV, torch.bfloat16)
+    weights, ids = torch.full((1, 2), 0.5, device=DEV), torch.tensor([[0, 1]], device=DEV)
+    int8 = QuantizedWeight("int8", torch.ones(4, 64, 64, dtype=torch.int8, device=DEV), torch.ones(4, 64), 64, 64, 64)
+    with pytest.raises(ValueError, match="w2 has format 'int8'"):
+        w4.fused_moe_w4(hidden, w13, int8, weights, ids)
+    with pytest.raises(ValueError, match="w13 qweight"):
+        w4.fused_moe_w4(hidden, w2, w2, weights, ids)
+    with pytest.raises(ValueError, match="hidden must be"):
+        w4.fused_moe_w4(hidden.float(), w13, w2, weights, ids)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("t", [1, 16])
+def test_cuda_graph_replay(t: int) -> None:
+    gen = torch.Generator(DEV).manual_seed(t)
+    e, k, (d, inter) = 128, 8, SHAPE
+    w13, w2 = random_qw("int4", e, 2 * inter, d, gen, zeros=True), random_qw("int4", e, d, inter, gen, zeros=True)
+    hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
+    weights, ids = make_routing(t, e, k, gen)
+    w4.fused_moe_w4(hidden, w13, w2, weights, ids)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        w4.fused_moe_w4(hidden, w13, w2, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4.fused_moe_w4(hidden, w13, w2, weights, ids)
+    for _ in range(3):
+        hidden.copy_(torch.randn(t, d, generator=gen, device=DEV))
+        new_weights, new_ids = make_routing(t, e, k, gen)
+        weights.copy_(new_weights), ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, w4.fused_moe_w4(hidden, w13, w2, weights, ids))
+        assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
