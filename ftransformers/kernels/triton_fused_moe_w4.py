@@ -40,8 +40,10 @@ import triton.language as tl
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
 
-# Up to this many (token, slot) pairs fused_moe_w4 takes the pair path.
-W4_PAIR_MAX_PAIRS = 8
+# Up to this many (token, slot) pairs fused_moe_w4 takes the pair path: on the H100 it beat the aligned
+# path at every T <= 16 with top-8 for both Qwen3-30B-A3B and DeepSeek-V3 shapes and every format
+# (benchmarks/results/moe_w4_h100.json, "pair" vs "aligned" columns).
+W4_PAIR_MAX_PAIRS = 128
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _MAGIC = {"int4": 0x3F800000, "mxfp4": -(2**31), "nvfp4": -(2**31)}  # 1.0f; the sign bit
@@ -65,8 +67,11 @@ class W4PairConfig:
     stages: int = 3
 
 
-def default_w4_pair_config(num_tokens: int, hidden_size: int) -> W4PairConfig:
-    return W4PairConfig()
+def default_w4_pair_config(num_tokens: int, hidden_size: int, fmt: str = "int4") -> W4PairConfig:
+    """From the H100 one-token sweep (moe_w4_h100.json): gate-up prefers 1024-wide K tiles; the FP4
+    down kernel (and int4's at DeepSeek width) 512-wide ones."""
+    down_k = 512 if fmt != "int4" or hidden_size > 4096 else 256
+    return W4PairConfig(up_k=1024, down_k=down_k)
 
 
 def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size: int) -> MoEConfig:
@@ -501,7 +506,7 @@ def fused_moe_w4(
         return hidden.new_empty(0, d)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
-        cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d)
+        cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)
     e = w13.qweight.shape[0]
     c = config or default_w4_config(t, e, top_k, max(w13.group_size, w2.group_size))

@@ -23,6 +23,7 @@ from ftransformers.kernels.quant_formats import (
     QuantizedWeight,
     float_to_e2m1,
     pack_int4,
+    round_to_e4m3,
 )
 
 E2M1_MAX = 6.0
@@ -62,7 +63,7 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     wp = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
     blocks = wp.reshape(*w.shape[:-2], nb, bn, kb, bk)
     scale = (blocks.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp_min(1e-12)  # [..., nb, kb]
-    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = round_to_e4m3((blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
     q = q.reshape(*w.shape[:-2], nb * bn, kb * bk)[..., :n, :k].contiguous()
     return QuantizedWeight("fp8_block", q, scale, n, k, bk, block_n=bn)
 
@@ -84,7 +85,7 @@ def quantize_nvfp4(w: torch.Tensor) -> QuantizedWeight:
     amax_t = w.float().abs().reshape(*lead, -1).amax(dim=-1).clamp_min(1e-12)  # [...]
     glob = amax_t / (FP8_MAX * E2M1_MAX)
     scale = (wg.abs().amax(dim=-1) / E2M1_MAX / glob[..., None, None]).clamp(max=FP8_MAX)
-    scale8 = scale.to(torch.float8_e4m3fn)
+    scale8 = round_to_e4m3(scale).to(torch.float8_e4m3fn)  # the same on every device
     eff = scale8.float() * glob[..., None, None]  # [..., N, K//16]
     codes = float_to_e2m1(torch.where(eff.unsqueeze(-1) > 0, wg / eff.clamp_min(1e-30).unsqueeze(-1), 0.0))
     global_scale = glob[..., None].expand(*lead, n).contiguous().float()
