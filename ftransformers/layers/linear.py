@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftransformers.layers.weight_utils import WeightShapeError, check_shape
+from ftransformers.layers.weight_utils import WeightShapeError, check_shape, new_weight
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 Shard = tuple[int, int]  # (offset, size) in output features
@@ -64,7 +64,7 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight = nn.Parameter(new_weight(output_size, input_size))
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))

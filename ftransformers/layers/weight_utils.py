@@ -7,10 +7,15 @@ model's `load_weights` uses `LoadTracker` to report weights the model needed but
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+import contextlib
+from collections.abc import Hashable, Iterable, Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import nn
+
+# While set, linear and expert weights are created on the meta device (`deferred_weights`).
+_DEFER_WEIGHTS: ContextVar[bool] = ContextVar("defer_weights", default=False)
 
 
 class WeightLoadError(RuntimeError):
@@ -97,3 +102,37 @@ def load_with_mapping(
                 break
         else:
             tracker.load(name, name, tensor)
+
+
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Within it, `new_weight` allocates nothing (meta device): a quantized model is built without ever
+    holding its float weights, which a quantization method then replaces before
+    `materialize_meta_parameters` allocates what is left. A 4-bit DeepSeek-V3 layer is a quarter of its
+    bf16 size; building the bf16 stack first would cap the layers that fit at the bf16 count."""
+    token = _DEFER_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_WEIGHTS.reset(token)
+
+
+def new_weight(*shape: int) -> torch.Tensor:
+    """An uninitialised weight in the default dtype, on the current device (meta under deferred_weights)."""
+    return torch.empty(*shape, device="meta" if _DEFER_WEIGHTS.get() else None)
+
+
+def materialize_meta_parameters(module: nn.Module, device: torch.device | str) -> None:
+    """Replace every meta parameter by an uninitialised one on `device`, keeping its attributes
+    (weight_loader, weight_shards, ...) and its sharing (a tied lm_head stays tied)."""
+    done: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, param in list(m._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            new = done.get(id(param))
+            if new is None:
+                new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+                new.__dict__.update(param.__dict__)
+                done[id(param)] = new
+            m._parameters[name] = new

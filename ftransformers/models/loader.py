@@ -17,6 +17,8 @@ from torch import nn
 from ftransformers.config.model_config import ModelConfig
 from ftransformers.layers.weight_utils import (
     MissingWeightFilesError,
+    deferred_weights,
+    materialize_meta_parameters,
     MissingWeightsError,
     UnexpectedWeightError,
     WeightLoadError,
@@ -75,7 +77,7 @@ def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> None:
     """Seeded uniform values for every parameter (norm weights too), on the parameter's device.
-    Quantized parameters carry a `dummy_fill(generator)` (quant/kernel_method.py) giving values valid
+    Quantized parameters carry a `dummy_fill(param, generator)` (quant/kernel_method.py) giving values valid
     for their format: packed codes, positive scales, finite FP8, a real g_idx; with dequantized
     weights of the same magnitude as the float ones."""
     generators: dict[torch.device, torch.Generator] = {}
@@ -85,7 +87,7 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         fill = getattr(param, "dummy_fill", None)
         if fill is not None:
-            fill(gen)
+            fill(param, gen)
         elif param.dtype.is_floating_point:
             param.data.uniform_(low, high, generator=gen)
             param.ft_loaded = True  # type: ignore[attr-defined]
@@ -116,15 +118,16 @@ def load_model(
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), deferred_weights():
             model = model_cls(model_config.hf_config)
     finally:
         torch.set_default_dtype(previous)
     qconfig = quant_config_for(model_config.hf_config, quantization, quantization_ignore)
     zero_bias: set[str] = set()
     if qconfig is not None:
-        quantized = apply_quant_config(model, qconfig)
+        quantized = apply_quant_config(model, qconfig)  # on the meta linear / expert weights: no allocation
         zero_bias = _biasless_checkpoint_modules(model, quantized)
+    materialize_meta_parameters(model, device)
     if load_format == "dummy":
         fill_dummy_weights(model, seed)
     elif load_format in ("auto", "safetensors"):

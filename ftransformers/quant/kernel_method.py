@@ -116,12 +116,12 @@ class KernelLinearMethod(LinearQuantMethod):
                 continue  # fp8 / int8 data lands in the float weight (exact), dequantized after loading
             t = spec_tensor(spec, n, k, shards, (), device, where)
             param = replace_parameter(layer, spec.suffix, t, **_param_attrs(spec, self.scheme.describe()))
-            param.dummy_fill = _dummy_filler(param, spec, k, shards)  # type: ignore[attr-defined]
+            param.dummy_fill = _dummy_filler(spec, k, shards)  # type: ignore[attr-defined]
             if spec.optional:
                 param.weight_shards = set()  # type: ignore[attr-defined]
             if self.keep_float:
                 param.weight_shards = set()  # type: ignore[attr-defined]
-                param.dummy_fill = lambda gen: None  # type: ignore[attr-defined] - dummy keeps the float weight
+                param.dummy_fill = lambda param, gen: None  # type: ignore[attr-defined] - dummy keeps the float weight
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         n, k, shards = layer.output_size, layer.input_size, layer.output_shards()
@@ -199,7 +199,7 @@ class KernelMoEMethod:
                     setattr(param, key, value)
                 param.weight_loader = moe.weight_loader  # type: ignore[attr-defined]
                 param.weight_shards = set() if spec.optional else needed  # type: ignore[attr-defined]
-                param.dummy_fill = _dummy_filler(param, spec, k, shards)  # type: ignore[attr-defined]
+                param.dummy_fill = _dummy_filler(spec, k, shards)  # type: ignore[attr-defined]
                 moe.register_parameter(f"{which}_{spec.suffix}", param)
         moe.quant_method = self
 
@@ -268,13 +268,13 @@ def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
     return [t[i : i + step] for i in range(0, t.shape[0], step)]
 
 
-def _dummy_filler(param: nn.Parameter, spec: TensorSpec, k: int, shards: list[Shard]) -> Callable[[torch.Generator], None]:
-    """A function gen -> None filling `param` with valid random values of its kind (spec.dummy):
+def _dummy_filler(spec: TensorSpec, k: int, shards: list[Shard]) -> Callable[[nn.Parameter, torch.Generator], None]:
+    """A function (param, gen) -> None filling `param` with valid random values of its kind (spec.dummy):
     float (weights of a load-time method), bits (packed codes), int8, scale (positive), fp8 (finite
     E4M3 codes), e8m0 (biased exponents), g_idx, shape (ct's weight_shape)."""
     kind, *args = spec.dummy
 
-    def fill(gen: torch.Generator) -> None:
+    def fill(param: nn.Parameter, gen: torch.Generator) -> None:  # the parameter as it is when filled
         data = param.data
         for part in _chunks(data):
             if kind == "float":

@@ -26,6 +26,7 @@ from ftransformers.attention.forward_batch import get_forward_batch
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_moe_ref
 from ftransformers.layers.activation import silu_and_mul
 from ftransformers.layers.linear import Shard, copy_checked, shard_view
+from ftransformers.layers.weight_utils import new_weight
 
 MoEBackendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 QuantMoEBackendFn = Callable[[torch.Tensor, QuantizedWeight, QuantizedWeight, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -106,8 +107,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size
         self.backend = backend
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w13_weight = nn.Parameter(new_weight(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(new_weight(num_experts, hidden_size, intermediate_size))
         experts = range(num_experts)
         self.w13_weight.weight_shards = {(e, s) for e in experts for s in ("w1", "w3")}  # type: ignore[attr-defined]
         self.w2_weight.weight_shards = {(e, "w2") for e in experts}  # type: ignore[attr-defined]
