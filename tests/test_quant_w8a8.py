@@ -44,12 +44,14 @@ def test_config_resolution() -> None:
     assert qc is not None and qc.method == "w8a8_int8" and qc.ignore == ("lm_head",)
     assert quant_config_for(Plain()) is None
     assert quant_config_for(Cfg(), "w8a8_int8") is not None
+    online = quant_config_for(Plain(), "w8a8_int8")  # a float checkpoint: quantized at load time
+    assert online is not None and online.online
     with pytest.raises(QuantError, match="no quantization_config"):
-        quant_config_for(Plain(), "w8a8_int8")  # no quantization at load time
+        quant_config_for(Plain(), "awq")  # AWQ cannot be made at load time
     with pytest.raises(QuantError, match="checkpoint is quantized"):
         quant_config_for(Cfg(), "none")
     Cfg.quantization_config = {"quant_method": "awq-ish"}
-    with pytest.raises(QuantError, match="not supported; supported: w8a8_int8"):
+    with pytest.raises(QuantError, match="not supported; supported: .*w8a8_int8"):
         quant_config_for(Cfg())
     assert qc.is_ignored(["model.lm_head"]) and not qc.is_ignored(["model.layers.0.mlp.down_proj"])
 
@@ -86,12 +88,19 @@ def _fake_quant_logprobs(path: Path, qpath: Path, sequences: list[list[int]], st
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_quantize_then_generate_matches_fake_quant_transformers(kind: str, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """MoE experts are quantized too; this reference fakes nn.Linear layers only, so the MoE model
+    keeps its experts in float here (--ignore); test_quantize_e2e.py covers quantized experts."""
     src = make_tiny_checkpoint(kind, tmp_path / "src")
     dst = tmp_path / "w8a8"
-    assert quantize_main(["--model-path", str(src), "--output", str(dst), "--method", "w8a8-int8"]) == 0
+    ignore = ["re:.*experts.*"] if kind == "qwen3_moe" else []
+    assert quantize_main(["--model-path", str(src), "--output", str(dst), "--method", "w8a8-int8", "--ignore", *ignore]) == 0
     assert "weights quantized" in capsys.readouterr().out
-    cfg = json.loads((dst / "config.json").read_text())
-    assert cfg["quantization_config"] == {"quant_method": "w8a8_int8", "ignore": []}
+    cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "w8a8_int8" and "lm_head" in cfg["ignore"]  # what stays float, by name
+    if kind == "llama":
+        assert cfg["ignore"] == ["lm_head"]
+    else:
+        assert {"model.layers.0.mlp.gate", "model.layers.2.mlp.experts.7.down_proj"} <= set(cfg["ignore"])
 
     llm = LLM(str(dst), dtype="float32", device="cpu", skip_tokenizer_init=True)
     layers = [m for m in llm.runner.model.modules() if getattr(m, "quant_method", None) is not None]
@@ -160,7 +169,7 @@ def test_smoothquant_keeps_the_float_model_and_shrinks_activation_outliers(tmp_p
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from ftransformers.entrypoints.quantize import _smooth, smoothquant_scales
+    from ftransformers.entrypoints.quantize import smooth, smoothquant_scales
 
     src = make_tiny_checkpoint("qwen3", tmp_path / "src")
     calib = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -169,7 +178,7 @@ def test_smoothquant_keeps_the_float_model_and_shrinks_activation_outliers(tmp_p
     assert any(k.endswith("mlp.up_proj.weight") for k in divide_out)  # producer of down_proj's input
     assert any(k.endswith("mlp.up_proj.weight") for k in multiply_in)  # and a consumer of the MLP norm
     tensors = load_file(str(src / "model.safetensors"))
-    smoothed = {k: _smooth(k, v, divide_out, multiply_in) for k, v in tensors.items()}
+    smoothed = {k: smooth(k, v, divide_out, multiply_in) for k, v in tensors.items()}
     out = tmp_path / "smoothed"
     out.mkdir()
     save_file(smoothed, str(out / "model.safetensors"))

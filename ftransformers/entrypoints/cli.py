@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: ftransformers {serve,bench,quantize} [flags]\n\n"
               "  serve     start the OpenAI-compatible server (demo model when no --model-path)\n"
               "  bench     measure a running OpenAI-compatible server (`bench report DIR...` re-renders runs)\n"
-              "  quantize  write a quantized copy of a checkpoint (--method w8a8-int8)")
+              "  quantize  write a quantized checkpoint (--method awq, gptq, rtn-int4, mxfp4, nvfp4, fp8, w8a8-int8)")
         return 0 if argv else 2
     command = commands.get(argv[0])
     if command is None:
