@@ -132,8 +132,8 @@ def _w4a16_gemv_kernel(
             d = ((qs >> 6) & -0x7E400000).to(tl.float32, bitcast=True)  # e2m1 * 2^-126; mask 0x81C00000
             acc += scale * tl.sum((x * _TWO_64) * d, axis=3)  # 2^-62 * sum_j x_j e2m1_j
     out = tl.sum(acc, axis=0) * (_TWO_49 if FMT == 0 else _TWO_62)  # [BN, BM]
-    if HAS_BIAS:  # added once: by the first K split
-        out += tl.load(b_ptr + offs_n, mask=(offs_n < N) & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
+    if HAS_BIAS:  # added once, by the first K split (a tensor mask: Triton 3.9's interpreter takes no scalar & tensor)
+        out += tl.load(b_ptr + offs_n, mask=(offs_n < N) & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
@@ -231,7 +231,7 @@ def _w4a16_gemm_kernel(
         else:
             acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
     if HAS_BIAS:  # added once: by the first K split
-        acc += tl.load(b_ptr + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + offs_n, mask=mask_n & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
