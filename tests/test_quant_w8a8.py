@@ -13,7 +13,8 @@ import torch
 from ftransformers import LLM, SamplingParams
 from ftransformers.entrypoints.quantize import main as quantize_main
 from ftransformers.quant import QuantError, quant_config_for
-from ftransformers.quant.w8a8_int8 import quantize_per_channel, quantize_per_token, w8a8_linear_ref
+from ftransformers.kernels.quant_formats import quant_linear_ref, quantize_act_int8
+from ftransformers.quant.quantizers import quantize_int8
 from tests.model_harness import make_tiny_checkpoint
 
 NEW_TOKENS = 12
@@ -24,13 +25,14 @@ def test_reference_linear_is_dequantized_math() -> None:
     x = torch.randn(5, 96, generator=gen) * torch.linspace(0.1, 4, 96)  # uneven channels, like real activations
     w = torch.randn(40, 96, generator=gen)
     b = torch.randn(40, generator=gen)
-    wq, sw = quantize_per_channel(w)
-    xq, sx = quantize_per_token(x)
+    qw = quantize_int8(w)
+    wq, sw = qw.qweight, qw.scales[:, None]
+    xq, sx = quantize_act_int8(x)
     assert wq.dtype == xq.dtype == torch.int8 and wq.abs().max() <= 127 and xq.abs().max() <= 127
     assert ((wq.float() * sw - w).abs() <= sw / 2 + 1e-6).all()  # round to nearest
     assert ((xq.float() * sx - x).abs() <= sx / 2 + 1e-6).all()
     want = (xq.float() * sx) @ (wq.float() * sw).t() + b
-    torch.testing.assert_close(w8a8_linear_ref(x, wq, sw, b), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(quant_linear_ref(x, qw, b), want, rtol=1e-5, atol=1e-5)
 
 
 def test_config_resolution() -> None:
@@ -75,25 +77,32 @@ def _fake_quant_logprobs(path: Path, qpath: Path, sequences: list[list[int]], st
 
             def pre(mod: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
                 x = args[0]
-                xq, sx = quantize_per_token(x.reshape(-1, x.shape[-1]))
+                xq, sx = quantize_act_int8(x.reshape(-1, x.shape[-1]))
                 return ((xq.float() * sx).view_as(x),)
 
             module.register_forward_pre_hook(pre)
             n += 1
     assert n > 0
     with torch.no_grad():
-        return [model(torch.tensor([seq])).logits[0, start - 1 : -1].log_softmax(-1) for seq, start in zip(sequences, starts)]
+        return [
+            model(torch.tensor([seq])).logits[0, start - 1 : -1].log_softmax(-1)
+            for seq, start in zip(sequences, starts)
+        ]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
-def test_quantize_then_generate_matches_fake_quant_transformers(kind: str, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_quantize_then_generate_matches_fake_quant_transformers(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """MoE experts are quantized too; this reference fakes nn.Linear layers only, so the MoE model
     keeps its experts in float here (--ignore); test_quantize_e2e.py covers quantized experts."""
     src = make_tiny_checkpoint(kind, tmp_path / "src")
     dst = tmp_path / "w8a8"
     ignore = ["re:.*experts.*"] if kind == "qwen3_moe" else []
-    assert quantize_main(["--model-path", str(src), "--output", str(dst), "--method", "w8a8-int8", "--ignore", *ignore]) == 0
+    assert (
+        quantize_main(["--model-path", str(src), "--output", str(dst), "--method", "w8a8-int8", "--ignore", *ignore])
+        == 0
+    )
     assert "weights quantized" in capsys.readouterr().out
     cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "w8a8_int8" and "lm_head" in cfg["ignore"]  # what stays float, by name
