@@ -40,9 +40,7 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     """x [M, K] -> [M, N] in x.dtype through the kernel of qw's format (CUDA) or its reference."""
     if not x.is_cuda:
         return quant_linear_ref(x, qw, bias)
-    if qw.perm is not None:
-        x, qw = x.index_select(1, qw.perm), replace(qw, perm=None)
-    if qw.fmt in FOUR_BIT_FORMATS:
+    if qw.fmt in FOUR_BIT_FORMATS:  # GPTQ act order's `perm` (4-bit only) is applied by w4a16_linear
         from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
         return w4a16_linear(x, qw, bias)
