@@ -167,7 +167,8 @@ def make_runner(path: Path, max_bs: int, args: argparse.Namespace) -> Any:
     kernels = "triton" if DEV == "cuda" else "torch_native"
     sa = ServerArgs(model_path=str(path), load_format="dummy", dtype="bfloat16", device=DEV,
                     attention_backend=kernels, moe_backend=kernels, max_running_requests=max_bs,
-                    cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, context_length=9216)  # fmt: skip
+                    cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, context_length=9216,
+                    disable_pdl=getattr(args, "disable_pdl", False))  # fmt: skip
     return ModelRunner(sa, ModelConfig.from_server_args(sa))
 
 

@@ -67,6 +67,11 @@ class ServerArgs:
     )
     cuda_graph_max_bs: int = field(default=64, metadata=_opt("Largest decode batch captured in a CUDA graph"))
     disable_cuda_graph: bool = field(default=False, metadata=_opt("Run decode eagerly, without CUDA graphs"))
+    disable_pdl: bool = field(
+        default=False,
+        metadata=_opt("Launch the Triton kernels without programmatic dependent launch (Hopper and newer: on by "
+                      "default, each kernel's launch overlaps the previous kernel's tail)"),
+    )
     disable_overlap_schedule: bool = field(
         default=False,
         metadata=_opt("Wait for each step's tokens before scheduling the next (CUDA overlaps the two by default)"),

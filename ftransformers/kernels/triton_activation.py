@@ -8,9 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -31,6 +34,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(max(inter, 1)))
     if x2.shape[0] > 0 and inter > 0:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4
+            x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+            **pdl_launch(x2.device),
         )
     return out.view(*shape[:-1], inter)

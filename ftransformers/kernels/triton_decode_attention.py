@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _split_len(seq_len, num_kv_splits, min_split_len, ALIGN: tl.constexpr):
@@ -40,9 +42,11 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
+    pdl_enter(USE_PDL)
     pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = pid_hb // heads_per_kv_blocks
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
@@ -118,8 +122,10 @@ def _decode_stage2_kernel(
     mid_o, mid_lse, O, seq_lens, num_kv_splits, min_split_len,
     s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, ALIGN: tl.constexpr, DIRECT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # all splits of one (sequence, head, CHUNK_DV slice) in one tile: a single round trip to memory
+    pdl_enter(USE_PDL)
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     split_len = _split_len(seq_len, num_kv_splits, min_split_len, ALIGN)
@@ -172,6 +178,7 @@ def decode_combine(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, num_warps=4,
+        **pdl_launch(mid_o.device),
     )  # fmt: skip
     return out
 
@@ -226,6 +233,7 @@ def decode_attention_fwd(
         BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(q.device),
     )  # fmt: skip
     if num_kv_splits > 1 or not direct:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct)

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_int8_gemm import rint_f32
 
@@ -64,9 +65,11 @@ def quant_fp8(x, scale):
 def _quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
     GROUP_K: tl.constexpr, GROUPS: tl.constexpr, FAKE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Program (row, j) quantizes groups [j*GROUPS, (j+1)*GROUPS) of one row: tile [GROUPS, GROUP_K].
     # FAKE: q_ptr is float32 and gets q * scale (no scales written).
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = offs_g[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
@@ -90,7 +93,8 @@ def quant_act_fp8(x: torch.Tensor, group: int = 128, fake: bool = False) -> tupl
     if m:
         groups = min(8, triton.next_power_of_2(ng))
         _quant_fp8_kernel[(m, triton.cdiv(ng, groups))](
-            x, q, s, k, ng, x.stride(0), q.stride(0), s.stride(0), GROUP_K=group, GROUPS=groups, FAKE=fake
+            x, q, s, k, ng, x.stride(0), q.stride(0), s.stride(0), GROUP_K=group, GROUPS=groups, FAKE=fake,
+            **pdl_launch(x.device),
         )
     return q, s
 
@@ -100,10 +104,12 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr, SCALE_N: tl.constexpr, LATE_SUM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] = sum_k xf[m, k] * w[n, k] * ws[n // SCALE_N, k // GROUP_K], xf the float32 fake-quantized
     # x, for rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) (one scale row: SCALE_N % BLOCK_N == 0).
     # LATE_SUM: products accumulate elementwise in [BM, BN, BK] and are reduced once at the end.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,8 +144,10 @@ def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SCALE_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y = sum_g (a_g @ w_g^T) * as[m, g] * ws[n // SCALE_N, g]; BLOCK_K == the scale group.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -231,6 +239,7 @@ def fp8_block_gemm(
         xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=qw.group_size,
         GROUP_M=cfg.group_m, SCALE_N=qw.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(xq.device),
     )  # fmt: skip
     return out
 
@@ -263,6 +272,7 @@ def fp8_block_linear(
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_K=qw.group_size, SCALE_N=qw.block_n, LATE_SUM=cfg.late_sum,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_launch(xf.device),
         )  # fmt: skip
         return y.view(*lead, n)
     xq, xs = quant_act_fp8(x2, qw.group_size)

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 # Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
 # (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
 # 34.4 vs 38.0 us, DeepSeek-V3 237.7 vs 250.5 us; from T=2 the aligned path ties or wins on DeepSeek
@@ -97,11 +99,13 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 def _align_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_experts, max_padded, max_blocks,
     BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, MAX_BLOCKS_P2: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # One program per expert e. Each builds the whole histogram (cheap: ids are a few KB in L2), so it
     # knows where its padded run starts, then scatters its own pairs in pair order (stable), pads its
     # run and names its blocks. Runs are disjoint: no atomics, deterministic. The tail past the used
     # rows is filled by all programs, strided.
+    pdl_enter(USE_PDL)
     e = tl.program_id(0)
     c_range = tl.arange(0, CHUNK)
     counts = tl.zeros([E_P2], dtype=tl.int32)
@@ -174,6 +178,7 @@ def moe_align(
         ids, sorted_ids, expert_ids, num_post, n, num_experts, max_padded, max_padded // block_m,
         BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=chunk,
         MAX_BLOCKS_P2=triton.next_power_of_2(triton.cdiv(n, block_m)), num_warps=4,
+        **pdl_launch(ids.device),
     )
     return sorted_ids, expert_ids, num_post
 
@@ -186,9 +191,11 @@ def _moe_gemm_kernel(
     A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     K_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # C[pair, n] = A[pair // A_DIV, :] @ B[e, n, :]^T for the rows of one expert-aligned block.
     # FUSE_SILU: B rows [n] (gate) and [up_offset + n] (up) -> silu(gate) * up.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -263,6 +270,7 @@ def moe_gemm(
         A_DIV=a_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32 or _INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, K_TILES=triton.cdiv(k, block_k),
         num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(a.device),
     )
     return out
 
@@ -272,11 +280,13 @@ def _pair_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, tw_ptr, N, K, num_pairs, up_offset,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # act[pair, n] = w[pair] * silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, up_offset + n]), t = pair // TOP_K.
     # One row, so a GEMV on CUDA cores: [BLOCK_N, BLOCK_K] weight tiles times the x row, summed over
     # K in float32. Pair fastest in the grid: programs sharing an N block (and so an expert's rows) run
     # together, and an expert hit by several tokens is re-read from L2.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
@@ -306,10 +316,12 @@ def _pair_down_sum_kernel(
     act_ptr, w_ptr, out_ptr, ids_ptr, N, K, num_tokens,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # out[t, n] = sum_k act[t*TOP_K + k] @ w2[e_k, n]^T, one float32 accumulator over (k, i); act
     # already carries the routing weight. The TOP_K slots are unrolled, so their expert ids and weight
     # loads are independent of each other. Token fastest in the grid.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     t = pid % num_tokens
     pid_n = pid // num_tokens
@@ -347,6 +359,7 @@ def pair_gate_up(
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=triton.cdiv(d, block_k),
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -366,13 +379,17 @@ def pair_down_sum(
         act, w2, out, topk_ids, d, inter, t, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), TOP_K=top_k, BLOCK_N=cfg.down_n, BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+        **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
 
 @triton.jit
-def _moe_sum_kernel(x_ptr, out_ptr, D, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+def _moe_sum_kernel(
+    x_ptr, out_ptr, D, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     # x: [T, TOP_K, D] contiguous -> out [T, D], float32 accumulation.
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, K_P2)
@@ -385,7 +402,9 @@ def moe_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # x: [T, K, D] contiguous; out: [T, D] contiguous
     t, k, d = x.shape
     block_d = min(1024, triton.next_power_of_2(d))
-    _moe_sum_kernel[(t, triton.cdiv(d, block_d))](x, out, d, TOP_K=k, K_P2=triton.next_power_of_2(k), BLOCK_D=block_d)
+    _moe_sum_kernel[(t, triton.cdiv(d, block_d))](
+        x, out, d, TOP_K=k, K_P2=triton.next_power_of_2(k), BLOCK_D=block_d, **pdl_launch(x.device)
+    )
     return out
 
 

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
 
@@ -212,10 +213,12 @@ def _pair_gate_up_w4_kernel(
     stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ge,
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, X_F16: tl.constexpr, ACT_BF16: tl.constexpr, EVEN: tl.constexpr,
     GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]), t = pair // TOP_K, e = ids[pair],
     # rounded to hidden's dtype. x_ptr: the int32 view of hidden (stride_xm in int32s). act_ptr: float32
     # [num_pairs, 8, N/8], element (j, w) = act[8w + j] (E2M1: times 2^63), the down kernel's planes.
+    pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP
     WPG: tl.constexpr = GROUP // 8
@@ -269,10 +272,12 @@ def _pair_down_sum_w4_kernel(
     stride_qe, stride_qn, stride_se, stride_sn, stride_ge, stride_om,
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[t, n] = sum_k tw[t, k] * (act[t*TOP_K + k] @ w2[e_k, n]), float32 across the slots; act_ptr:
     # the gate-up kernel's float32 planes [T*TOP_K, 8, K/8]; plane = K / 8 (an argument, so that its
     # divisibility is known and the plane loads are 16 bytes wide).
+    pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP
     WPG: tl.constexpr = GROUP // 8
@@ -348,9 +353,11 @@ def _moe_gemm_w4_kernel(
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     K_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # C[pair, n] = A[pair // A_DIV] @ W[e, n]^T over one expert-aligned block of sorted rows;
     # FUSE_SILU: rows n (gate) and N + n (up) -> silu(gate) * up; MUL_WEIGHT: times the routing weight.
+    pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     WPG: tl.constexpr = GROUP // 8
     pid = tl.program_id(0)
@@ -450,6 +457,7 @@ def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor
         ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
         GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=triton.cdiv(d, bk),
         num_warps=cfg.up_warps, num_stages=cfg.stages,
+        **pdl_launch(x.device),
     )  # fmt: skip
     out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
     bk = _block_k(cfg.down_k, inter, w2.group_size)
@@ -458,6 +466,7 @@ def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor
         out.stride(0), FMT=_FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
         EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, BLOCK_N=cfg.down_n,
         BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps, num_stages=cfg.stages,
+        **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
@@ -483,6 +492,7 @@ def _moe_gemm_w4(
         FMT=_FMT_ID[qw.fmt], HAS_ZERO=qw.zeros is not None, GROUP=qw.group_size, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, K_TILES=triton.cdiv(k, bk),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(a.device),
     )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fp8_gemm import quant_act_fp8
 from ftransformers.kernels.triton_fused_moe import PAIR_MAX_PAIRS, MoEConfig, moe_align, moe_sum
@@ -48,10 +49,12 @@ def _w8_moe_gemm_kernel(
     A_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
     SCALE_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, K_TILES: tl.constexpr, ROUND_TY: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # C[pair, n] = A[pair // A_DIV] @ B[e, n]^T with 8-bit A and B; FUSE_SILU: rows n (gate) and
     # up_rows + n (up) -> silu(gate) * up. FP8: BLOCK_K is the scale group, scales per K tile.
     # Products are rounded to ROUND_TY (hidden.dtype) before SiLU / the routing weight.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -185,10 +188,12 @@ def _pair_gate_up_kernel(
     stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_am,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE_SUM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, up_rows + n]), t = pair // TOP_K. Pair
     # fastest in the grid, so an expert's rows are read by neighbouring programs (L2 reuse).
     # fp8: SCALE_N % BLOCK_N == 0 and up_rows % BLOCK_N == 0, so each row set shares one scale row.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
@@ -220,8 +225,10 @@ def _pair_down_sum_kernel(
     stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
     TOP_K: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE_SUM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[t, n] = sum_k tw[t, k] * round(act[t*TOP_K + k] @ w2[e_k, n]^T), float32 sum. Token fastest.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     t = pid % num_tokens
     pid_n = pid // num_tokens
@@ -317,6 +324,7 @@ def w8_moe_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         K_TILES=triton.cdiv(k, block_k), ROUND_TY=_TL_DTYPES[round_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(a.device),
     )  # fmt: skip
     return out
 
@@ -344,6 +352,7 @@ def _pair_path(
         x.stride(0), w13.qweight.stride(0), w13.qweight.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
         TOP_K=top_k, FP8=fp8, SCALE_N=w13.block_n, GROUP_K=w13.group_size, BLOCK_N=bn, BLOCK_K=bk,
         LATE_SUM=pc.late_sum, num_warps=pc.up_warps, num_stages=pc.up_stages,
+        **pdl_launch(x.device),
     )  # fmt: skip
     a = quant_act_fp8(act, w2.group_size, fake=True)[0] if fp8 else act  # fp8: float32 [T*K, I]
     out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
@@ -354,6 +363,7 @@ def _pair_path(
         a.stride(0), w2.qweight.stride(0), w2.qweight.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         TOP_K=top_k, FP8=fp8, SCALE_N=w2.block_n, GROUP_K=w2.group_size, BLOCK_N=bn, BLOCK_K=bk,
         LATE_SUM=pc.late_sum, num_warps=pc.down_warps, num_stages=pc.down_stages,
+        **pdl_launch(a.device),
     )  # fmt: skip
     return out
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 GEMV_MAX_M = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -34,8 +36,10 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,6 +104,7 @@ def gemv(
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
         IEEE=x.dtype == torch.float32 or _INTERPRET,
         **cfg,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return y
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 
 INT8_GEMV_MAX_M = 16
@@ -54,8 +55,11 @@ def int8_scale(amax):
 
 
 @triton.jit
-def _quant_int8_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+def _quant_int8_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False
+):
     # One program per row: amax over K, then quantize.
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -75,7 +79,9 @@ def quant_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        _quant_int8_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=min(2048, triton.next_power_of_2(k)))
+        _quant_int8_kernel[(m,)](
+            x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=min(2048, triton.next_power_of_2(k)), **pdl_launch(x.device)
+        )
     return q, s
 
 
@@ -84,10 +90,12 @@ def _int8_gemv_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, PREQUANT: tl.constexpr, DOT: tl.constexpr, LATE_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] for rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N), all M (<= BLOCK_M) rows, whole K.
     # PREQUANT: x is int8 with scales xs [M]; else x is 16-bit and quantized here (prologue amax pass).
     # LATE_SUM (CUDA cores): products accumulate elementwise in [BM, BN, BK], reduced once at the end.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,8 +141,10 @@ def _int8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y = (a @ w^T) * as[m] * ws[n]: a int8 [M, K], w int8 [N, K], int32 accumulator.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -225,6 +235,7 @@ def int8_gemm(
         xq, xs, w, ws, bias if bias is not None else ws, out, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(xq.device),
     )  # fmt: skip
     return out
 
@@ -257,6 +268,7 @@ def int8_linear(
             HAS_BIAS=bias is not None, PREQUANT=cfg.prequant, DOT=cfg.dot, LATE_SUM=cfg.late_sum,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_launch(xq.device),
         )  # fmt: skip
     else:
         xq, xs = quant_act_int8(x2)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.triton_decode_attention import _split_len, decode_combine
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 
@@ -58,7 +59,9 @@ def _mla_decode_stage1_kernel(
     s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     pid_h, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < H
@@ -151,6 +154,7 @@ def mla_decode_fwd(
         H=H, L=L, R=R, BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_H=block_h, BLOCK_N=block_n, DOT_PREC="ieee" if q_nope.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(q_nope.device),
     )  # fmt: skip
     if num_kv_splits > 1:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n)

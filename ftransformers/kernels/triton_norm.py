@@ -10,13 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, D, eps,
     stride_x, stride_res, stride_out, stride_new_res,
     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -60,6 +64,7 @@ def rms_norm(
             x2, res2, weight, out, new_res, d, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
+            **pdl_launch(x2.device),
         )
     if residual is None:
         return out.view(shape)

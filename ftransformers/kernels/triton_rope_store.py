@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _norm_rope(src, w_ptr, eps, cos, sin, offs, mask, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
@@ -42,7 +44,9 @@ def _rope_store_kernel(
     s_qot, s_qoh, s_kot, s_koh, s_kbt, s_kbh, s_vbt, s_vbh,
     HALF: tl.constexpr, DV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_NORM: tl.constexpr, WRITE_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
@@ -115,6 +119,7 @@ def rope_store(
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         HALF=half, DV=D_v, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_DV=triton.next_power_of_2(D_v),
         HAS_NORM=has_norm, WRITE_K=write_k, num_warps=1,
+        **pdl_launch(q.device),
     )  # fmt: skip
     return q_out, k_out
 

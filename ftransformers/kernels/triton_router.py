@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 MAX_EXPERTS = 1024
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_FUSED_TOKENS = 16
@@ -39,7 +41,9 @@ _ROUND = {torch.bfloat16: 1, torch.float16: 2}  # logits rounding modes of the f
 def _softmax_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, E, stride_l,
     K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < E
@@ -69,7 +73,9 @@ def _grouped_topk_kernel(
     G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1]
     s = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
@@ -135,6 +141,7 @@ def softmax_topk(
             logits, weights, ids, e, logits.stride(0),
             K=top_k, RENORM=bool(renormalize), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
             num_warps=4 if block_e >= 256 else 2,
+            **pdl_launch(logits.device),
         )  # fmt: skip
     return weights, ids
 
@@ -166,6 +173,7 @@ def grouped_topk_sigmoid(
             HAS_BIAS=correction_bias is not None, GROUPED=grouped, RENORM=bool(renormalize),
             BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
             num_warps=4 if block_g * block_s >= 256 else 2,
+            **pdl_launch(logits.device),
         )  # fmt: skip
     return weights, ids
 
@@ -178,8 +186,10 @@ def _fused_router_kernel(
     ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
+    pdl_enter(USE_PDL)
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
     pid = tl.program_id(0)
     pid_e = pid % E_BLOCKS
@@ -348,5 +358,6 @@ def fused_router_topk(
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=8 if sel_t * block_g * block_s >= 4096 else 4,
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     return out_w, out_ids

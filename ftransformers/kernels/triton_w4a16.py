@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 
 GEMV_MAX_M = 4
@@ -76,11 +77,13 @@ def _w4a16_gemv_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
     # along W only; a thread holds all N, M and J of its word column, so x (one 16-byte vector per word and
     # row), q and the scales meet in one layout without shuffles. `unit` (== 1, never specialized) hides
     # q's contiguity so that its load takes that one-word-per-thread layout too.
+    pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -165,7 +168,9 @@ def _w4a16_gemm_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8  # words per row of a K tile
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -313,12 +318,13 @@ def w4a16_linear(
     strides = (x.stride(0), q.stride(0), s.stride(0), z.stride(0) if z is not None else 0, y.stride(0), y.stride(1))
     flags = {"FMT": _FMT_ID[qw.fmt], "GROUP": qw.group_size, "HAS_ZEROS": z is not None, "HAS_BIAS": bias is not None,
              "SPLIT_K": split_k, "EVEN_K": K % cfg["BLOCK_K"] == 0}  # fmt: skip
+    pdl = pdl_launch(x.device)
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
-        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](*args, 1, *strides, **flags, **cfg)
+        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](*args, 1, *strides, **flags, **cfg, **pdl)
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         ieee = x.dtype == torch.float32 or _INTERPRET
-        _w4a16_gemm_kernel[grid](*args, *strides, **flags, GROUP_M=group_m, IEEE=ieee, **cfg)
+        _w4a16_gemm_kernel[grid](*args, *strides, **flags, GROUP_M=group_m, IEEE=ieee, **cfg, **pdl)
     out = y[0] if split_k == 1 else y.sum(0).to(x.dtype)
     return out.reshape(*lead, N)

@@ -1,0 +1,146 @@
+"""Programmatic dependent launch: the contract of kernels/pdl.py, checked on every Triton kernel.
+
+A kernel launched with PDL may start while the previous kernel still runs; it is correct only if every
+program waits (`pdl_enter`) before touching memory. So each launched kernel either takes part fully
+(a `USE_PDL` constexpr, `pdl_enter(USE_PDL)` as its first statement, every launch passing
+`**pdl_launch(...)`) or not at all. The GPU test files run the kernels with PDL on (Hopper).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+KERNELS = Path(__file__).resolve().parent.parent / "ftransformers" / "kernels"
+
+
+def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    out = {}
+    for node in tree.body:
+        decorators = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in getattr(node, "decorator_list", [])]
+        if isinstance(node, ast.FunctionDef) and "triton.jit" in decorators:
+            out[node.name] = node
+    return out
+
+
+def _launches(tree: ast.Module) -> list[tuple[str, ast.Call]]:
+    # kernel[grid](...) calls
+    calls = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name):
+            calls.append((node.func.value.id, node))
+    return calls
+
+
+def _first_statement(fn: ast.FunctionDef) -> str:
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return ast.unparse(body[0])
+
+
+def _passes_pdl(call: ast.Call, pdl_names: set[str]) -> bool:
+    for kw in call.keywords:
+        if kw.arg is None:  # **mapping
+            v = kw.value
+            if isinstance(v, ast.Call) and ast.unparse(v.func) == "pdl_launch":
+                return True
+            if isinstance(v, ast.Name) and v.id in pdl_names:
+                return True
+    return False
+
+
+def _pdl_names(tree: ast.Module) -> set[str]:
+    # local names bound to pdl_launch(...) (a launcher computing it once for several launches)
+    names = set()
+    for node in ast.walk(tree):
+        call = node.value if isinstance(node, ast.Assign) else None
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == "pdl_launch":
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_every_launched_kernel_keeps_the_pdl_contract() -> None:
+    checked = 0
+    opted_in = 0
+    for path in sorted(KERNELS.glob("triton_*.py")):
+        tree = ast.parse(path.read_text())
+        jit = _jit_functions(tree)
+        pdl_names = _pdl_names(tree)
+        for name, call in _launches(tree):
+            fn = jit.get(name)
+            assert fn is not None, f"{path.name}: launch of {name}, not a @triton.jit function of this file"
+            params = [a.arg for a in fn.args.args]
+            takes = "USE_PDL" in params
+            first = _first_statement(fn) == "pdl_enter(USE_PDL)"
+            passes = _passes_pdl(call, pdl_names)
+            where = f"{path.name}:{call.lineno} {name}"
+            assert takes == first == passes, (
+                f"{where}: USE_PDL param {takes}, pdl_enter(USE_PDL) first {first}, launched with pdl_launch {passes}"
+            )
+            checked += 1
+            opted_in += passes
+    assert checked >= 25 and opted_in >= checked - 2  # extend attention and MLA prefill run eagerly only
+
+
+def test_pdl_launch_arguments() -> None:
+    from ftransformers.kernels import pdl
+
+    assert pdl.pdl_launch(torch.device("cpu")) == {}
+    saved = pdl.pdl_enabled()
+    try:
+        pdl.set_pdl_enabled(False)
+        assert not pdl.pdl_enabled()
+        if torch.cuda.is_available():
+            assert pdl.pdl_launch(torch.device("cuda")) == {}
+            pdl.set_pdl_enabled(True)
+            on = torch.cuda.get_device_capability()[0] >= 9 and pdl.pdl_enabled()
+            assert pdl.pdl_launch(torch.device("cuda")) == ({"USE_PDL": True, "launch_pdl": True} if on else {})
+    finally:
+        pdl.set_pdl_enabled(saved)
+
+
+def test_disable_pdl_flag() -> None:
+    from ftransformers.config.server_args import ServerArgs
+
+    assert ServerArgs().disable_pdl is False
+    assert ServerArgs.from_kwargs(disable_pdl=True).disable_pdl is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL needs a GPU")
+def test_pdl_chain_in_a_cuda_graph_matches_the_reference() -> None:
+    # A chain of dependent kernels (norm -> GEMV -> norm -> ...) captured with PDL: any program that
+    # read its input before the previous kernel finished would break the comparison.
+    from ftransformers.kernels import pdl
+    from ftransformers.kernels.triton_gemv import gemv, gemv_ref
+    from ftransformers.kernels.triton_norm import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    d = 2048
+    ws = [torch.randn(d, d, device="cuda", generator=gen, dtype=torch.bfloat16) / d**0.5 for _ in range(8)]
+    nw = torch.rand(d, device="cuda", generator=gen, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(1, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def chain(x: torch.Tensor, lin) -> torch.Tensor:
+        res = x
+        for w in ws:
+            h, res = rms_norm(x, nw, 1e-6, res)
+            x = lin(h, w)
+        return x + res
+
+    ref = chain(x, gemv_ref)
+    saved = pdl.pdl_enabled()
+    try:
+        pdl.set_pdl_enabled(True)
+        static_x = x.clone()
+        chain(static_x, gemv)  # compile
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(static_x, gemv)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+    finally:
+        pdl.set_pdl_enabled(saved)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)  # bf16 rounding of 8 layers' outputs
