@@ -38,8 +38,11 @@ FORMATS = {"int4-g128-sym": ("int4", 128, False), "int4-g128-asym": ("int4", 128
            "int4-g32-sym": ("int4", 32, False), "mxfp4": ("mxfp4", 32, False), "nvfp4": ("nvfp4", 16, False)}  # fmt: skip
 DECODE_T, PREFILL_T = [1, 2, 4, 8, 16], [512, 2048]
 UP_SWEEP = [(4, 512, 4), (8, 256, 4), (8, 1024, 4), (16, 512, 4), (16, 512, 8)]  # up_n, up_k, up_warps
-DOWN_SWEEP = [(4, 256, 1), (16, 256, 4), (8, 512, 2), (16, 256, 2), (32, 256, 4)]  # down_n, down_k, down_warps
-SWEEP_FORMATS = ("int4-g128-sym", "mxfp4")
+# down_n, down_k, down_warps, each with down_split (programs per token and D block) 1, 2, 4, 8
+DOWN_SWEEP = [(4, 256, 1), (8, 256, 2), (8, 512, 2), (16, 256, 2), (16, 512, 4)]
+DOWN_SPLITS = (1, 2, 4, 8)
+SWEEP_FORMATS = ("int4-g128-sym", "int4-g128-asym", "mxfp4")
+SWEEP_T = (1, 2)
 DEV = "cuda"
 
 
@@ -104,7 +107,7 @@ def warm(name: str, fname: str, tokens: list[int], sweep: bool) -> None:
         cfgs = [None]
         if t <= 16:
             cfgs += [w4.W4PairConfig(), w4.default_w4_config(t, e, k, group)]
-        if t == 1 and sweep and fname in SWEEP_FORMATS:
+        if t in SWEEP_T and sweep and fname in SWEEP_FORMATS:
             cfgs += sweep_configs()
         for cfg in cfgs:
             w4.fused_moe_w4(h, w13, w2, tw, ti, cfg)
@@ -121,7 +124,7 @@ def empty_qw(fmt: str, group: int, zeros: bool, e: int, n: int, k: int) -> Quant
 
 def sweep_configs() -> list[w4.W4PairConfig]:
     return [w4.W4PairConfig(up_n=n, up_k=k, up_warps=nw) for n, k, nw in UP_SWEEP] + [
-        w4.W4PairConfig(down_n=n, down_k=k, down_warps=nw) for n, k, nw in DOWN_SWEEP
+        w4.W4PairConfig(down_n=n, down_k=k, down_warps=nw, down_split=s) for n, k, nw in DOWN_SWEEP for s in DOWN_SPLITS
     ]
 
 
@@ -191,13 +194,13 @@ def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sw
             if "rel_err" in row:
                 msg += f" | err {row['rel_err']:.1e}"
             log(msg)
-            if t == 1 and sweep and fname in SWEEP_FORMATS:
+            if t in SWEEP_T and sweep and fname in SWEEP_FORMATS:
                 row["sweep"] = [
                     {**dataclasses.asdict(cfg), "us": graph_ms(call(cfg), reps) * 1e3} for cfg in sweep_configs()
                 ]
-                log("    sweep us (up_n,up_k,up_warps | down_n,down_k,down_warps): " + ", ".join(
-                    f"{r['up_n']},{r['up_k']},{r['up_warps']}|{r['down_n']},{r['down_k']},{r['down_warps']} {r['us']:.1f}"
-                    for r in row["sweep"]))  # fmt: skip
+                log("    sweep us (up_n,up_k,up_warps | down_n,down_k,down_warps,down_split): " + ", ".join(
+                    f"{r['up_n']},{r['up_k']},{r['up_warps']}|{r['down_n']},{r['down_k']},{r['down_warps']},"
+                    f"{r['down_split']} {r['us']:.1f}" for r in row["sweep"]))  # fmt: skip
             rows.append(row)
         del w13, w2
         torch.cuda.empty_cache()

@@ -120,6 +120,21 @@ def test_both_paths_small_tiles(f: int, dtype: torch.dtype, path: str) -> None:
     assert err <= TOL, (fmt, path, err)
 
 
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_pair_down_split_over_slots(split: int) -> None:
+    # The down kernel split over slot groups (programs per token and D block, the last one out adding
+    # the partials): same function, and every ticket counter is back at zero afterwards (the next launch
+    # and a graph replay rely on it). Asym int4 and nvfp4, 3 tokens of top-8, 3 D blocks of 64.
+    from ftransformers.kernels.tickets import ticket_counters
+
+    cfg = w4.W4PairConfig(up_n=64, up_k=64, down_n=64, down_k=64, down_split=split)
+    for f in (1, 5):
+        fmt, qkw = FORMATS[f]
+        err = run_case(fmt, 3, 16, 8, 192, 96, torch.bfloat16, seed=7 * split + f, config=cfg, **{**qkw, "group": 32})
+        assert err <= TOL, (fmt, split, err)
+    assert not ticket_counters(torch.device(DEV), "moe_w4_down", 9).any()
+
+
 def test_rejects_bad_layouts() -> None:
     gen = torch.Generator(DEV).manual_seed(0)
     w13 = random_qw("int4", 4, 128, 64, gen, group=32)

@@ -173,7 +173,7 @@ def test_fused_router_counter_resets() -> None:
     for _ in range(3):
         again = fused_router_topk(hidden, weight, 4, softmax=True, renormalize=True)
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-    assert int(triton_router._COUNTERS[hidden.device].item()) == 0
+    assert int(triton_router._router_counter(hidden.device).item()) == 0
 
 
 def test_router_softmax_topk_dispatch() -> None:

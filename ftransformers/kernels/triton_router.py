@@ -13,10 +13,9 @@ from the torch reference, never otherwise. No host sync, outputs sized by shape 
 
 `fused_router_topk` (decode, T <= MAX_FUSED_TOKENS): the router GEMV (hidden @ gate_weight^T) and the
 selection in ONE launch. Programs split the weight over (expert block, D split) and store fp32
-partial logits; the last program to finish (an atomic ticket on a per-device counter, which it resets
-to 0) sums the partials in split order (deterministic) and runs the selection for all tokens at once
-on a [T, G, S] tile. Invariant: launches sharing a counter never overlap, i.e. one device's router
-kernels are issued on one stream at a time (the runner's model stream; the graphs replay on it).
+partial logits; the last program to finish (a ticket of kernels/tickets.py, which it resets to 0)
+sums the partials in split order (deterministic) and runs the selection for all tokens at once on a
+[T, G, S] tile.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.tickets import ticket_counters
 
 MAX_EXPERTS = 1024
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_FUSED_TOKENS = 16
 MAX_FUSED_EXPERTS = 512
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _ROUND = {torch.bfloat16: 1, torch.float16: 2}  # logits rounding modes of the fused router
 
 
@@ -279,14 +278,7 @@ def _fused_router_kernel(
 
 
 def _router_counter(device: torch.device) -> torch.Tensor | None:
-    """The per-device ticket counter (zero between launches); None while capturing before it exists,
-    since memory allocated inside a capture belongs to the graph's pool."""
-    counter = _COUNTERS.get(device)
-    if counter is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counter = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+    return ticket_counters(device, "router", 1)
 
 
 def max_fused_tokens(weight: torch.Tensor) -> int:

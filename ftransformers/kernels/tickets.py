@@ -1,0 +1,37 @@
+"""Zeroed int32 ticket counters for kernels whose last program finishes the work ("last one out").
+
+A program publishes its partial result, then takes a ticket (an acq_rel atomic add on a counter); the
+program holding the last ticket reduces the partials and puts the counter back to 0. So a counter
+is zero between launches, which lets one buffer serve every launch of a kernel family and CUDA graph
+replays. Invariant: launches sharing a family's counters never overlap in time, i.e. that family's
+kernels of one device are issued on one stream (the runner's model stream; graphs replay on it).
+With PDL (kernels/pdl.py) this still holds: each kernel waits for the previous grid to complete
+before it touches memory.
+
+Buffers are allocated once per (family, device) at `POOL_SIZE` counters and never reallocated, since
+a captured graph keeps their address. During a capture nothing is allocated (memory allocated there
+belongs to the graph's pool): `ticket_counters` returns None and the caller uses a launch shape that
+needs none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+POOL_SIZE = 1 << 16
+_POOLS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device, family: str, count: int) -> torch.Tensor | None:
+    """The first `count` (<= POOL_SIZE) zeroed counters of `family` on `device`, or None while a CUDA
+    graph is being captured and the pool does not exist yet."""
+    if count > POOL_SIZE:
+        raise ValueError(f"{family}: {count} ticket counters asked, the pool holds {POOL_SIZE}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    pool = _POOLS.get((family, device))
+    if pool is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        pool = _POOLS[(family, device)] = torch.zeros(POOL_SIZE, dtype=torch.int32, device=device)
+    return pool[:count]
