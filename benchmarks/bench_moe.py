@@ -19,6 +19,7 @@ Usage: python benchmarks/bench_moe.py [--out DIR] [--tokens 1,2,...] [--skip-dee
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -238,12 +239,12 @@ def bench_shape(name: str, s: dict, tokens: list[int], copy_gbs: float, tflops: 
             rw, ri = routings[0]
             ref = ref_experts(hiddens[0], w13, w2, rw, ri)
             row["rel_err_pair"] = rel_err(tfm.fused_moe(hiddens[0], w13, w2, rw, ri, pair_cfg), ref)
-        if t == 1 and sweep:  # pair-path tiles
+        if t <= 2 and sweep:  # the down kernel's tiles and slot split, gate-up at its default
             row["pair_sweep"] = []
-            for un, dn, st in itertools.product((2, 4, 8), (2, 4, 8), (2, 4)):
-                cfg = tfm.PairConfig(up_n=un, down_n=dn, up_stages=st, down_stages=st)
+            for dn, dk, split in itertools.product((2, 4, 8), (512, 1024), (1, 2, 4, 8)):
+                cfg = dataclasses.replace(tfm.default_pair_config(t, d), down_n=dn, down_k=dk, down_split=split)
                 ms = graph_time_ms(per_layer(partial(experts, tfm.fused_moe, w13, w2, cfg=cfg), hiddens, routings), reps)
-                row["pair_sweep"].append({"up_n": un, "down_n": dn, "stages": st, "us": ms * 1e3})
+                row["pair_sweep"].append({"down_n": dn, "down_k": dk, "down_split": split, "us": ms * 1e3})
             best = min(row["pair_sweep"], key=lambda r: r["us"])
             log(f"    pair sweep best {best}")
         msg = (f"{name:14s} T={t:5d} old {row['old_ms']*1e3:8.1f} us  new {row['new_ms']*1e3:8.1f} us | floor "
@@ -285,7 +286,7 @@ def main() -> None:
     ap.add_argument("--skip-deepseek", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T values (default: per shape)")
     ap.add_argument("--name", default="moe_h100.json")
-    ap.add_argument("--pair-sweep", action="store_true", help="time pair-path tiles at T=1")
+    ap.add_argument("--pair-sweep", action="store_true", help="time the down kernel's tiles and slot split at T=1, 2")
     ap.add_argument("--skip-align", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
 from ftransformers.kernels import triton_fused_moe as tfm
+from ftransformers.kernels.tickets import ticket_counters
 from ftransformers.layers.moe.experts import get_moe_backend, moe_forward_native
 
 CUDA = torch.cuda.is_available()
@@ -110,18 +111,23 @@ def test_fused_moe_aligned_configs(cfg: tfm.MoEConfig) -> None:
 
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 4, 3), (9, 16, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tiles", ["small", "default"])
+@pytest.mark.parametrize("tiles", ["small", "default", "split"])
 def test_pair_path_repeated_experts(t: int, e: int, k: int, dtype: torch.dtype, tiles: str) -> None:
     # The pair path forced by a PairConfig (also at 9 * 8 = 72 pairs) with tiles smaller than D and
     # I and odd sizes (D=72, I=40: partial N and K tiles); with E < T*K many tokens share an expert.
+    # "split": the down kernel over slot groups (2 or 4 of top-8, 3 of top-3), last program out adds.
     gen = torch.Generator().manual_seed(5 * t + e)
     hidden, w13, w2 = make_experts(t, 72, 40, e, dtype, gen)
     weights, ids = make_routing(t, e, k, gen)
     ref = moe_forward_native(hidden.float(), w13.float(), w2.float(), weights, ids)
     cfg = tfm.PairConfig(up_n=16, up_k=32, down_n=16, down_k=16) if tiles == "small" else tfm.default_pair_config(t, 72)
+    if tiles == "split":
+        cfg = tfm.PairConfig(up_n=16, up_k=32, down_n=16, down_k=16, down_split={2: 2, 3: 3, 8: 4}[k])
     out = tfm.fused_moe(hidden, w13, w2, weights, ids.int(), cfg)
     assert out.shape == hidden.shape and out.dtype == dtype
     assert rel_err(out, ref) <= (1e-4 if dtype == torch.float32 else 1e-2)
+    if tiles == "split":  # every ticket handed back
+        assert not ticket_counters(torch.device(DEV), "moe_down", t * 5).any()
 
 
 def test_moe_sum() -> None:

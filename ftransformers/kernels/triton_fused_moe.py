@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.tickets import ticket_counters
 
 # Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
 # (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
@@ -68,6 +69,7 @@ class PairConfig:
     up_stages: int = 4
     down_warps: int = 4
     down_stages: int = 4
+    down_split: int = 1  # programs per (token, D block), each over TOP_K / down_split slots (a divisor)
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
@@ -313,25 +315,30 @@ def _pair_gate_up_kernel(
 
 @triton.jit
 def _pair_down_sum_kernel(
-    act_ptr, w_ptr, out_ptr, ids_ptr, N, K, num_tokens,
+    act_ptr, w_ptr, out_ptr, ids_ptr, part_ptr, ticket_ptr, N, K, num_tokens,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    TOP_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # out[t, n] = sum_k act[t*TOP_K + k] @ w2[e_k, n]^T, one float32 accumulator over (k, i); act
-    # already carries the routing weight. The TOP_K slots are unrolled, so their expert ids and weight
-    # loads are independent of each other. Token fastest in the grid.
+    # already carries the routing weight. The slots are unrolled, so their expert ids and weight
+    # loads are independent of each other. Token fastest in the grid. SPLIT > 1: program (t, s,
+    # n-block) takes slots [s*TOP_K/SPLIT, (s+1)*TOP_K/SPLIT) and the last one out of (t, n-block) adds
+    # the SPLIT float32 partials in order (as in triton_fused_moe_w4's down kernel).
     pdl_enter(USE_PDL)
+    SLOTS: tl.constexpr = TOP_K // SPLIT
     pid = tl.program_id(0)
     t = pid % num_tokens
-    pid_n = pid // num_tokens
+    pid_s = (pid // num_tokens) % SPLIT
+    pid_n = pid // (num_tokens * SPLIT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
     a_base = act_ptr + (t * TOP_K).to(tl.int64) * stride_am + offs_k  # [BK]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
+    for j in tl.static_range(SLOTS):
+        slot = pid_s * SLOTS + j
         expert = tl.load(ids_ptr + t * TOP_K + slot).to(tl.int64)
         for k in range(K_TILES):
             k_ok = offs_k < K - k * BLOCK_K
@@ -339,7 +346,20 @@ def _pair_down_sum_kernel(
             w = tl.load(w_base + expert * stride_we + k * BLOCK_K * stride_wk, mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)  # fmt: skip
             acc += tl.sum(w * a[None, :], axis=1)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    out_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
+    if SPLIT > 1:
+        part_row = part_ptr + t.to(tl.int64) * N + offs_n  # part [SPLIT, T, N]
+        tl.store(part_row + pid_s * num_tokens * N, acc, mask=n_ok)
+        tl.debug_barrier()  # the CTA's partial stores are ordered before its release ticket
+        ticket = tl.atomic_add(ticket_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            tl.store(ticket_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n, 0)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # split order: deterministic
+                acc += tl.load(part_row + s * num_tokens * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def pair_gate_up(
@@ -374,10 +394,16 @@ def pair_down_sum(
     t, top_k = topk_ids.shape
     d, inter = w2.shape[1], w2.shape[2]
     block_k = min(cfg.down_k, triton.next_power_of_2(inter))
-    grid = (t * triton.cdiv(d, cfg.down_n),)
-    _pair_down_sum_kernel[grid](
-        act, w2, out, topk_ids, d, inter, t, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        out.stride(0), TOP_K=top_k, BLOCK_N=cfg.down_n, BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
+    n_blocks = triton.cdiv(d, cfg.down_n)
+    split = cfg.down_split if top_k % cfg.down_split == 0 else 1
+    tickets = ticket_counters(act.device, "moe_down", t * n_blocks) if split > 1 else None
+    if tickets is None:
+        split = 1
+    part = torch.empty(split, t, d, dtype=torch.float32, device=act.device) if split > 1 else act
+    _pair_down_sum_kernel[(t * split * n_blocks,)](
+        act, w2, out, topk_ids, part, tickets if tickets is not None else topk_ids, d, inter, t, act.stride(0),
+        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK_N=cfg.down_n,
+        BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
         **pdl_launch(act.device),
     )  # fmt: skip
