@@ -86,9 +86,11 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
 def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
     """Narrow N tiles and 1024-wide K steps, as for the dense one-row GEMV (kernels/triton_gemv.py);
     the best of the T=1 sweep on the H100 (moe_pair_h100.json): D=2048 up_n 8 / down_n 2, D=7168
-    up_n 4 / down_n 4, two stages. The down kernel has T * D/down_n programs."""
+    up_n 4 / down_n 4, two stages. The down kernel has T * down_split * D/down_n programs: split over
+    4 slot groups at T=1, D=2048 (moe_split_bf16_h100.json: Qwen3-30B experts 35.0 -> 33.7 us; at T=2 no
+    split was best; DeepSeek width not measured, so not split)."""
     if num_tokens * hidden_size <= 4096:
-        return PairConfig(up_n=8, down_n=2, up_stages=2, down_stages=2)
+        return PairConfig(up_n=8, down_n=2, up_stages=2, down_stages=2, down_split=4 if num_tokens == 1 else 1)
     return PairConfig(up_n=4, down_n=4, up_stages=2, down_stages=2)
 
 
