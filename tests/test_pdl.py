@@ -35,8 +35,26 @@ def _launches(tree: ast.Module) -> list[tuple[str, ast.Call]]:
     return calls
 
 
+# Kernels that read, before their wait, tensors no kernel of a decode step writes (the batch metadata,
+# written by host copies and torch ops before the step). Nothing before the wait may store.
+READ_BEFORE_WAIT = {
+    "_decode_stage1_kernel": "seq_lens, req_pool_indices, req_to_token",
+}
+READ_ONLY_CALLS = {"tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "_split_len"}
+
+
 def _first_statement(fn: ast.FunctionDef) -> str:
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if fn.name in READ_BEFORE_WAIT:
+        tops = [ast.unparse(s) for s in body]
+        assert "pdl_enter(USE_PDL)" in tops, f"{fn.name}: no top-level pdl_enter(USE_PDL)"
+        before = body[: tops.index("pdl_enter(USE_PDL)")]
+        for node in (n for s in before for n in ast.walk(s)):
+            if isinstance(node, ast.Call):  # only loads and index arithmetic before the wait
+                name = ast.unparse(node.func)
+                ok = name in READ_ONLY_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr == "to")
+                assert ok, f"{fn.name}: {ast.unparse(node)} before the PDL wait"
+        return "pdl_enter(USE_PDL)"
     return ast.unparse(body[0])
 
 

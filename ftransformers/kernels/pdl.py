@@ -11,6 +11,10 @@ The contract every kernel launched through `pdl_launch` keeps (`pdl_enter` at it
      of the stream may touch (the wait returns once the previous grid has completed and its memory is
      visible; as every kernel of the chain waits, completion is transitive down the stream);
   2. it then signals `launch_dependents`, so the next kernel's programs queue up behind its own.
+A program may start before its predecessor completes, but never before the kernel before that one has:
+so a tensor written only before the predecessor (a decode step's metadata, written by host copies and
+torch ops before the step's first kernel) may be read ahead of the wait. Kernels doing so are listed,
+with those tensors, in tests/test_pdl.py (READ_BEFORE_WAIT), which checks nothing is stored before it.
 Kernels of other origins (cuBLAS, torch) in between are ordinary launches: full serialisation.
 
 Off on the CPU, in Triton's interpreter, below compute capability 9.0, with FTRANSFORMERS_DISABLE_PDL=1,
