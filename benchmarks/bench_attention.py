@@ -63,8 +63,7 @@ L2_MULT = 200 << 20  # bytes touched per timed call, ~4x the H100's 50 MB L2
 GQA_VARIANTS = {
     "old": dict(direct=False, waves=4),  # the backend's launch before 2026-11-22
     "new": dict(waves=4),  # rows of one split written by stage 1; stage 2 skipped at 1 split
-    "new_w2": dict(waves=2),  # + half the programs (fewer splits from batch ~32 up)
-    "merge_w2": {"waves": 2, "merge": True},  # + splits merged in stage 1 (one launch; PDL prefetch)
+    "new_w2": dict(waves=2),  # + half the programs (fewer splits from batch ~32 up): the backend's default
 }
 MLA_VARIANTS = {
     "old": dict(block_h=32, block_n=32, num_warps=4),  # the generic GQA kernel on the latent views

@@ -99,36 +99,16 @@ def decode_bytes(acc: dict[str, Any], batch: int, context: int) -> float:
             + 4 * batch * acc["hidden"] + batch * (context + 1) * acc["kv_bytes_per_token"])  # fmt: skip
 
 
-FUSIONS = ("merge", "norm_router")  # switchable decode fusions, set_fusions
-
-
-def set_fusions(variant: str) -> None:
-    """The decode fusions that can be switched, to time them in one process: "merge" (the GQA decode
-    split merge inside the attention kernel), "norm_router" (the post-attention RMSNorm inside the MoE
-    router kernel); variant "all", "none" or one name (that one on, the others off)."""
-    from ftransformers.attention import triton_backend
-    from ftransformers.layers.moe import topk
-
-    if variant not in ("all", "none", *FUSIONS):
-        raise SystemExit(f"--fusions: {variant!r} is not all, none or one of {', '.join(FUSIONS)}")
-    on = {f: variant in ("all", f) for f in FUSIONS}
-    triton_backend.DECODE_MERGE = on["merge"]
-    topk.FUSE_NORM_ROUTER = on["norm_router"]
-
-
-def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Namespace, bw: float,
-               fusions: str = "all") -> dict[str, Any]:  # fmt: skip
+def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Namespace, bw: float) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp()) / f"{name}-{layers}-{fmt}"
     args.disable_pdl = not pdl
-    set_fusions(fusions)
     cfg = bd.write_config(name, layers, root, args.dry_run)
     if FORMATS[fmt] is not None:
         cfg["quantization_config"] = FORMATS[fmt]
         (root / "config.json").write_text(json.dumps(cfg))
     t0 = time.perf_counter()
     runner = bd.make_runner(root, max(args.batches), args)
-    res: dict[str, Any] = {"model": name, "layers": layers, "format": fmt, "pdl": pdl, "fusions": fusions,
-                           "init_s": time.perf_counter() - t0}  # fmt: skip
+    res: dict[str, Any] = {"model": name, "layers": layers, "format": fmt, "pdl": pdl, "init_s": time.perf_counter() - t0}
     for pname, param in runner.model.named_parameters():
         if pname.endswith("e_score_correction_bias"):
             param.data.zero_()  # see bench_decode.run_model
@@ -140,7 +120,7 @@ def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Names
     res["decode"] = []
     for batch in args.batches:
         res["decode"].append(decode_row(runner, acc, bw, batch, args))
-        print(f"  {name}:{layers} {fmt} pdl={pdl} fusions={fusions} {res['decode'][-1]}", flush=True)
+        print(f"  {name}:{layers} {fmt} pdl={pdl} {res['decode'][-1]}", flush=True)
     if args.profile and pdl:
         res["profile"] = [profile(runner, acc, b, args.context) for b in args.batches if b <= 8]
     del runner, pool
@@ -187,8 +167,8 @@ def decode_row(runner: Any, acc: dict[str, Any], bw: float, batch: int, args: ar
 
 def print_table(out: dict[str, Any]) -> None:
     print(f"\n{out['device']}  copy {out['copy_GBps']:.0f} GB/s  context {out['args']['context']}")
-    base: dict[tuple[str, int, int, bool, str], float] = {}
-    print(f"{'model':<18} {'format':<7} pdl fusions     {'GB':>6}  B    floor_ms  graph_ms  ratio  engine_ms  ratio  vs bf16")
+    base: dict[tuple[str, int, int, bool], float] = {}
+    print(f"{'model':<18} {'format':<7} pdl {'GB':>6}  B    floor_ms  graph_ms  ratio  engine_ms  ratio  vs bf16")
     for m in out["models"]:
         if "error" in m:
             print(f"{m['model']}:{m['layers']} {m['format']} ERROR {m['error'][:300]}")
@@ -196,28 +176,26 @@ def print_table(out: dict[str, Any]) -> None:
         for r in m["decode"]:
             if "skipped" in r:
                 continue
-            key = (m["model"], m["layers"], r["batch"], m.get("pdl", True), m.get("fusions", "all"))
+            key = (m["model"], m["layers"], r["batch"], m.get("pdl", True))
             t = r.get("engine_ms", r["graph_ms"])
             if m["format"] == "bf16":
                 base[key] = t
             speed = f"{base[key] / t:5.2f}x" if key in base else "  -"
-            onoff = f"{'on ' if m.get('pdl', True) else 'off'} {m.get('fusions', 'all'):<11}"
-            print(f"{m['model'] + ':' + str(m['layers']):<18} {m['format']:<7} {onoff} "
+            print(f"{m['model'] + ':' + str(m['layers']):<18} {m['format']:<7} {'on ' if m.get('pdl', True) else 'off'} "
                   f"{m['accounting']['model_GB']:6.1f}  "
                   f"{r['batch']:<4} {r['floor_ms']:8.3f} {r['graph_ms']:9.3f} {r['graph_ratio']:6.2f} "
                   f"{r.get('engine_ms', 0):10.3f} {r.get('engine_ratio', 0):6.2f}  {speed}")  # fmt: skip
     # Per-layer time from two depths of the same model and format: (t_deep - t_shallow) / extra layers.
-    rows = {(m["model"], m["format"], (m.get("pdl", True), m.get("fusions", "all")), m["layers"]): m
-            for m in out["models"] if "decode" in m}  # fmt: skip
-    for (model, fmt, var, layers), m in sorted(rows.items()):
-        deeper = sorted(ly for (mo, f, v, ly) in rows if mo == model and f == fmt and v == var and ly > layers)
+    rows = {(m["model"], m["format"], m.get("pdl", True), m["layers"]): m for m in out["models"] if "decode" in m}
+    for (model, fmt, pdl, layers), m in sorted(rows.items()):
+        deeper = sorted(ly for (mo, f, pd, ly) in rows if mo == model and f == fmt and pd == pdl and ly > layers)
         if not deeper:
             continue
-        d = rows[(model, fmt, var, deeper[-1])]
+        d = rows[(model, fmt, pdl, deeper[-1])]
         for r, rd in zip(m["decode"], d["decode"], strict=True):
             if "graph_ms" in r and "graph_ms" in rd:
                 per = (rd["graph_ms"] - r["graph_ms"]) / (deeper[-1] - layers)
-                print(f"  {model} {fmt} pdl={var[0]} fusions={var[1]} B={r['batch']}: {per:.3f} ms per layer "
+                print(f"  {model} {fmt} pdl={pdl} B={r['batch']}: {per:.3f} ms per layer "
                       f"(graph step at {deeper[-1]} minus at {layers} layers)")
 
 
@@ -233,7 +211,6 @@ def main() -> None:
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--profile", action="store_true", help="eager kernel profile at batches <= 8 (PDL runs)")
     p.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch per run")
-    p.add_argument("--fusions", default="all", help="comma list of all, none, merge, norm_router (set_fusions)")
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: shapes shrunk 16x, torch_native")
     args = p.parse_args()
     bd.DEV = "cpu" if args.dry_run else "cuda"
@@ -248,17 +225,15 @@ def main() -> None:
     out["copy_GBps"] = bd.ceilings()["copy_GBps"]
     for spec in args.models.split(","):
         name, _, layers = spec.partition(":")
-        runs = [(f, p == "on", u) for f in args.formats.split(",") for p in args.pdl.split(",")
-                for u in args.fusions.split(",")]  # fmt: skip
-        for fmt, pdl, fus in runs:
+        for fmt, pdl in [(f, p == "on") for f in args.formats.split(",") for p in args.pdl.split(",")]:
             try:
                 depth = int(layers or bd.FULL_DEPTH[name])
-                out["models"].append(run_format(name, depth, fmt, pdl, args, out["copy_GBps"] * 1e9, fus))
+                out["models"].append(run_format(name, depth, fmt, pdl, args, out["copy_GBps"] * 1e9))
             except Exception as e:  # noqa: BLE001 - keep the other formats' results
                 import traceback
 
                 traceback.print_exc()
-                out["models"].append({"model": name, "layers": layers, "format": fmt, "pdl": pdl, "fusions": fus,
+                out["models"].append({"model": name, "layers": layers, "format": fmt, "pdl": pdl,
                                       "error": f"{type(e).__name__}: {e}"[:800]})  # fmt: skip
                 bd.free()
             Path(args.out).write_text(json.dumps(out, indent=1))

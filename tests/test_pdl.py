@@ -39,6 +39,9 @@ def _launches(tree: ast.Module) -> list[tuple[str, ast.Call]]:
 # written by host copies and torch ops before the step). Nothing before the wait may store.
 READ_BEFORE_WAIT = {
     "_decode_stage1_kernel": "seq_lens, req_pool_indices, req_to_token",
+    "_decode_stage2_kernel": "seq_lens",
+    "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
+    "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
 }
 READ_ONLY_CALLS = {"tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "_split_len"}
 

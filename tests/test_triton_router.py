@@ -166,38 +166,6 @@ def test_fused_router_grouped(t: int, e: int, d: int, groups, topk_group, k: int
     torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), **FUSED_TOL)
 
 
-@pytest.mark.parametrize("t", [1, 7])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("softmax", [True, False])
-def test_fused_norm_router(t: int, dtype: torch.dtype, softmax: bool) -> None:
-    # residual add + RMSNorm folded into the router: the same normalised row and residual as the norm
-    # layer's reference, and the same routing as the fused router applied to that row
-    from ftransformers.kernels.triton_norm import rms_norm
-    from ftransformers.kernels.triton_router import fused_norm_router_topk
-    from ftransformers.layers.norm import RMSNorm
-
-    e, d, k = 64, 200, 4  # d: not a multiple of the D tile
-    hidden, weight = router_inputs(t, e, d, dtype, 11 * t + 3)
-    gen = torch.Generator().manual_seed(t)
-    residual = torch.randn(t, d, generator=gen).to(DEV, dtype)
-    norm = RMSNorm(d, eps=1e-6).to(DEV)
-    norm.weight.data = (torch.rand(d, generator=gen) + 0.5).to(DEV, dtype)
-    kw = {"softmax": softmax, "renormalize": True, "round_logits": softmax}
-    if not softmax:
-        kw.update(num_expert_group=4, topk_group=2, routed_scaling_factor=2.5)
-    w, ids, normed, new_res = fused_norm_router_topk(hidden, residual, norm.weight, 1e-6, weight, k, **kw)
-    # reference: the fused norm kernel (its casts round as this kernel's do, in the interpreter too)
-    normed_ref, res_ref = rms_norm(hidden, norm.weight, 1e-6, residual)
-    assert torch.equal(new_res, res_ref)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
-    torch.testing.assert_close(normed, normed_ref, **tol)
-    if dtype == torch.float32:  # and the layer's torch reference
-        torch.testing.assert_close(normed, norm._norm(hidden + residual), **tol)
-    w_ref, ids_ref = fused_router_topk(normed, weight, k, **kw)  # the routing of the row it wrote
-    assert torch.equal(ids, ids_ref)
-    torch.testing.assert_close(w, w_ref, **FUSED_TOL)
-
-
 def test_fused_router_counter_resets() -> None:
     # The last program hands the ticket counter back at 0, so repeated launches agree.
     hidden, weight = router_inputs(3, 64, 96, torch.float32, 5)

@@ -26,7 +26,6 @@ GQA_WAVES = 2  # H100: 2 waves of decode programs beat 4 by up to 9% from batch 
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 DEFAULT_MAX_BS = 256
-DECODE_MERGE = True  # GQA decode splits merged in stage 1 (one launch); False: the stage-2 kernel
 SDPA_MAX_SEQS = 8  # not measured: above it, per-sequence launches are assumed to outweigh flash's speed
 
 
@@ -78,8 +77,6 @@ class TritonAttentionBackend(AttentionBackend):
         # over dense K/V, one launch) or "auto": sdpa on CUDA for up to SDPA_MAX_SEQS sequences (H100,
         # 8K tokens: 6.8 ms a layer against 14.2; benchmarks/results/mla_prefill_h100.json), else triton.
         self.mla_prefill_kernel = "auto"
-        # GQA decode: merge the KV splits inside the stage-1 kernel (last split out) instead of a second launch
-        self.decode_merge = DECODE_MERGE
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         self.max_bs = max_bs
@@ -189,7 +186,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16, merge=self.decode_merge,
+                mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return extend_attention_fwd(

@@ -10,12 +10,12 @@ be captured in a CUDA graph); each sequence's tokens are cut on the device into 
 programs of splits past the end return at once. Stage 1 writes per split the normalised output and
 base-2 log-sum-exp; `_decode_stage2_kernel` merges them. A row covered by ONE split (or none: a
 padded CUDA-graph row, zeros) is finished by stage 1, which writes the output itself; stage 2 skips
-it, and is not launched at all when `num_kv_splits == 1`. With `merge=True` there is no stage 2: the
-last program of a (row, head block) to finish its split (an acq_rel ticket, kernels/tickets.py) merges
-the partials itself, in split order (deterministic). Nothing here reads host data.
+it, and is not launched at all when `num_kv_splits == 1`. Nothing here reads host data. (Merging the
+splits inside stage 1, the last split out doing it, was measured slower with PDL on the H100:
+benchmarks/results/attention_merge_ab_h100.log, fusions_ab_h100.log.)
 
 PDL (kernels/pdl.py): stage 1 reads the batch metadata (seq_lens, req_pool_indices, the first tile of
-req_to_token) before its wait; no kernel of a decode step writes those tensors.
+req_to_token) before its wait, stage 2 seq_lens; no kernel of a decode step writes those tensors.
 
 Optional "PE" part (MLA through this generic kernel): the score is q . k + q_pe . k_pe with k_pe read
 from a second view; `kernels/triton_mla_attention.py` has the dedicated MLA decode kernel.
@@ -28,9 +28,6 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.tickets import POOL_SIZE, ticket_counters
-
-MERGE_SPLITS = 4  # splits per step of the in-kernel merge ([BLOCK_H, 4, BLOCK_DV] float32 partials at a time)
 
 
 @triton.jit
@@ -41,7 +38,7 @@ def _split_len(seq_len, num_kv_splits, min_split_len, ALIGN: tl.constexpr):
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, QPE, K, KPE, V, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, tickets,
+    Q, QPE, K, KPE, V, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
     sm_scale, group, num_kv_splits, min_split_len, heads_per_kv_blocks,
     s_q_t, s_q_h, s_qpe_t, s_qpe_h,
     s_k_n, s_k_h, s_kpe_n, s_kpe_h, s_v_n, s_v_h, s_r2t,
@@ -49,13 +46,11 @@ def _decode_stage1_kernel(
     D: tl.constexpr, DPE: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
-    DIRECT: tl.constexpr, MERGE: tl.constexpr, MERGE_S: tl.constexpr,
+    DIRECT: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
-    # MERGE (implies DIRECT): the last split of a (row, head block) to finish merges all its splits into O
-    # (a ticket per (row, head block), kernels/tickets.py), so no stage-2 launch
     # PDL: the batch metadata (seq_lens, req_pool_indices, req_to_token) is written before the step by
     # host copies and torch ops, never by a kernel of the step, so it is read before the wait
     pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -123,52 +118,13 @@ def _decode_stage1_kernel(
 
     hd_mask = h_mask[:, None] & dv_mask[None, :]
     o_ptr = O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :]
-    n_live = tl.cdiv(seq_len, split_len)  # non-empty splits of this row
-    if (n_live == 1) & DIRECT:  # the row's only split: final output
+    if (tl.cdiv(seq_len, split_len) == 1) & DIRECT:  # the row's only split: final output
         tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=hd_mask)
     else:
         mid_o_ptr = mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_dv[None, :]
         tl.store(mid_o_ptr, acc / l_i[:, None], mask=hd_mask)
         # log-sum-exp in base 2 of this split's scores
         tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
-        if MERGE:
-            # the barrier orders the CTA's partial stores before its release ticket
-            tl.debug_barrier()
-            counter = tickets + b * tl.num_programs(0) + pid_hb
-            if tl.atomic_add(counter, 1, sem="acq_rel") == n_live - 1:
-                tl.store(counter, 0)
-                _merge_splits(mid_o + b * s_mo_b, mid_lse + b * s_ml_b, o_ptr, heads, h_mask, offs_dv, dv_mask,
-                              n_live, s_mo_h, s_mo_s, s_ml_h, BLOCK_H, BLOCK_DV, MERGE_S)  # fmt: skip
-
-
-@triton.jit
-def _merge_splits(mid_o, mid_lse, o_ptr, heads, h_mask, offs_dv, dv_mask, n_live, s_mo_h, s_mo_s, s_ml_h,
-                  BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_S: tl.constexpr):  # fmt: skip
-    # O[heads] = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m) over the n_live splits, MERGE_S at a time
-    # (.cg: the partials of other CTAs are read from L2, after the acquire of the ticket)
-    offs_s = tl.arange(0, MERGE_S)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s0 in range(0, n_live, MERGE_S):
-        ok = h_mask[:, None] & (s0 + offs_s < n_live)[None, :]
-        lse = tl.load(mid_lse + heads[:, None] * s_ml_h + s0 + offs_s[None, :], mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")  # [BLOCK_H, MERGE_S]
-        m = tl.maximum(m, tl.max(lse, 1))
-    m = tl.where(h_mask, m, 0.0)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    denom = tl.zeros([BLOCK_H], tl.float32)
-    for s0 in range(0, n_live, MERGE_S):
-        s3 = s0 + offs_s[None, :, None]  # [1, MERGE_S, 1]
-        ok3 = h_mask[:, None, None] & (s3 < n_live) & dv_mask[None, None, :]
-        o = tl.load(mid_o + heads[:, None, None] * s_mo_h + s3 * s_mo_s + offs_dv[None, None, :], mask=ok3,
-                    other=0.0, cache_modifier=".cg")  # [BLOCK_H, MERGE_S, BLOCK_DV]
-        ok = h_mask[:, None] & (s0 + offs_s < n_live)[None, :]
-        lse = tl.load(mid_lse + heads[:, None] * s_ml_h + s0 + offs_s[None, :], mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.where(ok, tl.exp2(lse - m[:, None]), 0.0)  # [BLOCK_H, MERGE_S]
-        denom += tl.sum(w, 1)
-        acc += tl.sum(o * w[:, :, None], 1)
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(o_ptr, out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
 
 
 @triton.jit
@@ -179,9 +135,10 @@ def _decode_stage2_kernel(
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # all splits of one (sequence, head, CHUNK_DV slice) in one tile: a single round trip to memory
-    pdl_enter(USE_PDL)
+    # PDL: seq_lens (metadata, never written by a kernel of the step) is read before the wait
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
+    pdl_enter(USE_PDL)
     split_len = _split_len(seq_len, num_kv_splits, min_split_len, ALIGN)
     if DIRECT:
         n_live = tl.where(split_len >= seq_len, 0, num_kv_splits)  # 0: stage 1 wrote this row (or its zeros)
@@ -257,7 +214,6 @@ def decode_attention_fwd(
     num_stages: int = 2,
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
     direct: bool = True,  # False: every row goes through the partials and stage 2 (the pre-2026-11 behaviour)
-    merge: bool = False,  # merge the splits in stage 1 (last split out, ticket counters): one launch
 ) -> torch.Tensor:
     B, H, D = q.shape
     H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
@@ -272,15 +228,12 @@ def decode_attention_fwd(
         q_pe, kpe_buf = q, k_buf  # unused placeholders
     assert kpe_buf is not None
     grid = (H_kv * blocks_per_kv, num_kv_splits, B)
-    tickets = None
-    if merge and direct and num_kv_splits > 1 and B * grid[0] <= POOL_SIZE:
-        tickets = ticket_counters(q.device, "attn_decode", B * grid[0])  # None in a capture without a pool
     shared_kv = (
         v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride() and DV == D
     )  # MLA: c_kv is both key (with k_pe) and value
     _decode_stage1_kernel[grid](
         q, q_pe, k_buf, kpe_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        tickets if tickets is not None else seq_lens, sm_scale, group, num_kv_splits, min_split_len, blocks_per_kv,
+        sm_scale, group, num_kv_splits, min_split_len, blocks_per_kv,
         q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
         k_buf.stride(0), k_buf.stride(1), kpe_buf.stride(0), kpe_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
@@ -289,11 +242,11 @@ def decode_attention_fwd(
         D=D, DPE=dpe, DV=DV,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, triton.next_power_of_2(dpe)),
         BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
-        DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct, MERGE=tickets is not None,
-        MERGE_S=MERGE_SPLITS, num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
+        num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip
-    if (num_kv_splits > 1 and tickets is None) or not direct:
+    if num_kv_splits > 1 or not direct:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct)
     return out
 

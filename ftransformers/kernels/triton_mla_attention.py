@@ -61,13 +61,14 @@ def _mla_decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
+    # PDL: the batch metadata (seq_lens, req_pool_indices; written before the step) is read before the wait
     pid_h, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    req = tl.load(req_pool_indices + b)
+    pdl_enter(USE_PDL)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < H
     offs_l = tl.arange(0, BLOCK_L)
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    req = tl.load(req_pool_indices + b)
     split_len = _split_len(seq_len, num_kv_splits, min_split_len, BLOCK_N)
     start = split_id * split_len
     end = tl.minimum(start + split_len, seq_len)

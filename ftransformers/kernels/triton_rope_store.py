@@ -46,14 +46,17 @@ def _rope_store_kernel(
     HAS_NORM: tl.constexpr, WRITE_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl_enter(USE_PDL)
+    # PDL: positions and out_cache_loc (the batch's metadata, written before the step by host copies)
+    # and the cos|sin cache (constant) are read before the wait; q, k, v after it
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
+    loc = tl.load(loc_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * s_cs + offs, mask=mask, other=0.0)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=mask, other=0.0)
+    pdl_enter(USE_PDL)
     if h < H:
         r1, r2 = _norm_rope(q_ptr + t * s_qt + h * s_qh, qw_ptr, eps_q, cos, sin, offs, mask, HALF, HAS_NORM)
         dst = q_out_ptr + t * s_qot + h * s_qoh
@@ -68,7 +71,6 @@ def _rope_store_kernel(
             kd = k_out_ptr + t * s_kot + hk * s_koh
             tl.store(kd + offs, k1, mask=mask)
             tl.store(kd + HALF + offs, k2, mask=mask)
-        loc = tl.load(loc_ptr + t).to(tl.int64)
         kb = k_buf_ptr + loc * s_kbt + hk * s_kbh
         tl.store(kb + offs, k1.to(k_buf_ptr.dtype.element_ty), mask=mask)
         tl.store(kb + HALF + offs, k2.to(k_buf_ptr.dtype.element_ty), mask=mask)

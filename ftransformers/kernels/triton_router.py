@@ -178,29 +178,15 @@ def grouped_topk_sigmoid(
 
 
 @triton.jit
-def _residual_sum(x_ptr, res_ptr, offs_t, offs_d, mask, stride_xt, stride_rt):
-    # x + residual rounded to x's dtype (the new residual stream), [len(offs_t), len(offs_d)]
-    rows = offs_t[:, None].to(tl.int64)
-    x = tl.load(x_ptr + rows * stride_xt + offs_d[None, :], mask=mask, other=0.0)
-    r = tl.load(res_ptr + rows * stride_rt + offs_d[None, :], mask=mask, other=0.0)
-    return (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-
-
-@triton.jit
 def _fused_router_kernel(
     x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
-    res_ptr, nw_ptr, normed_ptr, new_res_ptr, eps, stride_rt, stride_nt, stride_nrt,
     E: tl.constexpr, G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
     ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # NORM: the router input is RMSNorm(x + residual) (kernels/triton_norm.py's function): every program
-    # computes each token's 1/rms over the whole row, then normalises its own D range; the programs of
-    # expert block 0 write that range of the normalised row and of x + residual (each element once).
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
     pdl_enter(USE_PDL)
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
@@ -208,34 +194,14 @@ def _fused_router_kernel(
     pid_e = pid % E_BLOCKS
     pid_d = pid // E_BLOCKS
     offs_t = tl.arange(0, BLOCK_T)
-    t_ok = offs_t[:, None] < T
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_d = pid_d * (D_TILES * BLOCK_D) + tl.arange(0, BLOCK_D)
     x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_d[None, :]
     w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_d[:, None]
-    if NORM:
-        offs_c = tl.arange(0, NORM_BLOCK)
-        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for c0 in range(0, D, NORM_BLOCK):
-            cm = t_ok & (c0 + offs_c[None, :] < D)
-            h = _residual_sum(x_ptr, res_ptr, offs_t, c0 + offs_c, cm, stride_xt, stride_rt).to(tl.float32)
-            ss += tl.sum(h * h, 1)
-        rstd = tl.rsqrt(ss / D + eps)[:, None]  # [BLOCK_T, 1]
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for dt in range(D_TILES):
         d_ok = offs_d < D - dt * BLOCK_D
-        if NORM:
-            td_ok = t_ok & d_ok[None, :]
-            d_cur = offs_d + dt * BLOCK_D
-            h = _residual_sum(x_ptr, res_ptr, offs_t, d_cur, td_ok, stride_xt, stride_rt)  # x dtype
-            y = (h.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-            nw = tl.load(nw_ptr + d_cur, mask=d_ok, other=0.0).to(tl.float32)
-            x = (y * nw[None, :]).to(normed_ptr.dtype.element_ty)
-            if pid_e == 0:
-                tl.store(new_res_ptr + offs_t[:, None].to(tl.int64) * stride_nrt + d_cur[None, :], h, mask=td_ok)
-                tl.store(normed_ptr + offs_t[:, None].to(tl.int64) * stride_nt + d_cur[None, :], x, mask=td_ok)
-        else:
-            x = tl.load(x_ptrs, mask=t_ok & d_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=d_ok[:, None] & (offs_e[None, :] < E), other=0.0)
         if IEEE:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -351,48 +317,6 @@ def fused_router_topk(
     """logits = hidden @ weight^T (float32 accumulation; `round_logits` rounds them to hidden's dtype as
     nn.Linear would), then softmax_topk (softmax=True) or grouped_topk_sigmoid semantics.
     Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router."""
-    w, ids, _, _ = _fused_router(
-        hidden, weight, top_k, None, softmax=softmax, renormalize=renormalize, round_logits=round_logits,
-        num_expert_group=num_expert_group, topk_group=topk_group, correction_bias=correction_bias,
-        routed_scaling_factor=routed_scaling_factor, ids_dtype=ids_dtype,
-    )  # fmt: skip
-    return w, ids
-
-
-def fused_norm_router_topk(
-    hidden: torch.Tensor,  # [T, D] the sublayer output
-    residual: torch.Tensor,  # [T, D], hidden's dtype
-    norm_weight: torch.Tensor,  # [D]
-    eps: float,
-    weight: torch.Tensor,  # [E, D] the router (gate) weight
-    top_k: int,
-    **kw: object,  # fused_router_topk's keywords
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The residual add + RMSNorm (kernels/triton_norm.rms_norm with a residual) and the fused router in
-    one launch: returns (topk_weights, topk_ids, normed [T, D], hidden + residual [T, D]), the router
-    applied to `normed`. Caller checks can_fuse_router."""
-    if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} != hidden {tuple(hidden.shape)} {hidden.dtype}")
-    if residual.stride(1) != 1:
-        residual = residual.contiguous()
-    return _fused_router(hidden, weight, top_k, (residual, norm_weight.contiguous(), float(eps)), **kw)  # type: ignore[arg-type]
-
-
-def _fused_router(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    top_k: int,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None,  # (residual, norm weight, eps)
-    *,
-    softmax: bool,
-    renormalize: bool,
-    round_logits: bool = False,
-    num_expert_group: int | None = None,
-    topk_group: int | None = None,
-    correction_bias: torch.Tensor | None = None,
-    routed_scaling_factor: float = 1.0,
-    ids_dtype: torch.dtype = torch.int64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     t, d = hidden.shape
     e = weight.shape[0]
     grouped = not softmax and num_expert_group is not None and num_expert_group > 1
@@ -415,29 +339,17 @@ def _fused_router(
     out_ids = torch.empty(t, top_k, dtype=ids_dtype, device=hidden.device)
     bias = correction_bias.contiguous() if correction_bias is not None else out_w
     block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
-    if norm is not None:
-        residual, norm_weight, eps = norm
-        normed = torch.empty(t, d, dtype=torch.promote_types(norm_weight.dtype, hidden.dtype), device=hidden.device)
-        new_res = torch.empty_like(hidden)
-        router_in_dtype = normed.dtype
-    else:
-        residual = norm_weight = normed = new_res = hidden  # placeholders, never read
-        eps, router_in_dtype = 0.0, hidden.dtype
-    ieee = _INTERPRET or router_in_dtype != weight.dtype or router_in_dtype == torch.float32
+    ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
     sel_t = max(4, triton.next_power_of_2(t))  # H100: a [1, G, S] selection tile ran slower than [4, G, S]
     _fused_router_kernel[(e_blocks * n_split,)](
         hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
         float(routed_scaling_factor),
-        residual, norm_weight, normed, new_res, eps, residual.stride(0), normed.stride(0), new_res.stride(0),
         E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
         SOFTMAX=softmax, HAS_BIAS=correction_bias is not None and not softmax, GROUPED=grouped,
-        RENORM=bool(renormalize), ROUND=_ROUND.get(router_in_dtype, 0) if round_logits else 0, IEEE=ieee,
+        RENORM=bool(renormalize), ROUND=_ROUND.get(hidden.dtype, 0) if round_logits else 0, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
-        NORM=norm is not None, NORM_BLOCK=min(8192 // block_t, triton.next_power_of_2(d)),
         num_warps=8 if sel_t * block_g * block_s >= 4096 else 4,
         **pdl_launch(hidden.device),
     )  # fmt: skip
-    if norm is None:
-        return out_w, out_ids, None, None
-    return out_w, out_ids, normed, new_res
+    return out_w, out_ids

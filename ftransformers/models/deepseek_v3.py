@@ -159,19 +159,6 @@ class DeepseekV3MoE(nn.Module):
             out = out + self.shared_experts(hidden)
         return out
 
-    def fused_norm_forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        # forward(norm(hidden, residual)) with the norm inside the router kernel; None: not at this size
-        routed = self.gate.norm_and_route(hidden, residual, norm)
-        if routed is None:
-            return None
-        topk_weights, topk_ids, normed, residual = routed
-        out = self.experts(normed, topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(normed)
-        return out, residual
-
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     attention_cls = DeepseekV3Attention  # type: ignore[assignment]

@@ -96,11 +96,6 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
-        # an MoE block may fold the post-attention norm into its router kernel (None: not at this size)
-        fused = getattr(self.mlp, "fused_norm_forward", None)
-        out = fused(hidden, residual, self.post_attention_layernorm) if fused is not None else None
-        if out is not None:
-            return out
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -11,8 +11,6 @@ from transformers import PretrainedConfig
 
 from ftransformers.layers.linear import ReplicatedLinear
 from ftransformers.layers.moe import FusedMoE, router_softmax_topk
-from ftransformers.layers.moe.topk import norm_router_softmax_topk
-from ftransformers.layers.norm import RMSNorm
 from ftransformers.models.llama import LlamaMLP
 from ftransformers.models.moe_weights import load_moe_model_weights
 from ftransformers.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -46,16 +44,6 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         # the softmax top-k run as one kernel.
         topk_weights, topk_ids = router_softmax_topk(hidden, self.gate.weight, self.top_k, self.renormalize)
         return self.experts(hidden, topk_weights, topk_ids)
-
-    def fused_norm_forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        # forward(norm(hidden, residual)) with the norm inside the router kernel; None: not at this size
-        routed = norm_router_softmax_topk(hidden, residual, norm, self.gate.weight, self.top_k, self.renormalize)
-        if routed is None:
-            return None
-        topk_weights, topk_ids, normed, residual = routed
-        return self.experts(normed, topk_weights, topk_ids), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

@@ -11,9 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ftransformers.layers.moe import topk as _topk
-from ftransformers.layers.norm import RMSNorm
-
 
 def grouped_topk(
     router_logits: torch.Tensor,  # [T, E]
@@ -114,20 +111,3 @@ class DeepseekTopkRouter(nn.Module):
             self.renormalize,
             self.routed_scaling_factor,
         )
-
-    def norm_and_route(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """`norm(hidden, residual)` and forward on its output in one kernel at decode sizes on a GPU:
-        (topk_weights, topk_ids, normed, new residual); None where that kernel does not apply."""
-        if not (_topk.FUSE_NORM_ROUTER and hidden.is_cuda) or residual.dtype != hidden.dtype:
-            return None
-        from ftransformers.kernels.triton_router import can_fuse_router, fused_norm_router_topk
-
-        if not can_fuse_router(hidden, self.weight):
-            return None
-        return fused_norm_router_topk(
-            hidden, residual, norm.weight, norm.variance_epsilon, self.weight, self.top_k, softmax=False,
-            renormalize=self.renormalize, num_expert_group=self.num_expert_group, topk_group=self.topk_group,
-            correction_bias=self.e_score_correction_bias, routed_scaling_factor=self.routed_scaling_factor,
-        )  # fmt: skip

@@ -5,12 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ftransformers.layers.norm import RMSNorm
-
-# The post-attention RMSNorm folded into the decode router kernel (MoE layers; benchmarks turn it off
-# to measure it)
-FUSE_NORM_ROUTER = True
-
 
 def router_softmax_topk(
     hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool
@@ -26,28 +20,6 @@ def router_softmax_topk(
                 hidden, gate_weight, top_k, softmax=True, renormalize=renormalize, round_logits=True
             )
     return select_experts_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
-
-
-def norm_router_softmax_topk(
-    hidden: torch.Tensor,  # [T, D] the attention output
-    residual: torch.Tensor,  # [T, D]
-    norm: RMSNorm,  # the layer's post-attention norm
-    gate_weight: torch.Tensor,  # [E, D]
-    top_k: int,
-    renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`norm(hidden, residual)` and router_softmax_topk on its output in one kernel, at decode sizes on a
-    GPU: (topk_weights, topk_ids, normed, new residual); None where that kernel does not apply."""
-    if not (FUSE_NORM_ROUTER and hidden.is_cuda):
-        return None
-    from ftransformers.kernels.triton_router import can_fuse_router, fused_norm_router_topk
-
-    if not can_fuse_router(hidden, gate_weight) or residual.dtype != hidden.dtype:
-        return None
-    return fused_norm_router_topk(
-        hidden, residual, norm.weight, norm.variance_epsilon, gate_weight, top_k, softmax=True,
-        renormalize=renormalize, round_logits=True,
-    )  # fmt: skip
 
 
 def select_experts_softmax(
