@@ -421,7 +421,7 @@ def run_model(
     free()
     if hf and main_entry:
         try:
-            res["hf"] = hf_peer(root, cfg["vocab_size"], contexts[0], min(args.prefill), args.iters)
+            res["hf"] = hf_peer(root, cfg["vocab_size"], contexts[0], min(args.prefill, default=1024), args.iters)
             d = next(r for r in res["decode"] if r["batch"] == 1 and r["context"] == contexts[0])
             res["hf"]["our_speedup_b1"] = res["hf"]["decode_ms"] / d.get("graph_ms", d.get("eager_ms", float("nan")))
         except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
@@ -478,7 +478,9 @@ def main() -> None:
     DEV = "cpu" if args.dry_run else "cuda"
     args.batches = [int(x) for x in args.batches.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
-    args.prefill = [int(x) for x in args.prefill.split(",")]
+    args.prefill = [int(x) for x in args.prefill.split(",") if x.strip()]  # "" = no prefill rows
+    if any(n <= 0 for n in args.batches + args.contexts + args.prefill):
+        raise SystemExit("bench_decode: --batches, --contexts and --prefill take positive sizes")
     logging_setup()
     import transformers
     import triton
