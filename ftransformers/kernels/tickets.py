@@ -17,6 +17,8 @@ needs none.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 POOL_SIZE = 1 << 16
 _POOLS: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -35,3 +37,20 @@ def ticket_counters(device: torch.device, family: str, count: int) -> torch.Tens
             return None
         pool = _POOLS[(family, device)] = torch.zeros(POOL_SIZE, dtype=torch.int32, device=device)
     return pool[:count]
+
+
+@triton.jit
+def publish_and_sum(acc, part_row, pid_s, split_stride, mask, counter, SPLIT: tl.constexpr):
+    """Last one out over SPLIT programs: store this program's float32 partial `acc` at
+    part_row + pid_s * split_stride, take a ticket on `counter`; the program with the last ticket puts
+    the counter back to 0 and sums all SPLIT partials in split order (deterministic).
+    Returns (is_last, the sum; zeros on the other programs)."""
+    tl.store(part_row + pid_s * split_stride, acc, mask=mask)
+    tl.debug_barrier()  # the CTA's partial stores are ordered before its release ticket
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
+    total = tl.zeros_like(acc)
+    if last:
+        tl.store(counter, 0)
+        for s in tl.static_range(SPLIT):
+            total += tl.load(part_row + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return last, total

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.tickets import ticket_counters
+from ftransformers.kernels.tickets import publish_and_sum, ticket_counters
 
 # Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
 # (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
@@ -351,15 +351,10 @@ def _pair_down_sum_kernel(
     out_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
     if SPLIT > 1:
         part_row = part_ptr + t.to(tl.int64) * N + offs_n  # part [SPLIT, T, N]
-        tl.store(part_row + pid_s * num_tokens * N, acc, mask=n_ok)
-        tl.debug_barrier()  # the CTA's partial stores are ordered before its release ticket
-        ticket = tl.atomic_add(ticket_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT - 1:
-            tl.store(ticket_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n, 0)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):  # split order: deterministic
-                acc += tl.load(part_row + s * num_tokens * N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        counter = ticket_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n
+        last, total = publish_and_sum(acc, part_row, pid_s, num_tokens * N, n_ok, counter, SPLIT)
+        if last:
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
