@@ -87,6 +87,110 @@ def sweep_configs(M: int) -> list[dict[str, int]]:
     )
 
 
+def codes_configs() -> list[dict[str, int]]:
+    """The int4 codes kernel (kernels/triton_w4a16_codes.py, <= 16 rows) over tiles, splits and warps."""
+    return [{"CODES": 1, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w, "num_stages": 3}
+            for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4, 8) for w in (4, 8)]  # fmt: skip
+
+
+CODES_ROWS = [("int4-sym", [2, 4, 8, 16]), ("int4-asym", [8])]
+
+
+def sweep_rows(out: dict[str, Any], path: str, workers: int, bw: float, shapes: list[str], fmts: list[str],
+               rows: list[int], cfgs: list[dict[str, int]], tag: str, gen: torch.Generator) -> list[dict[str, Any]]:  # fmt: skip
+    """Each config of `cfgs` on each (shape, format, rows), beside the default config and the bf16 GEMV;
+    rows appended to out["codes_sweep"]. Sweep timings use 5 ms of repeats (rankings), the rest 20 ms."""
+    precompile([(v, *SHAPES[s], M, c) for s in shapes for v in fmts for M in rows for c in cfgs + [None]], workers)
+    res = []
+    for name in shapes:
+        N, K = SHAPES[name]
+        w16 = [torch.randn(N, K, device=DEV, dtype=DT, generator=gen) / K**0.5 for _ in range(max(2, -(-4 * L2_BYTES // (2 * N * K))))]  # fmt: skip
+        for v in fmts:
+            probe = make_weight(v, N, K, gen)
+            qws = [probe] + [make_weight(v, N, K, gen) for _ in range(max(2, -(-4 * L2_BYTES // probe.nbytes())) - 1)]
+            for M in rows:
+                x = torch.randn(M, K, device=DEV, dtype=DT, generator=gen)
+                nbytes = probe.nbytes() + 2 * M * (K + N)
+                t_def = checked_time(x, qws, None)
+                t_gemv = time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16))
+                timed = [(c, checked_time(x, qws, c, rep=5)) for c in cfgs]
+                ok = sorted(((t, c) for c, t in timed if not isinstance(t, str)), key=lambda r: r[0])
+                row = {"phase": tag, "shape": name, "fmt": v, "M": M, "bytes": nbytes, "floor_ms": nbytes / bw / 1e6,
+                       "default": w4a16_config(M, N, K, *VARIANTS[v][:2]), "default_ms": t_def, "gemv_bf16_ms": t_gemv,
+                       "results": [[c, t] for c, t in timed]}  # fmt: skip
+                res.append(row)
+                pd = f"{100 * nbytes / t_def / 1e6 / bw:3.0f}%" if not isinstance(t_def, str) else t_def
+                for t, c in ok[:3]:
+                    print(f"  {tag} {name:20s} {v:9s} M={M:<3d} {t * 1e3:6.1f} us ({100 * nbytes / t / 1e6 / bw:3.0f}% copy) "
+                          f"default {pd}  bf16 gemv {t_gemv * 1e3:6.1f} us  {c}", flush=True)  # fmt: skip
+                for c, t in timed:
+                    if isinstance(t, str):
+                        print(f"  {tag} FAILED {name} {v} M={M} {c}: {t}", flush=True)
+                out["codes_sweep"] = out.get("codes_sweep", []) + [row]
+                Path(path).write_text(json.dumps(out, indent=1))
+        del qws, probe, w16
+    return res
+
+
+def codes_sweep(out: dict[str, Any], path: str, workers: int, bw: float) -> None:
+    """The codes kernel's tiles and splits on every shape (CODES_ROWS formats and rows), beside the default
+    config and the bf16 GEMV; then the SASS opcode mix of the loop of the best config on the first shape.
+    (The sweeps behind the kernel's design, with operand-order, code-order, split-order, prefetch and
+    x-sum variants, are in benchmarks/results/w4a16_codes_{sweep,explore,sweep2}_h100.json.)"""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    res = []
+    for fmt, rows in CODES_ROWS:
+        res += sweep_rows(out, path, workers, bw, list(SHAPES), [fmt], rows, codes_configs(), "codes", gen)
+    top = min(((t, c) for c, t in res[0]["results"] if not isinstance(t, str)), key=lambda r: r[0])[1]
+    out["sass_config"] = top
+    out["sass_opcodes"] = sass_opcodes(top, res[0]["shape"], Path(path).with_suffix(".sass"))
+    print(f"SASS opcodes of {top}: {out['sass_opcodes']}", flush=True)
+    Path(path).write_text(json.dumps(out, indent=1))
+
+
+def sass_opcodes(cfg: dict[str, int], shape: str, sass_path: Path) -> dict[str, int]:
+    """Opcode counts of the codes kernel compiled for cfg on `shape` at M = 8 (its SASS written to sass_path)."""
+    from ftransformers.kernels import triton_w4a16_codes as mod
+
+    N, K = SHAPES[shape]
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    mod._w4a16_codes_kernel.device_caches.clear()
+    w4a16_linear(torch.randn(8, K, device=DEV, dtype=DT, generator=gen), make_weight("int4-sym", N, K, gen), config=cfg)
+    texts = []
+    for cache in mod._w4a16_codes_kernel.device_caches.values():
+        for kernel in cache[0].values():
+            try:
+                texts.append(kernel.asm["sass"])
+            except Exception as e:  # noqa: BLE001 - nvdisasm may be missing
+                return {"error": f"{type(e).__name__}: {e}"[:200]}
+    sass_path.write_text("\n\n".join(texts))
+    return loop_opcodes(texts[0]) if texts else {}
+
+
+def loop_opcodes(sass: str) -> dict[str, int]:
+    """Opcode counts of the longest backward-branch loop of a Triton SASS listing (lines `ctrl\tOP ...`)."""
+    from collections import Counter
+
+    ins: list[str] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        if "\t" in line:
+            tok = line.split("\t", 1)[1].split()
+            ins.append(tok[1] if tok[0].startswith("@") and len(tok) > 1 else tok[0])
+            if ins[-1].startswith("BRA"):
+                ins[-1] = "BRA " + tok[-1].rstrip(";")
+        elif line.strip().endswith(":"):
+            labels[line.strip()[:-1]] = len(ins)
+    loops = [
+        (labels[op[4:]], i) for i, op in enumerate(ins) if op.startswith("BRA ") and labels.get(op[4:], i + 1) <= i
+    ]
+    if not loops:
+        return {}
+    lo, hi = max(loops, key=lambda r: r[1] - r[0])
+    ops = Counter(op.split(".")[0].split()[0] for op in ins[lo : hi + 1])
+    return {"loop_instructions": hi + 1 - lo, **dict(ops.most_common(30))}
+
+
 def prefill_sweep() -> list[dict[str, int]]:
     return [{"GEMV": 0, "SPLIT_K": 1, "GROUP_M": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w,
              "num_stages": s} for bm, bn, bk, w, s in [(128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3),
@@ -110,7 +214,7 @@ def precompile(jobs: list[tuple[str, int, int, int, dict[str, int] | None]], wor
     seen: set[str] = set()
     unique = []
     for v, N, K, M, cfg in jobs:
-        c = cfg or w4a16_config(M, N, K, VARIANTS[v][0])
+        c = cfg or w4a16_config(M, N, K, *VARIANTS[v][:2])
         key = f"{v} {sorted(c.items())} {K % c['BLOCK_K'] == 0} {M == 1} {N % 16 == 0}"
         if key not in seen:
             seen.add(key)
@@ -138,21 +242,21 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / t / 1e9  # TFLOP/s
 
 
-def time_per_call(fn_for: Any, copies: int) -> float:
+def time_per_call(fn_for: Any, copies: int, rep: int = 20) -> float:
     """Median ms of one product, from a graph of `copies` products over distinct weights."""
-    return do_bench_cudagraph(lambda: [fn_for(i) for i in range(copies)], rep=20) / copies
+    return do_bench_cudagraph(lambda: [fn_for(i) for i in range(copies)], rep=rep) / copies
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def checked_time(x: torch.Tensor, qws: list[QuantizedWeight], cfg: dict[str, int] | None) -> float | str:
+def checked_time(x: torch.Tensor, qws: list[QuantizedWeight], cfg: dict[str, int] | None, rep: int = 20) -> float | str:
     try:
         err = rel_err(w4a16_linear(x, qws[0], config=cfg), quant_linear_ref(x, qws[0]))
         if not err < 1e-2:
             return f"rel err {err:.3g}"
-        return time_per_call(lambda i: w4a16_linear(x, qws[i], config=cfg), len(qws))
+        return time_per_call(lambda i: w4a16_linear(x, qws[i], config=cfg), len(qws), rep)
     except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
         return f"{type(e).__name__}: {str(e)[:160]}"
 
@@ -167,7 +271,15 @@ def main() -> None:
     p.add_argument("--sweep-shapes", default=",".join(SWEEP_SHAPES))
     p.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS + PREFILL_ROWS)))
     p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--codes-sweep", action="store_true", help="only sweep the int4 codes kernel (codes_sweep)")
     args = p.parse_args()
+    if args.codes_sweep:
+        bw = copy_bandwidth()
+        out = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw}  # fmt: skip
+        print(f"{out['device']}  copy {bw:.0f} GB/s", flush=True)
+        codes_sweep(out, args.out, args.workers, bw)
+        return
     shapes, variants = args.shapes.split(","), args.variants.split(",")
     rows = [int(m) for m in args.rows.split(",")]
     sweep_shapes, sweep_rows = args.sweep_shapes.split(","), [int(m) for m in args.sweep_rows.split(",")]
@@ -198,7 +310,7 @@ def main() -> None:
                     t_gemv = time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16)) if M <= 16 else float("nan")
                     peers[name, M] = (t_gemv, time_per_call(lambda i, x=x, w=w16: F.linear(x, w[i]), len(w16)))
                 t_gemv, t_cublas = peers[name, M]
-                row: dict[str, Any] = {"shape": name, "N": N, "K": K, "M": M, "fmt": v, "config": w4a16_config(M, N, K, VARIANTS[v][0])}  # fmt: skip
+                row: dict[str, Any] = {"shape": name, "N": N, "K": K, "M": M, "fmt": v, "config": w4a16_config(M, N, K, *VARIANTS[v][:2])}  # fmt: skip
                 if isinstance(t, str):
                     row["error"] = t
                     print(f"{name:20s} {v:9s} M={M:<4d} ERROR {t}", flush=True)
@@ -225,7 +337,7 @@ def main() -> None:
                     x = torch.randn(M, K, device=DEV, dtype=DT, generator=gen)
                     res = [(c, checked_time(x, qws, c)) for c in (sweep_configs(M) if M <= 16 else prefill_sweep())]
                     ok = sorted(((t, c) for c, t in res if not isinstance(t, str)), key=lambda r: r[0])
-                    out["sweep"].append({"shape": name, "fmt": v, "M": M, "default": w4a16_config(M, N, K, VARIANTS[v][0]),
+                    out["sweep"].append({"shape": name, "fmt": v, "M": M, "default": w4a16_config(M, N, K, *VARIANTS[v][:2]),
                                          "results": [[c, t] for c, t in res]})  # fmt: skip
                     for t, c in ok[:3]:
                         print(f"  sweep {name} {v} M={M} {t * 1e3:7.1f} us {c}", flush=True)

@@ -110,7 +110,16 @@ def test_every_tile_path(fmt: str) -> None:
 
 
 def test_config_paths() -> None:
-    assert w4a16_config(1, 5120, 2048, "int4")["GEMV"] == 1 and w4a16_config(4, 5120, 2048, "int4")["BLOCK_M"] == 4
+    assert w4a16_config(1, 5120, 2048, "int4")["GEMV"] == 1 and w4a16_config(2, 5120, 2048, "int4")["BLOCK_M"] == 2
+    assert w4a16_config(4, 5120, 2048, "mxfp4")["GEMV"] == 1 and w4a16_config(4, 5120, 2048, "mxfp4")["BLOCK_M"] == 4
+    # int4, 3-16 rows: the codes kernel, K split until 512 programs (80 column tiles -> 8 splits)
+    assert w4a16_config(3, 5120, 2048, "int4") == {"CODES": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
+                                                   "SPLIT_K": 8, "num_warps": 4, "num_stages": 3}  # fmt: skip
+    assert (
+        w4a16_config(16, 24576, 4096, "int4", 32)["SPLIT_K"] == 2
+        and w4a16_config(8, 24576, 4096, "int4", 32)["BLOCK_K"] == 32
+    )
+    assert "CODES" not in w4a16_config(8, 5120, 2048, "int4", 16)  # group 16: no K tile fits in a group
     assert w4a16_config(16, 5120, 2048, "nvfp4")["GEMV"] == 0 and w4a16_config(16, 5120, 2048, "nvfp4")["BLOCK_M"] == 16
     assert w4a16_config(2048, 5120, 2048, "mxfp4")["BLOCK_M"] >= 64
 
@@ -145,3 +154,54 @@ def test_cuda_graph_replay(M: int) -> None:
     x.copy_(torch.randn(M, 4096, generator=gen).to(DEV, torch.bfloat16))
     graph.replay()
     assert rel_err(out, quant_linear_ref(x, qw)) < 1e-2
+
+
+CODES_BASE = {"CODES": 1, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_codes_kernel(dtype: torch.dtype) -> None:
+    """The int4 codes kernel (scale after the dot): split K with tickets (last program out), zero points,
+    bias, masked N and M, group 64 and 128."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = (1029, 4096) if DEV == "cuda" else (40, 512)
+    cases = [
+        (128, True, 3, 64, 128, 1),
+        (64, False, 16, 16, 64, 3),
+        (128, True, 9, 128, 64, 4),
+        (64, True, 2, 16, 64, 7),
+    ]
+    for group, zeros, M, bn, bk, split in cases:
+        bn = bn if DEV == "cuda" else 16
+        qw = random_weight("int4", n, k, gen, group, zeros, torch.bfloat16 if group == 64 else torch.float16)
+        x = torch.randn(M, k, generator=gen).to(DEV, dtype)
+        b = torch.randn(n, generator=gen).to(DEV, dtype)
+        cfg = {**CODES_BASE, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
+        # float32: the offset-128 codes leave ~2e-6 of float32 rounding (module docstring), under 1e-5
+        assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < tol(dtype), cfg
+
+
+def test_codes_split_without_tickets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no ticket counters (a graph capture before the pool exists) the split partials are summed
+    by the caller, bias added once."""
+    import ftransformers.kernels.triton_w4a16_codes as codes
+
+    monkeypatch.setattr(codes, "ticket_counters", lambda *a: None)
+    gen = torch.Generator().manual_seed(5)
+    qw = random_weight("int4", 40, 512, gen, 128, True)
+    x = torch.randn(5, 512, generator=gen).to(DEV)
+    b = torch.randn(40, generator=gen).to(DEV)
+    cfg = {**CODES_BASE, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4}
+    assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < 1e-5
+
+
+def test_codes_rejects_what_it_cannot_take() -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 512, generator=gen).to(DEV)
+    cfg = {**CODES_BASE, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1}
+    with pytest.raises(ValueError, match="codes kernel"):
+        w4a16_linear(x, random_weight("nvfp4", 40, 512, gen), config=cfg)
+    with pytest.raises(ValueError, match="codes kernel"):  # a K tile longer than the group
+        w4a16_linear(x, random_weight("int4", 40, 512, gen, group=64), config=cfg)
+    with pytest.raises(ValueError, match="codes kernel"):
+        w4a16_linear(torch.randn(17, 512, generator=gen).to(DEV), random_weight("int4", 40, 512, gen), config=cfg)

@@ -1,16 +1,19 @@
 """4-bit weight x 16-bit activation GEMM: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4", "mxfp4"
 and "nvfp4" layouts of kernels/quant_formats.py, dequantizing W in registers (no 16-bit copy of W).
 
-Two kernels, chosen by `w4a16_config` from M and the weight size:
+Three kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
 - `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights): CUDA cores. Tensors are
   [word, n, m, nibble]; each thread owns word columns of a K tile for all its n, m and the 8 nibbles,
   so qweight (4-byte words, coalesced along K), x (one 16-byte vector per word and row) and the
   scales meet in one register layout with no shared-memory round trip. Per weight element it costs
   one LOP3 and one FMA per row (int4) or three integer ops and one FMA per row (FP4).
-- `_w4a16_gemm_kernel` (M > 2, prefill): tensor cores (mma / wgmma). The weight tile is dequantized
-  per nibble, interleaved in registers into K order ([BLOCK_N, BLOCK_K], 16-byte shared stores) and
-  fed to tl.dot with float32 accumulation; x and qweight tiles are pipelined through shared memory.
+- `triton_w4a16_codes` (int4, 3 <= M <= 16): tensor cores on the raw codes, scales applied per group
+  after the dot, split K with a last-one-out sum (its module docstring).
+- `_w4a16_gemm_kernel` (FP4 with M > 2, int4 groups the codes kernel cannot take, prefill): tensor
+  cores (mma / wgmma). The weight tile is dequantized per nibble, interleaved in registers into K order
+  ([BLOCK_N, BLOCK_K], 16-byte shared stores) and fed to tl.dot with float32 accumulation; x and
+  qweight tiles are pipelined through shared memory.
 
 Dequantization without int-to-float conversions (a quarter-rate instruction on H100):
 
@@ -40,6 +43,7 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
+from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
 
 GEMV_MAX_M = 4
 DECODE_MAX_M = 16
@@ -136,7 +140,9 @@ def _w4a16_gemv_kernel(
             acc += scale * tl.sum((x * _TWO_64) * d, axis=3)  # 2^-62 * sum_j x_j e2m1_j
     out = tl.sum(acc, axis=0) * (_TWO_49 if FMT == 0 else _TWO_62)  # [BN, BM]
     if HAS_BIAS:  # added once, by the first K split (a tensor mask: Triton 3.9's interpreter takes no scalar & tensor)
-        out += tl.load(b_ptr + offs_n, mask=(offs_n < N) & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(tl.float32)[:, None]
+        out += tl.load(b_ptr + offs_n, mask=(offs_n < N) & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(
+            tl.float32
+        )[:, None]
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
@@ -236,20 +242,27 @@ def _w4a16_gemm_kernel(
         else:
             acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
     if HAS_BIAS:  # added once: by the first K split
-        acc += tl.load(b_ptr + offs_n, mask=mask_n & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + offs_n, mask=mask_n & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(tl.float32)[
+            None, :
+        ]
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def w4a16_config(M: int, N: int, K: int, fmt: str) -> dict[str, int]:
-    """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt: the layouts share one table).
+def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128) -> dict[str, int]:
+    """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt and its group size).
 
-    From the H100 sweeps kept in benchmarks/results/w4a16_h100.json. Up to 2 rows, and up to 4 on weights
-    under 2^25 elements: the CUDA-core kernel, one warp per 32 word columns of a 1024-wide K tile, 4
-    output rows per program on small weights, 8 on large. Up to 16 rows: one 16-row tensor-core tile,
-    narrow and deep on small weights (more programs), wide on large ones. Prefill from M = 129: 256 x 128
-    tiles (two warpgroups share each dequantized weight tile)."""
+    From the H100 sweeps kept in benchmarks/results/w4a16_h100.json and w4a16_codes_sweep2_h100.json. Up
+    to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, one warp per 32 word
+    columns of a 1024-wide K tile, 4 output rows per program on small weights, 8 on large. int4 with 3
+    to 16 rows: the codes kernel (kernels/triton_w4a16_codes.py: scales after the dot, split K), 1.1-2.4x
+    the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile, narrow and deep on small
+    weights (more programs), wide on large ones. Prefill from M = 129: 256 x 128 tiles (two warpgroups
+    share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
+    codes = codes_config(M, N, K, group) if fmt == "int4" and M > 2 else None
+    if codes is not None:
+        return codes
     if M <= 2 or (M <= GEMV_MAX_M and not large):
         return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": 1024,
                 "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # fmt: skip
@@ -303,7 +316,12 @@ def w4a16_linear(
     N = qw.out_features
     if M == 0:
         return x.new_empty(*lead, N)
-    cfg = dict(config or w4a16_config(M, N, K, qw.fmt))
+    cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size))
+    if cfg.get("CODES"):
+        if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"]):
+            raise ValueError(f"w4a16_linear: the codes kernel takes int4 with <= 16 rows and BLOCK_K dividing the "
+                             f"group; got {qw.fmt}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}")  # fmt: skip
+        return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
     q, s, z, gs = qw.qweight, qw.scales, qw.zeros, qw.global_scale
     if qw.fmt == "nvfp4":

@@ -1,0 +1,205 @@
+"""Tensor-core int4 GEMM for few rows (decode, M <= 16) that scales after the dot: y = x @ W^T with
+W[n, k] = (code[n, k] - zero[n, g]) * scale[n, g], g = k // GROUP (the "int4" layout of
+kernels/quant_formats.py).
+
+Why: at 4-16 rows the dequantizing GEMM (`triton_w4a16._w4a16_gemm_kernel`) does a mask, two float ops
+and a float32 -> 16-bit conversion per weight element, and it has too few programs on weights with
+few output tiles. Here a K tile never crosses a group (GROUP % BLOCK_K == 0), so within a tile each
+output column n has one scale and one zero, and
+
+    sum_k x[m, k] W[n, k] = scale[n] * (sum_k x[m, k] (128 + code[n, k]) - (128 + zero[n]) * sum_k x[m, k]).
+
+The 16-bit operand is 128 + code, made with one LOP3 per two weights: (q >> 4i) & 0x000F000F | 0x43004300
+is the bf16 pair (128 + nibble i, 128 + nibble i + 4) of a word (fp16: 0x64006400, 1024 + code). Every
+value 128..143 (1024..1039) is exact, so the products are exact in float32; the tile's sum is scaled
+per column in float32 after the dot. The x-sum term cancels the 128 offset, which amplifies the
+float32 rounding of the dot by about (128 + 8) / 4.6 (the spread of code - zero): ~2e-6 relative,
+far under the 16-bit output rounding.
+
+The product is y^T = W @ x^T: the weight tile is the dot's A operand (BLOCK_N rows, the wgmma M), x^T
+its B operand. Split K: SPLIT_K programs per column tile each take every SPLIT_K-th K tile; with
+tickets (kernels/tickets.py) they publish float32 partials and the last one out adds them in split
+order and writes y (deterministic, one launch). Without tickets (a CUDA graph capture before the pool
+exists) each writes its float32 partial [SPLIT_K, M, N] and the caller sums them.
+
+Measured on the H100 (benchmarks/results/w4a16_codes_*_h100.json), and not kept: x @ W^T with the
+weight as the B operand (45% slower), codes ordered so each LOP3 pair is adjacent with x gathered to
+match (10-50% slower), contiguous instead of strided K runs per split, K tiles of 256-512 on a
+group-512 weight, the next tile's scales loaded a step ahead, x sums on the tensor cores (all within
+5%). The loop is bound by its per-tile latency chain (shared-memory round trip of the A operand and
+three or four barriers per tile), not by its instruction count or by DRAM: ~50% of copy bandwidth on large
+weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.tickets import publish_and_sum, ticket_counters
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# (magic pair, code offset) per x dtype: bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0
+_MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
+
+
+@triton.jit
+def _pair_codes(q, i: tl.constexpr, magic, DT: tl.constexpr):
+    # int32 words -> (offset + nibble i, offset + nibble i + 4) as DT; `magic` in a register so that
+    # mask-and-or is one LOP3
+    if i == 0:
+        t = (q & 0x000F000F) | magic
+    else:
+        t = ((q >> (4 * i)) & 0x000F000F) | magic
+    lo = t.to(tl.int16).to(DT, bitcast=True)
+    hi = (t >> 16).to(tl.int16).to(DT, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _code_tile(q, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # q [BN, BW] words -> [BN, BK] DT codes + offset in K order. Each join adds a trailing (in-thread)
+    # axis: [BN, BW, j bit 2, j bit 1, j bit 0], nibble j at k = 8w + j.
+    l0, h0 = _pair_codes(q, 0, magic, DT)
+    l1, h1 = _pair_codes(q, 1, magic, DT)
+    l2, h2 = _pair_codes(q, 2, magic, DT)
+    l3, h3 = _pair_codes(q, 3, magic, DT)
+    w = tl.join(tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3)))
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _group_params(s_ptrs, z_ptrs, g, n_ok, offset, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # [BN] float32 scale and (offset + zero) of group g
+    scale = tl.load(s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zoff = tl.load(z_ptrs + g, mask=n_ok, other=0).to(tl.float32) + offset
+    else:
+        zoff = tl.full([BLOCK_N], 8.0, tl.float32) + offset
+    return scale, zoff
+
+
+@triton.jit
+def _w4a16_codes_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, magic, offset, M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_ym,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    TICKETS: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    # y [M, N] (x's dtype); part [SPLIT_K, M, N] float32. The product is y^T = W @ x^T: the weight tile
+    # [BN, BK] is the A operand (BN rows: the wgmma M), x^T [BK, BM] the B operand; acc [BN, BM].
+    pdl_enter(USE_PDL)
+    BW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, BW)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    magic = magic.to(tl.int32)
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_w[None, :]  # [BN, BW]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    s_ptrs = s_ptr + offs_n * stride_sn  # [BN]
+    z_ptrs = z_ptr + offs_n * stride_zn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):  # split pid_k takes every SPLIT_K-th K tile
+        if EVEN_N:
+            q = tl.load(q_ptrs + k0 // 8)
+        else:
+            q = tl.load(q_ptrs + k0 // 8, mask=n_ok[:, None], other=0)
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        scale, zoff = _group_params(s_ptrs, z_ptrs, k0 // GROUP, n_ok, offset, HAS_ZEROS, BLOCK_N)
+        w = _code_tile(q, magic, DT, BLOCK_N, BLOCK_K)
+        if IEEE:  # float32 x, or the CPU interpreter (whose 16-bit dot is wrong): the same exact codes
+            xd = x.to(tl.float32)
+            wd = w.to(tl.float32)
+        else:
+            xd = x
+            wd = w
+        part = tl.dot(wd, tl.trans(xd), input_precision="ieee" if IEEE else "tf32")  # [BN, BM]
+        xs = tl.sum(x.to(tl.float32), axis=1)  # [BM]
+        acc += (part - zoff[:, None] * xs[None, :]) * scale[:, None]
+    acc = tl.trans(acc)  # [BM, BN]
+    mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    elif TICKETS:
+        part_row = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        last, total = publish_and_sum(acc, part_row, pid_k, M * N, mask, ticket_ptr + pid_n, SPLIT_K)
+        if last:
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+    else:  # float32 partials for the caller to sum; the bias by the first split
+        if HAS_BIAS:
+            first = n_ok & (tl.zeros_like(offs_n) + pid_k == 0)
+            acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
+        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+
+
+def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
+    """Tiles for the codes kernel on an int4 [N, K] weight with this group size, or None where it does not
+    apply (K tiles of 64, or 32 for group 32). From the H100 sweep (benchmarks/results/
+    w4a16_codes_sweep2_h100.json): 64-row weight tiles; K split into the fewest of 1, 2, 4, 8 parts that
+    gives 512 programs (four per SM), e.g. 8 for Qwen3-30B's qkv and o, 2 for Qwen3-8B's gate_up."""
+    bk = 64 if group % 64 == 0 else 32 if group % 32 == 0 else 0
+    if not bk or K % bk or M > 16:
+        return None
+    tiles = triton.cdiv(N, 64)
+    split = next((s for s in (1, 2, 4) if tiles * s >= 512), 8)
+    return {"CODES": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "SPLIT_K": min(split, K // bk),
+            "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
+def codes_supported(M: int, K: int, group: int, fmt: str, x_dtype: torch.dtype, block_k: int) -> bool:
+    """Whether `w4a16_codes` takes this product: int4 weights, at most 16 rows, K tiles inside a group."""
+    return fmt == "int4" and M <= 16 and group % block_k == 0 and K % block_k == 0 and x_dtype in _X_DTYPES
+
+
+_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def w4a16_codes(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32, unit stride along K, M <= BLOCK_M
+    qweight: torch.Tensor,  # int32 [N, K // 8]
+    scales: torch.Tensor,  # [N, K // G]
+    zeros: torch.Tensor | None,  # uint8 [N, K // G] or None (zero 8)
+    group: int,
+    bias: torch.Tensor | None,  # [N]
+    cfg: dict[str, int],  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages
+) -> torch.Tensor:  # [M, N] x.dtype
+    M, K = x.shape
+    N = qweight.shape[0]
+    bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    assert M <= bm and group % bk == 0 and K % bk == 0 and x.stride(1) == 1, (M, K, group, cfg)
+    split = max(1, min(split, K // bk))
+    n_tiles = triton.cdiv(N, bn)
+    magic, offset = _MAGIC.get(x.dtype, _MAGIC[torch.bfloat16])
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    tickets = ticket_counters(x.device, "w4a16_codes", n_tiles) if split > 1 else None
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    dt = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
+    s, z = scales, zeros if zeros is not None else scales  # s stands in for absent tensors (never read)
+    _w4a16_codes_kernel[(n_tiles, split)](
+        x, qweight, s, z, s if bias is None else bias, y, part, tickets if tickets is not None else qweight,
+        magic, offset, M, N, K, x.stride(0), qweight.stride(0), s.stride(0), z.stride(0), y.stride(0),
+        GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, DT=dt, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, SPLIT_K=split, TICKETS=tickets is not None, IEEE=x.dtype == torch.float32 or _INTERPRET,
+        EVEN_N=N % bn == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch(x.device),
+    )  # fmt: skip
+    if split > 1 and tickets is None:
+        y = part.sum(0).to(x.dtype)
+    return y
