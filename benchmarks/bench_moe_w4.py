@@ -12,7 +12,9 @@ bytes / the copy bandwidth measured here. The bf16 peer (`fused_moe`, same routi
 each row with its own bytes. Before timing, each format is checked against quant_moe_ref (T=1, 16).
 At T <= 16 both W4 paths are timed (pair, aligned); at T=1 a small sweep of pair-path tiles (each
 kernel's tiles varied with the other at its default). T = 512, 2048: time and TFLOP/s beside bf16.
-Usage: python benchmarks/bench_moe_w4.py --out FILE [--skip-deepseek] [--no-sweep] [--tokens 1,2]
+int4 rows also time the aligned path with the dequantizing kernel (`codes=False`) beside the default
+codes kernel, and at T = 32, 64 sweep the codes kernel's tiles.
+Usage: python benchmarks/bench_moe_w4.py --out FILE [--skip-deepseek] [--no-sweep] [--tokens 1,2] [--formats ...]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ DOWN_SWEEP = [(4, 256, 1), (8, 256, 2), (8, 512, 2), (16, 256, 2), (16, 512, 4)]
 DOWN_SPLITS = (1, 2, 4, 8)
 SWEEP_FORMATS = ("int4-g128-sym", "int4-g128-asym", "mxfp4")
 SWEEP_T = (1, 2)
+CODES_SWEEP_T = (32, 64)  # int4 aligned-path (codes kernel) tile sweep
 DEV = "cuda"
 
 
@@ -111,6 +114,11 @@ def warm(name: str, fname: str, tokens: list[int], sweep: bool) -> None:
             cfgs += sweep_configs()
         for cfg in cfgs:
             w4.fused_moe_w4(h, w13, w2, tw, ti, cfg)
+        if fmt == "int4":
+            w4.fused_moe_w4(h, w13, w2, tw, ti, w4.default_w4_config(t, e, k, group), codes=False)
+            if t in CODES_SWEEP_T and sweep:
+                for cfg in codes_configs(t, e, k, group):
+                    w4.fused_moe_w4(h, w13, w2, tw, ti, cfg)
     torch.cuda.synchronize()
 
 
@@ -120,6 +128,13 @@ def empty_qw(fmt: str, group: int, zeros: bool, e: int, n: int, k: int) -> Quant
     gs = torch.empty(e, n, device=DEV) if fmt == "nvfp4" else None
     q = torch.empty(e, n, k // 8, dtype=torch.int32, device=DEV)
     return QuantizedWeight(fmt, q, torch.empty(e, n, k // group, dtype=sd, device=DEV), n, k, group, z, gs)
+
+
+def codes_configs(t: int, e: int, k: int, group: int) -> list[tfm.MoEConfig]:
+    """Aligned-path tiles around the default for the int4 codes kernels: (up_n, down_n) and warps."""
+    c = w4.default_w4_config(t, e, k, group)
+    return [dataclasses.replace(c, up_n=un, down_n=dn, num_warps=nw, num_stages=3)
+            for un, dn in ((32, 64), (64, 64), (64, 128), (128, 128)) for nw in (4, 8)]  # fmt: skip
 
 
 def sweep_configs() -> list[w4.W4PairConfig]:
@@ -141,13 +156,16 @@ def ceilings() -> tuple[float, float]:
     return copy_gbs, tflops
 
 
-def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sweep: bool, log) -> list[dict]:
+def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sweep: bool, log,
+                formats: list[str]) -> list[dict]:  # fmt: skip
     d, inter, e, k = SHAPES[name]
     w13b = torch.randn(e, 2 * inter, d, dtype=torch.bfloat16, device=DEV).mul_(d**-0.5)
     w2b = torch.randn(e, d, inter, dtype=torch.bfloat16, device=DEV).mul_(inter**-0.5)
     bf16_expert = 3 * inter * d * 2
     rows = []
     for fname, (fmt, group, zeros) in FORMATS.items():
+        if fname not in formats:
+            continue
         w13 = random_qw(fmt, group, zeros, e, 2 * inter, d)
         w2 = random_qw(fmt, group, zeros, e, d, inter)
         expert_bytes = (w13.nbytes() + w2.nbytes()) / e
@@ -170,8 +188,8 @@ def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sw
                     row["rel_err_other_path"] = rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, tw, ti, other), ref)
                 assert row["rel_err"] < 1e-2, row
 
-            def call(cfg=None, w13=w13, w2=w2, hiddens=hiddens, routes=routes):
-                return lambda i: w4.fused_moe_w4(hiddens[i], w13, w2, *routes[i], cfg)
+            def call(cfg=None, codes=True, w13=w13, w2=w2, hiddens=hiddens, routes=routes):
+                return lambda i: w4.fused_moe_w4(hiddens[i], w13, w2, *routes[i], cfg, codes=codes)
 
             row["w4_us"] = graph_ms(call(), reps) * 1e3
             bf16 = lambda i, hiddens=hiddens, routes=routes: tfm.fused_moe(hiddens[i], w13b, w2b, *routes[i])
@@ -191,9 +209,17 @@ def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sw
                 row["pair_us"] = graph_ms(call(w4.W4PairConfig()), reps) * 1e3
                 row["aligned_us"] = graph_ms(call(w4.default_w4_config(t, e, k, group)), reps) * 1e3
                 msg += f" | pair {row['pair_us']:.1f} aligned {row['aligned_us']:.1f}"
+            if fmt == "int4":  # the aligned path with the dequantizing kernel instead of the codes kernel
+                row["aligned_dequant_us"] = graph_ms(call(w4.default_w4_config(t, e, k, group), False), reps) * 1e3
+                msg += f" | aligned dequant {row['aligned_dequant_us']:.1f}"
             if "rel_err" in row:
                 msg += f" | err {row['rel_err']:.1e}"
             log(msg)
+            if fmt == "int4" and t in CODES_SWEEP_T and sweep:
+                row["codes_sweep"] = [{**dataclasses.asdict(cfg), "us": graph_ms(call(cfg), reps) * 1e3}
+                                      for cfg in codes_configs(t, e, k, group)]  # fmt: skip
+                log("    codes sweep us (up_n,down_n,warps): " + ", ".join(
+                    f"{r['up_n']},{r['down_n']},{r['num_warps']} {r['us']:.1f}" for r in row["codes_sweep"]))  # fmt: skip
             if t in SWEEP_T and sweep and fname in SWEEP_FORMATS:
                 row["sweep"] = [
                     {**dataclasses.asdict(cfg), "us": graph_ms(call(cfg), reps) * 1e3} for cfg in sweep_configs()
@@ -213,12 +239,16 @@ def main() -> None:
     ap.add_argument("--skip-deepseek", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--tokens", default="", help="comma-separated T (default: 1,2,4,8,16,512,2048)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated FORMATS keys")
     ap.add_argument("--warm", nargs=2, metavar=("SHAPE", "FORMAT"), help="only compile one shape x format")
     ap.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     args = ap.parse_args()
     torch.manual_seed(0)
     tokens = [int(x) for x in args.tokens.split(",")] if args.tokens else DECODE_T + PREFILL_T
     shapes = [n for n in SHAPES if not (n == "deepseek-v3" and args.skip_deepseek)]
+    formats = args.formats.split(",")
+    if any(f not in FORMATS for f in formats):
+        sys.exit(f"bench_moe_w4: --formats takes {', '.join(FORMATS)}; got {args.formats}")
     if args.warm:
         warm(*args.warm, tokens, not args.no_sweep)
         return
@@ -226,7 +256,7 @@ def main() -> None:
         t_warm = time.time()
         common = ["--tokens", ",".join(map(str, tokens))] + (["--no-sweep"] if args.no_sweep else [])
         procs = [subprocess.Popen([sys.executable, __file__, "--warm", n, f, *common])
-                 for n in shapes for f in [*FORMATS, "bf16"]]  # fmt: skip
+                 for n in shapes for f in [*formats, "bf16"]]  # fmt: skip
         bad = [p.args[3:5] for p in procs if p.wait() != 0]
         print(f"compiled in {time.time() - t_warm:.0f} s" + (f"; warm-up failed for {bad}" if bad else ""), flush=True)
     lines: list[str] = []
@@ -246,7 +276,7 @@ def main() -> None:
               "pair_config": dataclasses.asdict(w4.W4PairConfig()), "rows": []}  # fmt: skip
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for name in shapes:
-        result["rows"] += bench_shape(name, copy_gbs, tflops, tokens, not args.no_sweep, log)
+        result["rows"] += bench_shape(name, copy_gbs, tflops, tokens, not args.no_sweep, log, formats)
         result["seconds"], result["log"] = time.time() - t0, lines
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -64,14 +64,14 @@ def make_routing(t: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Te
 
 
 def run_case(fmt: str, t: int, e: int, k: int, d: int, inter: int, dtype: torch.dtype, seed: int,
-             config=None, **qkw) -> float:  # fmt: skip
+             config=None, codes: bool = True, **qkw) -> float:  # fmt: skip
     gen = torch.Generator(DEV).manual_seed(seed)
     hidden = torch.randn(t, d, generator=gen, device=DEV).to(dtype)
     w13 = random_qw(fmt, e, 2 * inter, d, gen, **qkw)
     w2 = random_qw(fmt, e, d, inter, gen, **qkw)
     weights, ids = make_routing(t, e, k, gen)
     assert ids.unique().numel() > 1
-    out = w4.fused_moe_w4(hidden, w13, w2, weights, ids, config)
+    out = w4.fused_moe_w4(hidden, w13, w2, weights, ids, config, codes=codes)
     assert out.shape == hidden.shape and out.dtype == dtype
     return rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids))
 
@@ -118,6 +118,19 @@ def test_both_paths_small_tiles(f: int, dtype: torch.dtype, path: str) -> None:
     )
     err = run_case(fmt, 5, 8, 3, 160, 96, dtype, seed=3 + f, config=cfg, **{**qkw, "group": 32})
     assert err <= TOL, (fmt, path, err)
+
+
+@pytest.mark.parametrize("codes", [True, False], ids=["codes", "dequant"])
+@pytest.mark.parametrize("f,group", [(0, 128), (1, 64), (3, 32)], ids=str)
+def test_aligned_int4_codes_and_dequant(f: int, group: int, codes: bool) -> None:
+    # The aligned path's int4 GEMMs on raw codes (triton_fused_moe_codes) and the dequantizing kernel
+    # they replace, several N and K tiles per expert block: 9 tokens of top-4 over 8 experts.
+    fmt, qkw = FORMATS[f]
+    d, inter = (256, 384) if not CUDA else (2048, 768)
+    cfg = w4.MoEConfig(16, 32, max(64, group), 64, max(64, group), 2, 4, 2)
+    err = run_case(fmt, 9, 8, 4, d, inter, torch.bfloat16 if f != 3 else torch.float16, seed=40 + f,
+                   config=cfg, codes=codes, **{**qkw, "group": group})  # fmt: skip
+    assert err <= TOL, (fmt, group, codes, err)
 
 
 @pytest.mark.parametrize("split", [2, 4, 8])

@@ -41,6 +41,7 @@ from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, ticket_counters
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
+from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm_codes, to_16bit
 
 # Up to this many (token, slot) pairs fused_moe_w4 takes the pair path: on the H100 it beat the aligned
 # path at every T <= 16 with top-8 for both Qwen3-30B-A3B and DeepSeek-V3 shapes and every format
@@ -51,8 +52,6 @@ _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _MAGIC = {"int4": 0x3F800000, "mxfp4": -(2**31), "nvfp4": -(2**31)}  # 1.0f; the sign bit
 _P63 = tl.constexpr(9.223372036854775808e18)  # 2^63
 _P60 = tl.constexpr(1.152921504606846976e18)  # 2^60
-# Triton's CPU interpreter truncates float32 -> bfloat16; round to nearest even by hand there.
-_MANUAL_RNE = tl.constexpr(_INTERPRET)
 
 
 @dataclass(frozen=True)
@@ -128,16 +127,6 @@ def _group_scale(s_ptrs, z_ptrs, gs, mask, FMT: tl.constexpr, HAS_ZERO: tl.const
         bits = ((e & 0x7F) << 20) | ((e >> 7) << 31)
         scale = bits.to(tl.float32, bitcast=True) * _P60 * _P60 * gs * _P63
     return scale, scale
-
-
-@triton.jit
-def _to_16bit(x, DTYPE: tl.constexpr):
-    # float32 -> DTYPE (bf16 / fp16), rounded to nearest even
-    if _MANUAL_RNE and DTYPE == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        x = b.to(tl.float32, bitcast=True)
-    return x.to(DTYPE)
 
 
 @triton.jit
@@ -268,7 +257,7 @@ def _pair_gate_up_w4_kernel(
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    act = _to_16bit(act, tl.bfloat16 if ACT_BF16 else tl.float16).to(tl.float32)
+    act = to_16bit(act, tl.bfloat16 if ACT_BF16 else tl.float16).to(tl.float32)
     if FMT != 0:
         act = act * _P63
     plane = N // 8
@@ -329,9 +318,11 @@ def _pair_down_sum_w4_kernel(
         counter = ticket_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n
         last, total = publish_and_sum(acc, part_row, pid_s, num_tokens * N, n_ok, counter, SPLIT)
         if last:
-            tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, _to_16bit(total, out_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(
+                out_ptr + t.to(tl.int64) * stride_om + offs_n, to_16bit(total, out_ptr.dtype.element_ty), mask=n_ok
+            )
     else:
-        out = _to_16bit(acc, out_ptr.dtype.element_ty)
+        out = to_16bit(acc, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, out, mask=n_ok)
 
 
@@ -357,7 +348,7 @@ def _dequant_tile(q_ptrs, q_mask, s_ptrs, z_ptrs, s_mask, gs, magic, FMT: tl.con
     o1 = tl.join(_dequant(q, 3, magic, scale, zz, FMT), _dequant(q, 7, magic, scale, zz, FMT))
     b = tl.join(tl.join(e0, e1), tl.join(o0, o1))  # [BKW, BN, 2, 2, 2]: bits 2, 1, 0 of j
     b = tl.reshape(tl.permute(b, (0, 2, 3, 4, 1)), [BLOCK_K, BLOCK_N])
-    return _to_16bit(b, DTYPE)
+    return to_16bit(b, DTYPE)
 
 
 @triton.jit
@@ -432,7 +423,7 @@ def _moe_gemm_w4_kernel(
     if MUL_WEIGHT:
         acc = acc * tl.load(w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
-    c = _to_16bit(acc, c_ptr.dtype.element_ty)
+    c = to_16bit(acc, c_ptr.dtype.element_ty)
     tl.store(c_ptrs, c, mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -510,8 +501,13 @@ def _moe_gemm_w4(
     block_k: int,
     cfg: MoEConfig,
     weights: torch.Tensor | None = None,  # [T*top_k] float32: the down GEMM (else gate-up, fused SiLU)
+    codes: bool = True,
 ) -> None:
     n, k = out.shape[1], a.shape[1]
+    if codes and qw.fmt == "int4" and codes_block_k(qw.group_size):  # int4 on raw codes (its module)
+        moe_gemm_codes(a, qw.qweight, qw.scales, qw.zeros, qw.group_size, out, align, a_div, cfg.block_m, block_n,
+                       cfg.group_m, cfg.num_warps, cfg.num_stages, weights, ieee=_INTERPRET)  # fmt: skip
+        return
     bk = _block_k(block_k, k, qw.group_size)
     max_padded = align[0].numel()
     _moe_gemm_w4_kernel[((max_padded // cfg.block_m) * triton.cdiv(n, block_n),)](
@@ -532,9 +528,11 @@ def fused_moe_w4(
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int
     config: MoEConfig | W4PairConfig | None = None,
+    codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
     """quant_moe_ref's function: the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
-    the aligned path."""
+    the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) where the
+    group holds whole K tiles, unless `codes` is False (the dequantizing kernel, for comparison)."""
     t, d = hidden.shape
     inter, top_k = w2.in_features, topk_ids.shape[1]
     _check(w13, "w13", 2 * inter, d)
@@ -551,7 +549,7 @@ def fused_moe_w4(
     c = config or default_w4_config(t, e, top_k, max(w13.group_size, w2.group_size))
     align = moe_align(topk_ids, e, c.block_m)
     act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
-    _moe_gemm_w4(hidden, w13, act, align, top_k, c.up_n, c.up_k, c)
+    _moe_gemm_w4(hidden, w13, act, align, top_k, c.up_n, c.up_k, c, codes=codes)
     y = torch.empty(t * top_k, d, dtype=hidden.dtype, device=hidden.device)  # [T*K, D]
-    _moe_gemm_w4(act, w2, y, align, 1, c.down_n, c.down_k, c, weights)
+    _moe_gemm_w4(act, w2, y, align, 1, c.down_n, c.down_k, c, weights, codes=codes)
     return moe_sum(y.view(t, top_k, d), torch.empty_like(hidden))

@@ -45,7 +45,7 @@ from ftransformers.kernels.tickets import publish_and_sum, ticket_counters
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # (magic pair, code offset) per x dtype: bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0
-_MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
+MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _pair_codes(q, i: tl.constexpr, magic, DT: tl.constexpr):
 
 
 @triton.jit
-def _code_tile(q, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def code_tile(q, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # q [BN, BW] words -> [BN, BK] DT codes + offset in K order. Each join adds a trailing (in-thread)
     # axis: [BN, BW, j bit 2, j bit 1, j bit 0], nibble j at k = 8w + j.
     l0, h0 = _pair_codes(q, 0, magic, DT)
@@ -74,7 +74,7 @@ def _code_tile(q, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def _group_params(s_ptrs, z_ptrs, g, n_ok, offset, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+def group_params(s_ptrs, z_ptrs, g, n_ok, offset, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
     # [BN] float32 scale and (offset + zero) of group g
     scale = tl.load(s_ptrs + g, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_ZEROS:
@@ -113,7 +113,7 @@ def _w4a16_codes_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_step = SPLIT_K * BLOCK_K  # split pid_k takes every SPLIT_K-th K tile
     # the scale and zero of a tile are loaded one iteration ahead (their latency off the tile's chain)
-    scale, zoff = _group_params(s_ptrs, z_ptrs, pid_k * BLOCK_K // GROUP, n_ok, offset, HAS_ZEROS, BLOCK_N)
+    scale, zoff = group_params(s_ptrs, z_ptrs, pid_k * BLOCK_K // GROUP, n_ok, offset, HAS_ZEROS, BLOCK_N)
     ones = tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32 if IEEE else DT)
     prec: tl.constexpr = "ieee" if IEEE else "tf32"  # (16-bit operands ignore it)
     for k0 in range(pid_k * BLOCK_K, K, k_step):
@@ -124,8 +124,8 @@ def _w4a16_codes_kernel(
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
         scale_k, zoff_k = scale, zoff
         nxt = tl.minimum(k0 + k_step, K - BLOCK_K)
-        scale, zoff = _group_params(s_ptrs, z_ptrs, nxt // GROUP, n_ok, offset, HAS_ZEROS, BLOCK_N)
-        w = _code_tile(q, magic, DT, BLOCK_N, BLOCK_K)
+        scale, zoff = group_params(s_ptrs, z_ptrs, nxt // GROUP, n_ok, offset, HAS_ZEROS, BLOCK_N)
+        w = code_tile(q, magic, DT, BLOCK_N, BLOCK_K)
         if IEEE:  # float32 x, or the CPU interpreter (whose 16-bit dot is wrong): the same exact codes
             xd = x.to(tl.float32)
             wd = w.to(tl.float32)
@@ -158,12 +158,17 @@ def _w4a16_codes_kernel(
         tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
+def codes_block_k(group: int) -> int:
+    """The K tile of the codes kernels for a group size: 64, or 32 for group 32; 0 when none fits."""
+    return 64 if group % 64 == 0 else 32 if group % 32 == 0 else 0
+
+
 def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     """Tiles for the codes kernel on an int4 [N, K] weight with this group size, or None where it does not
     apply (K tiles of 64, or 32 for group 32). From the H100 sweep (benchmarks/results/
     w4a16_codes_sweep2_h100.json): 64-row weight tiles; K split into the fewest of 1, 2, 4, 8 parts that
     gives 512 programs (four per SM), e.g. 8 for Qwen3-30B's qkv and o, 2 for Qwen3-8B's gate_up."""
-    bk = 64 if group % 64 == 0 else 32 if group % 32 == 0 else 0
+    bk = codes_block_k(group)
     if not bk or K % bk or M > 16:
         return None
     tiles = triton.cdiv(N, 64)
@@ -195,7 +200,7 @@ def w4a16_codes(
     assert M <= bm and group % bk == 0 and K % bk == 0 and x.stride(1) == 1, (M, K, group, cfg)
     split = max(1, min(split, K // bk))
     n_tiles = triton.cdiv(N, bn)
-    magic, offset = _MAGIC.get(x.dtype, _MAGIC[torch.bfloat16])
+    magic, offset = MAGIC.get(x.dtype, MAGIC[torch.bfloat16])
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     tickets = ticket_counters(x.device, "w4a16_codes", n_tiles) if split > 1 else None
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
