@@ -109,7 +109,7 @@ def warm(name: str, fname: str, tokens: list[int], sweep: bool) -> None:
         h = torch.randn(t, d, dtype=torch.bfloat16, device=DEV)
         cfgs = [None]
         if t <= 16:
-            cfgs += [w4.W4PairConfig(), w4.default_w4_config(t, e, k, group)]
+            cfgs += [w4.W4PairConfig(), w4.default_w4_config(t, e, k, group, fmt == "int4")]
         if t in SWEEP_T and sweep and fname in SWEEP_FORMATS:
             cfgs += sweep_configs()
         for cfg in cfgs:
@@ -184,7 +184,8 @@ def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sw
                 ref = quant_moe_ref(hiddens[0], w13, w2, tw, ti)
                 row["rel_err"] = rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, tw, ti), ref)
                 if t <= 16:
-                    other = w4.W4PairConfig() if t * k > w4.W4_PAIR_MAX_PAIRS else w4.default_w4_config(t, e, k, group)
+                    aligned = w4.default_w4_config(t, e, k, group, fmt == "int4")
+                    other = w4.W4PairConfig() if t * k > w4.W4_PAIR_MAX_PAIRS else aligned
                     row["rel_err_other_path"] = rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, tw, ti, other), ref)
                 assert row["rel_err"] < 1e-2, row
 
@@ -207,7 +208,7 @@ def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sw
                 msg += f" | {row['w4_TFLOPs']:.0f} vs bf16 {row['bf16_TFLOPs']:.0f} TFLOP/s (matmul {tflops:.0f})"
             if t <= 16:
                 row["pair_us"] = graph_ms(call(w4.W4PairConfig()), reps) * 1e3
-                row["aligned_us"] = graph_ms(call(w4.default_w4_config(t, e, k, group)), reps) * 1e3
+                row["aligned_us"] = graph_ms(call(w4.default_w4_config(t, e, k, group, fmt == "int4")), reps) * 1e3
                 msg += f" | pair {row['pair_us']:.1f} aligned {row['aligned_us']:.1f}"
             if fmt == "int4":  # the aligned path with the dequantizing kernel instead of the codes kernel
                 row["aligned_dequant_us"] = graph_ms(call(w4.default_w4_config(t, e, k, group), False), reps) * 1e3

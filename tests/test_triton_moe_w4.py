@@ -188,3 +188,14 @@ def test_cuda_graph_replay(t: int) -> None:
         torch.cuda.synchronize()
         assert torch.equal(out, w4.fused_moe_w4(hidden, w13, w2, weights, ids))
         assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
+
+
+def test_codes_tiles_only_for_int4_decode_blocks() -> None:
+    # int4 decode-shaped blocks get the codes kernel's 64 / 128-column tiles; other formats and
+    # prefill-sized blocks keep the bf16 tiles (and the dequantizing kernel)
+    codes = w4.default_w4_config(32, 128, 8, 128, codes=True)
+    plain = w4.default_w4_config(32, 128, 8, 128)
+    assert (codes.up_n, codes.down_n) == (64, 128) and codes.block_m == plain.block_m <= w4.CODES_MAX_BLOCK_M
+    assert (plain.up_n, plain.down_n) != (64, 128)
+    prefill = w4.default_w4_config(4096, 128, 8, 128, codes=True)
+    assert prefill.block_m > w4.CODES_MAX_BLOCK_M and prefill == w4.default_w4_config(4096, 128, 8, 128)

@@ -47,6 +47,9 @@ from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm
 # path at every T <= 16 with top-8 for both Qwen3-30B-A3B and DeepSeek-V3 shapes and every format
 # (benchmarks/results/moe_w4_h100.json, "pair" vs "aligned" columns).
 W4_PAIR_MAX_PAIRS = 128
+# The aligned path runs int4 experts on the codes kernel for blocks of up to this many rows (decode
+# sizes, where it was measured); prefill-sized blocks keep the dequantizing kernel.
+CODES_MAX_BLOCK_M = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _MAGIC = {"int4": 0x3F800000, "mxfp4": -(2**31), "nvfp4": -(2**31)}  # 1.0f; the sign bit
@@ -83,11 +86,17 @@ def default_w4_pair_config(num_tokens: int, hidden_size: int, fmt: str = "int4")
     return W4PairConfig(up_k=1024, down_n=16, down_k=down_k, down_warps=2 if down_k == 256 else 4, down_split=split)
 
 
-def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size: int) -> MoEConfig:
-    """The bf16 tiles, with K tiles at least one quantization group long."""
+def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size: int, codes: bool = False) -> MoEConfig:
+    """The bf16 tiles, with K tiles at least one quantization group long. `codes` (int4 experts on the codes
+    kernel, decode-shaped blocks of <= CODES_MAX_BLOCK_M rows): 64-column gate-up and 128-column down
+    tiles, whose weight tiles feed the wgmma's 64-row A operand (H100, Qwen3-30B-A3B int4 at 32 tokens,
+    benchmarks/results/moe_w4_codes_h100.json: 357 -> 177 us against the 32 / 64 bf16 tiles)."""
     cfg = default_config(num_tokens, num_experts, top_k)
     up_k, down_k = max(cfg.up_k, group_size), max(cfg.down_k, group_size)
-    return MoEConfig(cfg.block_m, cfg.up_n, up_k, cfg.down_n, down_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    up_n, down_n, stages = cfg.up_n, cfg.down_n, cfg.num_stages
+    if codes and cfg.block_m <= CODES_MAX_BLOCK_M:
+        up_n, down_n, stages = 64, 128, 3
+    return MoEConfig(cfg.block_m, up_n, up_k, down_n, down_k, cfg.group_m, cfg.num_warps, stages)
 
 
 @triton.jit
@@ -491,6 +500,10 @@ def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor
     return out
 
 
+def _codes_ok(qw: QuantizedWeight, cfg: MoEConfig) -> bool:
+    return qw.fmt == "int4" and codes_block_k(qw.group_size) > 0 and cfg.block_m <= CODES_MAX_BLOCK_M
+
+
 def _moe_gemm_w4(
     a: torch.Tensor,  # [rows, K] rows = T (a_div = top_k) or T*top_k (a_div = 1), unit stride along K
     qw: QuantizedWeight,  # [E, N or 2N, K]
@@ -504,7 +517,7 @@ def _moe_gemm_w4(
     codes: bool = True,
 ) -> None:
     n, k = out.shape[1], a.shape[1]
-    if codes and qw.fmt == "int4" and codes_block_k(qw.group_size):  # int4 on raw codes (its module)
+    if codes and _codes_ok(qw, cfg):  # int4 on raw codes (its module)
         moe_gemm_codes(a, qw.qweight, qw.scales, qw.zeros, qw.group_size, out, align, a_div, cfg.block_m, block_n,
                        cfg.group_m, cfg.num_warps, cfg.num_stages, weights, ieee=_INTERPRET)  # fmt: skip
         return
@@ -531,8 +544,9 @@ def fused_moe_w4(
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
     """quant_moe_ref's function: the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
-    the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) where the
-    group holds whole K tiles, unless `codes` is False (the dequantizing kernel, for comparison)."""
+    the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
+    decode-shaped blocks where the group holds whole K tiles, unless `codes` is False (the dequantizing
+    kernel and its tiles, for comparison)."""
     t, d = hidden.shape
     inter, top_k = w2.in_features, topk_ids.shape[1]
     _check(w13, "w13", 2 * inter, d)
@@ -546,7 +560,8 @@ def fused_moe_w4(
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)
     e = w13.qweight.shape[0]
-    c = config or default_w4_config(t, e, top_k, max(w13.group_size, w2.group_size))
+    group = max(w13.group_size, w2.group_size)
+    c = config or default_w4_config(t, e, top_k, group, codes and w13.fmt == "int4" and codes_block_k(group) > 0)
     align = moe_align(topk_ids, e, c.block_m)
     act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
     _moe_gemm_w4(hidden, w13, act, align, top_k, c.up_n, c.up_k, c, codes=codes)
