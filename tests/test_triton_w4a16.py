@@ -159,7 +159,7 @@ def test_cuda_graph_replay(M: int) -> None:
 CODES_BASE = {"CODES": 1, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_codes_kernel(dtype: torch.dtype) -> None:
     """The int4 codes kernel (scale after the dot): split K with tickets (last program out), zero points,
     bias, masked N and M, group 64 and 128."""
@@ -177,7 +177,6 @@ def test_codes_kernel(dtype: torch.dtype) -> None:
         x = torch.randn(M, k, generator=gen).to(DEV, dtype)
         b = torch.randn(n, generator=gen).to(DEV, dtype)
         cfg = {**CODES_BASE, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
-        # float32: the offset-128 codes leave ~2e-6 of float32 rounding (module docstring), under 1e-5
         assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < tol(dtype), cfg
 
 
@@ -189,19 +188,28 @@ def test_codes_split_without_tickets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codes, "ticket_counters", lambda *a: None)
     gen = torch.Generator().manual_seed(5)
     qw = random_weight("int4", 40, 512, gen, 128, True)
-    x = torch.randn(5, 512, generator=gen).to(DEV)
-    b = torch.randn(40, generator=gen).to(DEV)
+    x = torch.randn(5, 512, generator=gen).to(DEV, torch.bfloat16)
+    b = torch.randn(40, generator=gen).to(DEV, torch.bfloat16)
     cfg = {**CODES_BASE, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4}
-    assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < 1e-5
+    assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < 1e-2
 
 
 def test_codes_rejects_what_it_cannot_take() -> None:
+    """Only int4 with 16-bit x, <= 16 rows and K tiles inside a group; float32 x (whose 1e-5 tolerance the
+    offset codes' rounding would exceed) gets the dequantizing kernels by default."""
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(4, 512, generator=gen).to(DEV)
+    x = torch.randn(4, 512, generator=gen).to(DEV, torch.bfloat16)
     cfg = {**CODES_BASE, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 1}
     with pytest.raises(ValueError, match="codes kernel"):
         w4a16_linear(x, random_weight("nvfp4", 40, 512, gen), config=cfg)
     with pytest.raises(ValueError, match="codes kernel"):  # a K tile longer than the group
         w4a16_linear(x, random_weight("int4", 40, 512, gen, group=64), config=cfg)
     with pytest.raises(ValueError, match="codes kernel"):
-        w4a16_linear(torch.randn(17, 512, generator=gen).to(DEV), random_weight("int4", 40, 512, gen), config=cfg)
+        w4a16_linear(
+            torch.randn(17, 512, generator=gen).to(DEV, torch.bfloat16), random_weight("int4", 40, 512, gen), config=cfg
+        )
+    qw, x32 = random_weight("int4", 40, 512, gen), x.float()
+    with pytest.raises(ValueError, match="codes kernel"):
+        w4a16_linear(x32, qw, config=cfg)
+    assert "CODES" not in w4a16_config(4, 40, 512, "int4", codes=False)
+    assert rel_err(w4a16_linear(x32, qw), quant_linear_ref(x32, qw)) < 1e-5

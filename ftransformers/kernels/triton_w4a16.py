@@ -249,20 +249,20 @@ def _w4a16_gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128) -> dict[str, int]:
+def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool = True) -> dict[str, int]:
     """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt and its group size).
 
     From the H100 sweeps kept in benchmarks/results/w4a16_h100.json and w4a16_codes_sweep2_h100.json. Up
     to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, one warp per 32 word
     columns of a 1024-wide K tile, 4 output rows per program on small weights, 8 on large. int4 with 3
-    to 16 rows: the codes kernel (kernels/triton_w4a16_codes.py: scales after the dot, split K), 1.1-2.4x
-    the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile, narrow and deep on small
+    to 16 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
+    dot, split K), 1.1-2.4x the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile, narrow and deep on small
     weights (more programs), wide on large ones. Prefill from M = 129: 256 x 128 tiles (two warpgroups
     share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
-    codes = codes_config(M, N, K, group) if fmt == "int4" and M > 2 else None
-    if codes is not None:
-        return codes
+    codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and M > 2 else None
+    if codes_cfg is not None:
+        return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
         return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": 1024,
                 "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # fmt: skip
@@ -316,11 +316,11 @@ def w4a16_linear(
     N = qw.out_features
     if M == 0:
         return x.new_empty(*lead, N)
-    cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size))
+    cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size, x.dtype != torch.float32))
     if cfg.get("CODES"):
         if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"]):
-            raise ValueError(f"w4a16_linear: the codes kernel takes int4 with <= 16 rows and BLOCK_K dividing the "
-                             f"group; got {qw.fmt}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}")  # fmt: skip
+            raise ValueError(f"w4a16_linear: the codes kernel takes int4, 16-bit x, <= 16 rows and BLOCK_K dividing "
+                             f"the group; got {qw.fmt}, {x.dtype}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}")  # fmt: skip
         return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
     q, s, z, gs = qw.qweight, qw.scales, qw.zeros, qw.global_scale
