@@ -36,8 +36,9 @@ def to_16bit(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _codes_tile_dot(q_ptrs, s_ptrs, z_ptrs, g, n_ok, magic, offset, ad, xs, scale, zoff, K_STEP_G, HAS_ZEROS: tl.constexpr,
-                    DT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _codes_tile_dot(q_ptrs, s_ptrs, z_ptrs, g, n_ok, magic, offset, ad, xs, scale, zoff, K_STEP_G,
+                    HAS_ZEROS: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
     # One K tile of one weight half: returns (its [BN, BM] contribution, next tile's scale and zero).
     nxt_scale, nxt_zoff = group_params(s_ptrs, z_ptrs, g + K_STEP_G, n_ok, offset, HAS_ZEROS, BLOCK_N)
     w = code_tile(tl.load(q_ptrs, mask=n_ok[:, None], other=0), magic, DT, BLOCK_N, BLOCK_K)

@@ -140,9 +140,8 @@ def _w4a16_gemv_kernel(
             acc += scale * tl.sum((x * _TWO_64) * d, axis=3)  # 2^-62 * sum_j x_j e2m1_j
     out = tl.sum(acc, axis=0) * (_TWO_49 if FMT == 0 else _TWO_62)  # [BN, BM]
     if HAS_BIAS:  # added once, by the first K split (a tensor mask: Triton 3.9's interpreter takes no scalar & tensor)
-        out += tl.load(b_ptr + offs_n, mask=(offs_n < N) & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(
-            tl.float32
-        )[:, None]
+        first = (offs_n < N) & (tl.zeros_like(offs_n) + pid_k == 0)
+        out += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
 
@@ -242,9 +241,8 @@ def _w4a16_gemm_kernel(
         else:
             acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
     if HAS_BIAS:  # added once: by the first K split
-        acc += tl.load(b_ptr + offs_n, mask=mask_n & (tl.zeros_like(offs_n) + pid_k == 0), other=0.0).to(tl.float32)[
-            None, :
-        ]
+        first = mask_n & (tl.zeros_like(offs_n) + pid_k == 0)
+        acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -256,9 +254,9 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, one warp per 32 word
     columns of a 1024-wide K tile, 4 output rows per program on small weights, 8 on large. int4 with 3
     to 16 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
-    dot, split K), 1.1-2.4x the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile, narrow and deep on small
-    weights (more programs), wide on large ones. Prefill from M = 129: 256 x 128 tiles (two warpgroups
-    share each dequantized weight tile)."""
+    dot, split K), 1.0-2.4x the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile,
+    narrow and deep on small weights (more programs), wide on large ones. Prefill from M = 129: 256 x 128
+    tiles (two warpgroups share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
     codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and M > 2 else None
     if codes_cfg is not None:
@@ -319,8 +317,10 @@ def w4a16_linear(
     cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size, x.dtype != torch.float32))
     if cfg.get("CODES"):
         if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"]):
-            raise ValueError(f"w4a16_linear: the codes kernel takes int4, 16-bit x, <= 16 rows and BLOCK_K dividing "
-                             f"the group; got {qw.fmt}, {x.dtype}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}")  # fmt: skip
+            got = f"{qw.fmt}, {x.dtype}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}"
+            raise ValueError(
+                f"w4a16_linear: the codes kernel takes int4, 16-bit x, <= 16 rows and BLOCK_K dividing the group; got {got}"
+            )
         return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
     q, s, z, gs = qw.qweight, qw.scales, qw.zeros, qw.global_scale
