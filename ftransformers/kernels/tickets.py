@@ -39,6 +39,18 @@ def ticket_counters(device: torch.device, family: str, count: int) -> torch.Tens
     return pool[:count]
 
 
+def split_scratch(
+    device: torch.device, family: str, count: int, split: int, rows: int, cols: int
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """For a kernel split `split` ways whose last program adds the float32 partials: (split, `count`
+    counters of `family`, partials [split, rows, cols]). With split 1, or where no counters can be had
+    (a capture before the pool exists), the kernel runs unsplit: (1, None, None)."""
+    counters = ticket_counters(device, family, count) if split > 1 else None
+    if counters is None:
+        return 1, None, None
+    return split, counters, torch.empty(split, rows, cols, dtype=torch.float32, device=device)
+
+
 @triton.jit
 def publish_and_sum(acc, part_row, pid_s, split_stride, mask, counter, SPLIT: tl.constexpr):
     """Last one out over SPLIT programs: store this program's float32 partial `acc` at

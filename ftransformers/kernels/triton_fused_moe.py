@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.tickets import publish_and_sum, ticket_counters
+from ftransformers.kernels.tickets import publish_and_sum, split_scratch
+from ftransformers.kernels.tiling import grouped_tile
 
 # Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
 # (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
@@ -203,11 +204,7 @@ def _moe_gemm_kernel(
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_size
-    pid_n = (pid % group) // group_size
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
@@ -393,12 +390,9 @@ def pair_down_sum(
     block_k = min(cfg.down_k, triton.next_power_of_2(inter))
     n_blocks = triton.cdiv(d, cfg.down_n)
     split = cfg.down_split if top_k % cfg.down_split == 0 else 1
-    tickets = ticket_counters(act.device, "moe_down", t * n_blocks) if split > 1 else None
-    if tickets is None:
-        split = 1
-    part = torch.empty(split, t, d, dtype=torch.float32, device=act.device) if split > 1 else act
+    split, tickets, part = split_scratch(act.device, "moe_down", t * n_blocks, split, t, d)
     _pair_down_sum_kernel[(t * split * n_blocks,)](
-        act, w2, out, topk_ids, part, tickets if tickets is not None else topk_ids, d, inter, t, act.stride(0),
+        act, w2, out, topk_ids, act if part is None else part, topk_ids if tickets is None else tickets, d, inter, t, act.stride(0),
         w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK_N=cfg.down_n,
         BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,

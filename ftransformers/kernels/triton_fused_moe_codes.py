@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_w4a16_codes import MAGIC, code_tile, codes_block_k, group_params
 
 # Triton's CPU interpreter truncates float32 -> bfloat16; round to nearest even by hand there.
@@ -66,11 +67,7 @@ def _moe_gemm_codes_kernel(
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_pid_n
-    first_m = (pid // width) * GROUP_M
-    rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     magic = magic.to(tl.int32)

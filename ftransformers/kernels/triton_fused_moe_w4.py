@@ -39,7 +39,8 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
-from ftransformers.kernels.tickets import publish_and_sum, ticket_counters
+from ftransformers.kernels.tickets import publish_and_sum, split_scratch
+from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
 from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm_codes, to_16bit
 
@@ -385,11 +386,7 @@ def _moe_gemm_w4_kernel(
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_size
-    pid_n = (pid % group) // group_size
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     magic = magic.to(tl.uint32, bitcast=True)
@@ -485,12 +482,10 @@ def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor
     bk = _block_k(cfg.down_k, inter, w2.group_size)
     n_blocks = triton.cdiv(d, cfg.down_n)
     split = cfg.down_split if top_k % cfg.down_split == 0 else 1
-    tickets = ticket_counters(hidden.device, "moe_w4_down", t * n_blocks) if split > 1 else None
-    if tickets is None:
-        split = 1
-    part = torch.empty(split, t, d, dtype=torch.float32, device=hidden.device) if split > 1 else act
+    split, tickets, part = split_scratch(hidden.device, "moe_w4_down", t * n_blocks, split, t, d)
     _pair_down_sum_w4_kernel[(t * split * n_blocks,)](
-        act, *_weight_args(w2)[:5], out, ids, weights, part, tickets if tickets is not None else ids, d, inter, t,
+        act, *_weight_args(w2)[:5], out, ids, weights, act if part is None else part,
+        ids if tickets is None else tickets, d, inter, t,
         inter // 8, *_weight_args(w2)[5:], out.stride(0), FMT=_FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
         EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, SPLIT=split,
         BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps,

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
+from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_fp8_gemm import quant_act_fp8
 from ftransformers.kernels.triton_fused_moe import PAIR_MAX_PAIRS, MoEConfig, moe_align, moe_sum
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_act_int8, quant_int8
@@ -58,11 +59,7 @@ def _w8_moe_gemm_kernel(
     pid = tl.program_id(0)
     num_pid_m = max_padded // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_size
-    pid_n = (pid % group) // group_size
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
+from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
 
 GEMV_MAX_M = 4
@@ -181,12 +182,7 @@ def _w4a16_gemm_kernel(
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row tiles in a row walk each weight column tile while it is in L2
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

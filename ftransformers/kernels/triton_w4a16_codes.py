@@ -20,8 +20,8 @@ kernel; float32 x takes the dequantizing kernels.
 The product is y^T = W @ x^T: the weight tile is the dot's A operand (BLOCK_N rows, the wgmma M), x^T
 its B operand. Split K: SPLIT_K programs per column tile each take every SPLIT_K-th K tile; with
 tickets (kernels/tickets.py) they publish float32 partials and the last one out adds them in split
-order and writes y (deterministic, one launch). Without tickets (a CUDA graph capture before the pool
-exists) each writes its float32 partial [SPLIT_K, M, N] and the caller sums them.
+order and writes y (deterministic, one launch). Where no counters can be had (a CUDA graph capture
+before the pool exists) it runs unsplit (`tickets.split_scratch`).
 
 Measured on the H100 (benchmarks/results/w4a16_codes_*_h100.json). Kept: the scales loaded one tile
 ahead and the x sums on the tensor cores; together, at the default tiles, 15-30% faster on three of
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.tickets import publish_and_sum, ticket_counters
+from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # (magic pair, code offset) per x dtype: bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0
@@ -91,7 +91,7 @@ def _w4a16_codes_kernel(
     stride_xm, stride_qn, stride_sn, stride_zn, stride_ym,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    TICKETS: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
+    IEEE: tl.constexpr, EVEN_N: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y [M, N] (x's dtype); part [SPLIT_K, M, N] float32. The product is y^T = W @ x^T: the weight tile
@@ -145,18 +145,13 @@ def _w4a16_codes_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    elif TICKETS:
+    else:
         part_row = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         last, total = publish_and_sum(acc, part_row, pid_k, M * N, mask, ticket_ptr + pid_n, SPLIT_K)
         if last:
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-    else:  # float32 partials for the caller to sum; the bias by the first split
-        if HAS_BIAS:
-            first = n_ok & (tl.zeros_like(offs_n) + pid_k == 0)
-            acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
-        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
 def codes_block_k(group: int) -> int:
@@ -201,19 +196,16 @@ def w4a16_codes(
     n_tiles = triton.cdiv(N, bn)
     magic, offset = MAGIC[x.dtype]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    tickets = ticket_counters(x.device, "w4a16_codes", n_tiles) if split > 1 else None
-    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    split, tickets, part = split_scratch(x.device, "w4a16_codes", n_tiles, split, M, N)
     dt = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
     s, z = scales, zeros if zeros is not None else scales  # s stands in for absent tensors (never read)
     _w4a16_codes_kernel[(n_tiles, split)](
-        x, qweight, s, z, s if bias is None else bias, y, part, tickets if tickets is not None else qweight,
+        x, qweight, s, z, s if bias is None else bias, y, y if part is None else part,
+        qweight if tickets is None else tickets,
         magic, offset, M, N, K, x.stride(0), qweight.stride(0), s.stride(0), z.stride(0), y.stride(0),
         GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, DT=dt, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, SPLIT_K=split, TICKETS=tickets is not None, IEEE=_INTERPRET,
-        EVEN_N=N % bn == 0,
+        BLOCK_K=bk, SPLIT_K=split, IEEE=_INTERPRET, EVEN_N=N % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch(x.device),
     )  # fmt: skip
-    if split > 1 and tickets is None:
-        y = part.sum(0).to(x.dtype)
     return y
