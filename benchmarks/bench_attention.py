@@ -31,14 +31,17 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ftransformers.attention.triton_backend import mla_num_kv_splits, num_kv_splits  # noqa: E402
-from ftransformers.kernels.triton_decode_attention import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import copy_bandwidth, matmul_rate
+
+from ftransformers.attention.triton_backend import mla_num_kv_splits, num_kv_splits
+from ftransformers.kernels.triton_decode_attention import (
     decode_attention_fwd,
     decode_attention_ref,
     decode_scratch,
 )
-from ftransformers.kernels.triton_extend_attention import extend_attention_fwd  # noqa: E402
-from ftransformers.kernels.triton_mla_attention import (  # noqa: E402
+from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
+from ftransformers.kernels.triton_mla_attention import (
     latent_views,
     mla_attention_ref,
     mla_decode_fwd,
@@ -70,20 +73,6 @@ MLA_VARIANTS = {
     "n64s3": dict(block_n=64, num_stages=3),  # the backend's default
     "n64s2": dict(block_n=64, num_stages=2),
 }
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_()
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
-    return 2 * x.numel() / ms / 1e6  # GB/s
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, device=DEV, dtype=DT)
-    b = torch.randn(8192, 8192, device=DEV, dtype=DT)
-    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return 2 * 8192**3 / ms / 1e9  # TFLOP/s
 
 
 def graph_ms(fn, layers: int) -> float:
@@ -326,7 +315,7 @@ def main() -> None:
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEV)
     sms = props.multi_processor_count
-    copy_gbps, mm_tflops = copy_bandwidth(), matmul_rate()
+    copy_gbps, mm_tflops = copy_bandwidth(), matmul_rate()  # benchmarks/ceilings.py
     print(f"device {props.name}, {sms} SMs; copy {copy_gbps:.0f} GB/s; bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
     groups = set(args.kernels.split(","))
     t0 = time.time()

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ceilings import ceilings as shared_ceilings
 
 QWEN_COMMON = {
     "vocab_size": 151936, "num_attention_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
@@ -94,13 +95,7 @@ def median_ms(fn: Any, iters: int, warmup: int = 2) -> float:
 
 
 def ceilings() -> dict[str, float]:
-    n, m = (1 << 29, 8192) if DEV == "cuda" else (1 << 24, 1024)
-    src = torch.rand(n, device=DEV, dtype=torch.bfloat16)  # 1 GiB on CUDA, random
-    dst = torch.empty_like(src)
-    t = median_ms(lambda: dst.copy_(src), 20, 3)
-    a, b = (torch.randn(m, m, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    tm = median_ms(lambda: a @ b, 20, 3)
-    return {"copy_GBps": 2 * 2 * n / t / 1e6, "matmul_TFLOPs": 2 * m**3 / tm / 1e9}
+    return shared_ceilings(DEV)  # benchmarks/ceilings.py
 
 
 # Model accounting -------------------------------------------------------------------------------

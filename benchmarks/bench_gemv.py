@@ -25,7 +25,10 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ftransformers.kernels.triton_gemv import gemv, gemv_config, gemv_ref  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import copy_bandwidth
+
+from ftransformers.kernels.triton_gemv import gemv, gemv_config, gemv_ref
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
@@ -37,14 +40,6 @@ SHAPES = {  # name: (N, K) of the weight [N, K]
 }  # fmt: skip
 ROWS = [1, 2, 4, 8, 16]
 L2_BYTES = 50 << 20
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 29
-    src = torch.rand(n, device=DEV, dtype=DT)
-    dst = torch.empty_like(src)
-    t = do_bench_cudagraph(lambda: dst.copy_(src), rep=50)
-    return 2 * 2 * n / t / 1e6  # GB/s (read + write)
 
 
 def sweep(M: int) -> list[dict[str, int]]:

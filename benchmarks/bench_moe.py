@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from ceilings import copy_bandwidth, matmul_rate
 from triton.testing import do_bench
 
 from ftransformers.kernels import triton_fused_moe as tfm
@@ -180,12 +181,7 @@ def graph_time_ms(fn, reps: int) -> float:
 
 
 def measure_ceilings() -> tuple[float, float]:
-    x = torch.randn(256 * 2**20, dtype=torch.bfloat16, device=DEV)  # 512 MiB
-    y = torch.empty_like(x)
-    copy_gbs = 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
-    tflops = 2 * 8192**3 / do_bench(lambda: a @ a, return_mode="median") / 1e9
-    return copy_gbs, tflops
+    return copy_bandwidth(DEV), matmul_rate(DEV)  # benchmarks/ceilings.py
 
 
 def bench_shape(name: str, s: dict, tokens: list[int], copy_gbs: float, tflops: float, log,

@@ -29,6 +29,7 @@ import time
 
 import torch
 import triton
+from ceilings import copy_bandwidth, matmul_rate
 from triton.testing import do_bench
 
 from ftransformers.kernels import triton_fused_moe as tfm
@@ -148,12 +149,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def ceilings() -> tuple[float, float]:
-    x = torch.randn(256 * 2**20, dtype=torch.bfloat16, device=DEV)
-    y = torch.empty_like(x)
-    copy_gbs = 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEV)
-    tflops = 2 * 8192**3 / do_bench(lambda: a @ a, return_mode="median") / 1e9
-    return copy_gbs, tflops
+    return copy_bandwidth(DEV), matmul_rate(DEV)  # benchmarks/ceilings.py
 
 
 def bench_shape(name: str, copy_gbs: float, tflops: float, tokens: list[int], sweep: bool, log,

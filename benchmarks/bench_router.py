@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import copy_bandwidth
+
 from ftransformers.kernels.triton_router import fused_router_topk, grouped_topk_sigmoid, softmax_topk
 from ftransformers.layers.moe.grouped_topk import grouped_topk_torch
 from ftransformers.layers.moe.topk import select_experts_softmax_torch
@@ -47,12 +50,6 @@ def per_call_us(fn, reps: int = REPS) -> float:
             fn(i)
 
     return do_bench_cudagraph(step, rep=200) * 1e3 / reps
-
-
-def copy_bandwidth_gbs() -> float:
-    x = torch.randn(256 * 2**20, dtype=torch.bfloat16, device="cuda")  # 512 MiB
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e6
 
 
 def routers(name: str, hidden: torch.Tensor, gates: list[torch.Tensor], bias: torch.Tensor):
@@ -84,7 +81,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     dummy = torch.empty(1, device="cuda")
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = copy_bandwidth()
     floor = per_call_us(lambda i: _empty_kernel[(1,)](dummy))
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, empty kernel node {floor:.2f} µs")
     rows: list[dict] = []

@@ -30,6 +30,9 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import copy_bandwidth, matmul_rate
+
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
 from ftransformers.kernels.triton_gemv import gemv
 from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
@@ -225,21 +228,6 @@ def precompile(jobs: list[tuple[str, int, int, int, dict[str, int] | None]], wor
     print(f"precompiled {len(unique)} kernels in {time.time() - t0:.0f} s; {len(errors)} failed", flush=True)
     for e in errors[:10]:
         print("  ", e, flush=True)
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 29
-    src = torch.rand(n, device=DEV, dtype=DT)
-    dst = torch.empty_like(src)
-    t = do_bench_cudagraph(lambda: dst.copy_(src), rep=50)
-    return 2 * 2 * n / t / 1e6  # GB/s (read + write)
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, device=DEV, dtype=DT)
-    b = torch.randn(8192, 8192, device=DEV, dtype=DT)
-    t = do_bench_cudagraph(lambda: F.linear(a, b), rep=50)
-    return 2 * 8192**3 / t / 1e9  # TFLOP/s
 
 
 def time_per_call(fn_for: Any, copies: int, rep: int = 20) -> float:

@@ -32,6 +32,9 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceilings import best_rate, copy_bandwidth
+
 from ftransformers.kernels import triton_fp8_gemm as f8
 from ftransformers.kernels import triton_int8_gemm as i8
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref, quant_moe_ref
@@ -81,17 +84,14 @@ def graph_ms(fn: Callable[[int], Any], reps: int, rep_ms: int = 50) -> float:
 
 
 def ceilings() -> dict[str, float]:
-    n = 1 << 28
-    src = torch.rand(n, device=DEV, dtype=DT)
-    dst = torch.empty_like(src)
-    out = {"copy_GBps": 2 * 2 * n / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6}
+    out = {"copy_GBps": copy_bandwidth(DEV)}  # benchmarks/ceilings.py
     s = 8192
     a = torch.randn(s, s, device=DEV, dtype=DT)
     a8, ai = a.to(torch.float8_e4m3fn), torch.randint(-127, 128, (s, s), device=DEV, dtype=torch.int8)
     one = torch.ones(s, 1, device=DEV)
 
     def rate(fn: Callable[[], Any]) -> float:
-        return 2 * s**3 / do_bench(fn, return_mode="median") / 1e9
+        return best_rate(2 * s**3 / 1e9, fn, DEV)
 
     out["bf16_TFLOPs"] = rate(lambda: a @ a)
     out["fp8_TFLOPs"] = rate(lambda: torch._scaled_mm(a8, a8.t(), scale_a=one, scale_b=one.t(), out_dtype=DT))

@@ -1,0 +1,180 @@
+"""The 4-bit kernels of a batch-1 decode step, one GPU: tiles, register caps and occupancy.
+
+At one token each 4-bit kernel of a Qwen3-30B-A3B layer (qkv and o projections on the CUDA-core GEMV,
+the MoE pair path's gate-up and down) reads 5-13 MB, a few microseconds of bandwidth, so how many of
+its programs are resident at once (registers per thread x threads per program against the SM's 64K
+registers and 2048 threads) decides whether it runs in one wave or two. For each config this prints
+the time per call (CUDA graph of calls over distinct weights, past L2), its share of the copy bandwidth
+measured in the same process, and each compiled kernel's registers, spills, resident programs per SM
+and waves. Every config is checked against the plain-PyTorch reference first.
+
+    PYTHONPATH=$PWD python benchmarks/bench_w4_b1.py --out $OUT/w4_b1_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_moe_w4 as bm
+import bench_w4a16 as bw
+
+from ftransformers.kernels import triton_fused_moe_w4 as w4
+from ftransformers.kernels import triton_w4a16 as tw
+from ftransformers.kernels.quant_formats import quant_moe_ref
+
+GEMV_SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o": (2048, 4096)}
+FORMATS = {"int4-asym": "int4-g128-asym", "int4-sym": "int4-g128-sym"}  # bench_w4a16 name: bench_moe_w4 name
+
+
+def gemv_configs(K: int) -> list[dict[str, int]]:
+    def c(bn: int, bk: int, warps: int, maxnreg: int = 0) -> dict[str, int]:
+        cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": warps,
+               "num_stages": 2}  # fmt: skip
+        return {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
+
+    cfgs = [c(4, 1024, 4), c(4, 2048, 4), c(2, 2048, 4), c(2, 1024, 2), c(4, 512, 2), c(8, 1024, 4, 96),
+            c(4, 1024, 4, 64), c(4, 1024, 4, 56), c(4, 1024, 4, 48), c(8, 2048, 8), c(2, 2048, 2)]  # fmt: skip
+    if K >= 4096:
+        cfgs += [c(4, 4096, 8), c(2, 4096, 4)]
+    return cfgs
+
+
+def pair_configs() -> list[w4.W4PairConfig]:
+    base = w4.default_w4_pair_config(1, 2048, "int4")
+    r = lambda **kw: w4.W4PairConfig(**{**base.__dict__, **kw})
+    ups = [r(up_n=8, up_k=2048), r(up_n=4, up_k=2048), r(up_n=4, up_k=2048, up_warps=2), r(up_n=16, up_k=2048, up_warps=8),
+           r(up_n=8, up_k=2048, up_warps=8), r(up_n=4, up_k=1024), r(up_maxnreg=64), r(up_maxnreg=80)]  # fmt: skip
+    downs = [r(down_k=512), r(down_k=1024), r(down_k=1024, down_warps=4), r(down_n=8, down_k=1024),
+             r(down_n=32, down_k=1024, down_warps=4), r(down_maxnreg=64), r(down_k=1024, down_warps=4, down_split=4),
+             r(down_n=32, down_k=1024, down_warps=4, down_split=4), r(down_n=8, down_k=256, down_warps=1)]  # fmt: skip
+    both = [r(up_k=2048, down_k=1024, down_warps=4), r(up_n=4, up_k=2048, down_k=1024)]
+    return [base] + ups + downs + both
+
+
+def compiled(fn: Any) -> dict[str, Any]:
+    """{cache key: compiled kernel} of a JIT function on the current device (Triton 3.x caches)."""
+    out: dict[str, Any] = {}
+    for entry in fn.device_caches.values():
+        for part in entry if isinstance(entry, tuple) else (entry,):
+            if isinstance(part, dict):
+                out.update({str(k): v for k, v in part.items() if hasattr(v, "metadata")})
+    return out
+
+
+def occupancy(kernel: Any, programs: int) -> dict[str, Any]:
+    kernel._init_handles()
+    threads = 32 * kernel.metadata.num_warps
+    regs = kernel.n_regs
+    props = torch.cuda.get_device_properties(0)
+    per_sm = min(2048 // threads, 65536 // (max(8, -(-regs // 8) * 8) * threads), 32)
+    smem = kernel.metadata.shared
+    if smem:
+        per_sm = min(per_sm, (227 << 10) // smem)
+    resident = per_sm * props.multi_processor_count
+    return {"regs": regs, "spills": kernel.n_spills, "warps": kernel.metadata.num_warps, "programs_per_sm": per_sm,
+            "programs": programs, "waves": round(programs / resident, 2)}  # fmt: skip
+
+
+def new_kernels(fns: list[Any], before: list[set[str]]) -> list[Any]:
+    return [k for fn, seen in zip(fns, before) for key, k in compiled(fn).items() if key not in seen]
+
+
+def bench_gemv(out: dict[str, Any], bw_gbs: float, log) -> None:
+    gen = torch.Generator(device=bw.DEV).manual_seed(0)
+    for name, (N, K) in GEMV_SHAPES.items():
+        for v in FORMATS:
+            probe = bw.make_weight(v, N, K, gen)
+            qws = [probe] + [bw.make_weight(v, N, K, gen) for _ in range(-(-4 * bw.L2_BYTES // probe.nbytes()) - 1)]
+            x = torch.randn(1, K, device=bw.DEV, dtype=bw.DT, generator=gen)
+            nbytes = probe.nbytes() + 2 * (K + N)
+            for cfg in gemv_configs(K):
+                before = [set(compiled(tw._w4a16_gemv_kernel))]
+                t = bw.checked_time(x, qws, cfg)
+                ks = new_kernels([tw._w4a16_gemv_kernel], before)
+                occ = occupancy(ks[0], triton.cdiv(N, cfg["BLOCK_N"])) if ks else {}
+                row = {"kind": "gemv", "shape": name, "fmt": v, "N": N, "K": K, "config": cfg, "bytes": nbytes,
+                       "floor_us": nbytes / bw_gbs / 1e3, "us": t * 1e3 if isinstance(t, float) else t, **occ}  # fmt: skip
+                out["rows"].append(row)
+                pct = f"{100 * nbytes / (t * 1e6) / bw_gbs:4.0f}%" if isinstance(t, float) else t
+                log(f"gemv {name:14s} {v:9s} {row['us'] if isinstance(t, str) else round(row['us'], 2):>6} us {pct} "
+                    f"floor {row['floor_us']:.2f} | {occ} | {cfg}")  # fmt: skip
+            del qws, probe
+
+
+def bench_pair(out: dict[str, Any], bw_gbs: float, log) -> None:
+    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    fns = [w4._pair_gate_up_w4_kernel, w4._pair_down_sum_w4_kernel]
+    for fname in FORMATS.values():
+        fmt, group, zeros = bm.FORMATS[fname]
+        w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
+        w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
+        expert_bytes = (w13.nbytes() + w2.nbytes()) / e
+        reps = 8
+        hiddens = [torch.randn(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(reps)]
+        routes = bm.routings(1, e, k, reps)
+        nbytes = k * expert_bytes + 4 * d
+        ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+        for cfg in pair_configs():
+            before = [set(compiled(f)) for f in fns]
+            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
+            ks = new_kernels(fns, before)
+            if not err < 1e-2:
+                log(f"pair {fname} FAILED rel err {err:.3g} {cfg}")
+                continue
+            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
+            us = bm.graph_ms(call, reps) * 1e3
+            occ = []
+            for kern in ks:
+                up = kern.name if hasattr(kern, "name") else kern.metadata.name
+                grid = (
+                    k * triton.cdiv(inter, cfg.up_n) if "gate_up" in up else cfg.down_split * triton.cdiv(d, cfg.down_n)
+                )
+                occ.append({"kernel": up, **occupancy(kern, grid)})
+            row = {"kind": "moe_pair", "format": fname, "T": 1, "config": cfg.__dict__, "bytes": nbytes,
+                   "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err, "kernels": occ}  # fmt: skip
+            out["rows"].append(row)
+            log(f"pair {fname:15s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor {row['floor_us']:.2f} | "
+                f"{[(o['kernel'][6:14], o['regs'], o['spills'], o['programs_per_sm'], o['waves']) for o in occ]} | "
+                f"up {cfg.up_n},{cfg.up_k},{cfg.up_warps},{cfg.up_maxnreg} down {cfg.down_n},{cfg.down_k},"
+                f"{cfg.down_warps},{cfg.down_split},{cfg.down_maxnreg}")  # fmt: skip
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, pair")
+    args = p.parse_args()
+    bw_gbs = bw.copy_bandwidth()
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                           "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
+                           "copy_GBps": bw_gbs, "rows": []}  # fmt: skip
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    log(f"{out['device']}  copy {bw_gbs:.0f} GB/s  torch {torch.__version__}  triton {triton.__version__}")
+    skip = set(filter(None, args.skip.split(",")))
+    if "gemv" not in skip:
+        bench_gemv(out, bw_gbs, log)
+    if "pair" not in skip:
+        bench_pair(out, bw_gbs, log)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

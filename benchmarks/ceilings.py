@@ -1,0 +1,100 @@
+"""The device ceilings every benchmark's floors divide by: copy bandwidth and dense matmul rate.
+
+One measurement for every script; they used to carry eight variants (512 MiB or 1 GiB, Triton's
+do_bench, a CUDA graph, or wall clock), and one of them was wrong by a fifth: a `copy_` captured into
+a CUDA graph (`do_bench_cudagraph`, used by bench_w4a16.py and bench_gemv.py) becomes a graph memcpy
+node and ran at 2433 GB/s on the H100, against 3001 GB/s for the same copy launched as a kernel
+(`python benchmarks/ceilings.py` prints both). Kernels read memory through the SMs, so their floor is
+the kernel copy's rate; dividing by the graph-node figure made every "% of copy bandwidth" 1.23x too
+high. Here each ceiling is timed with CUDA events (`triton.testing.do_bench`, median, its own warm-up
+and L2 flush between calls) and is the best of `TRIALS` such medians: the rate the hardware
+demonstrably sustains, so that a floor is reachable rather than flattering. On the CPU (dry runs)
+wall-clock medians stand in.
+
+    PYTHONPATH=$PWD python benchmarks/ceilings.py   # every former method beside this one
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+TRIALS = 5
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable[[], Any], device: str, reps: int = 20) -> float:
+    """Median wall ms of fn over `reps` synchronised calls (2 unmeasured calls first)."""
+    for _ in range(2):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def best_rate(amount: float, fn: Callable[[], Any], device: str) -> float:
+    """amount / ms at the best of TRIALS medians: CUDA-event timed on a GPU, wall clock on the CPU."""
+    if device.startswith("cuda"):
+        from triton.testing import do_bench
+
+        return max(amount / do_bench(fn, return_mode="median") for _ in range(TRIALS))
+    return max(amount / median_ms(fn, device) for _ in range(TRIALS))
+
+
+def copy_bandwidth(device: str = "cuda") -> float:
+    """GB/s (bytes read + written) of a device-to-device copy of random bf16 data: 1 GiB on a GPU."""
+    n = 1 << 29 if device.startswith("cuda") else 1 << 24
+    src = torch.rand(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return best_rate(2 * 2 * n / 1e6, lambda: dst.copy_(src), device)
+
+
+def matmul_rate(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, size: int = 8192) -> float:
+    """TFLOP/s of a square `size` matmul in `dtype` (1024 on the CPU)."""
+    s = size if device.startswith("cuda") else 1024
+    a, b = (torch.randn(s, s, device=device, dtype=dtype) for _ in range(2))
+    return best_rate(2 * s**3 / 1e9, lambda: a @ b, device)
+
+
+def ceilings(device: str = "cuda") -> dict[str, float]:
+    return {"copy_GBps": copy_bandwidth(device), "matmul_TFLOPs": matmul_rate(device)}
+
+
+def main() -> None:
+    """Each way the benchmarks used to measure copy bandwidth, beside this module's figure."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 1 << 29
+    src = torch.rand(n, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    gb = 2 * 2 * n / 1e6
+    copy = lambda: dst.copy_(src)
+    first = gb / median_ms(copy, dev)
+    rows = {
+        "wall-clock median of synchronised copies (bench_decode's former method)": first,
+        "copy_bandwidth(): CUDA events, best of medians": copy_bandwidth(dev),
+        "triton do_bench, median": gb / do_bench(copy, return_mode="median"),
+        "triton do_bench_cudagraph (copies inside a CUDA graph)": gb / do_bench_cudagraph(copy, rep=50),
+    }
+    print(torch.cuda.get_device_name() if dev == "cuda" else "cpu")
+    for k, v in rows.items():
+        print(f"  {v:6.0f} GB/s  {k}")
+    print(f"  bf16 matmul {matmul_rate(dev):.0f} TFLOP/s (8192^3, CUDA events, best of medians)")
+
+
+if __name__ == "__main__":
+    main()
