@@ -71,6 +71,8 @@ class W4PairConfig:
     down_warps: int = 2
     stages: int = 3
     down_split: int = 1  # programs per (token, D block), each over TOP_K / down_split slots (a divisor)
+    up_maxnreg: int = 0  # register cap per thread for each kernel (ptxas maxnreg); 0 = the compiler's choice
+    down_maxnreg: int = 0
 
 
 def default_w4_pair_config(num_tokens: int, hidden_size: int, fmt: str = "int4") -> W4PairConfig:
@@ -464,6 +466,10 @@ def _block_k(want: int, k: int, group: int) -> int:
     return max(group, min(want, triton.next_power_of_2(k)))
 
 
+def _maxnreg(cap: int) -> dict[str, int]:
+    return {"maxnreg": cap} if cap else {}
+
+
 def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
     t, d = hidden.shape
     num_pairs, top_k, inter = ids.numel(), ids.shape[1], w2.in_features
@@ -475,7 +481,7 @@ def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor
         FMT=_FMT_ID[w13.fmt], HAS_ZERO=w13.zeros is not None, X_F16=hidden.dtype == torch.float16,
         ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
         GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=triton.cdiv(d, bk),
-        num_warps=cfg.up_warps, num_stages=cfg.stages,
+        num_warps=cfg.up_warps, num_stages=cfg.stages, **_maxnreg(cfg.up_maxnreg),
         **pdl_launch(x.device),
     )  # fmt: skip
     out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
@@ -489,7 +495,7 @@ def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor
         inter // 8, *_weight_args(w2)[5:], out.stride(0), FMT=_FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
         EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, SPLIT=split,
         BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps,
-        num_stages=cfg.stages,
+        num_stages=cfg.stages, **_maxnreg(cfg.down_maxnreg),
         **pdl_launch(act.device),
     )  # fmt: skip
     return out
