@@ -121,6 +121,9 @@ def test_config_paths() -> None:
     )
     assert "CODES" not in w4a16_config(8, 5120, 2048, "int4", 16)  # group 16: no K tile fits in a group
     assert w4a16_config(16, 5120, 2048, "nvfp4")["GEMV"] == 0 and w4a16_config(16, 5120, 2048, "nvfp4")["BLOCK_M"] == 16
+    # FP4, 3-16 rows: K split only under 128 column tiles (deep, narrow weights), at least two K tiles per part
+    shapes = ((5120, 2048), (2048, 4096), (4096, 12288), (7168, 16384), (24576, 4096), (256, 512), (1024, 2048))
+    assert [w4a16_config(8, n, k, "mxfp4")["SPLIT_K"] for n, k in shapes] == [1, 1, 8, 8, 1, 1, 4]
     assert w4a16_config(2048, 5120, 2048, "mxfp4")["BLOCK_M"] >= 64
 
 

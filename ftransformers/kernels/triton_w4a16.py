@@ -48,6 +48,7 @@ from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_support
 
 GEMV_MAX_M = 4
 DECODE_MAX_M = 16
+DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}
@@ -243,6 +244,19 @@ def _w4a16_gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+def decode_split(N: int, K: int, block_n: int, block_k: int) -> int:
+    """K split of a decode-shaped (one row tile) dequantizing product. Deep, narrow weights (Qwen3-8B's
+    down, DeepSeek-V3's o: 64-112 column tiles over 12-16K) leave most SMs idle: those split into the
+    fewest of 2, 4, 8 parts that gives 512 programs, keeping at least two K tiles per part. From
+    `DECODE_MIN_TILES` column tiles up the product runs unsplit: on the H100 a split there cost more
+    (partials and their sum) than it gained (benchmarks/results/w4a16_fp4_split_h100.json)."""
+    tiles = triton.cdiv(N, block_n)
+    allowed = [s for s in (2, 4, 8) if triton.cdiv(K, block_k) >= 2 * s]
+    if tiles >= DECODE_MIN_TILES or not allowed:
+        return 1
+    return next((s for s in allowed if tiles * s >= 512), allowed[-1])
+
+
 def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool = True) -> dict[str, int]:
     """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt and its group size).
 
@@ -251,7 +265,8 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     columns of a 1024-wide K tile, 4 output rows per program on small weights, 8 on large. int4 with 3
     to 16 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
     dot, split K), 1.0-2.4x the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile,
-    narrow and deep on small weights (more programs), wide on large ones. Prefill from M = 129: 256 x 128
+    narrow and deep on small weights (more programs), wide on large ones, K split where the column tiles
+    are fewer than the SMs (`decode_split`; float32 partials summed after the kernel). Prefill from M = 129: 256 x 128
     tiles (two warpgroups share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
     codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and M > 2 else None
@@ -261,8 +276,9 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
         return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": 1024,
                 "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
-        return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": 64 if large else 16, "BLOCK_K": 128 if large else 256,
-                "SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
+        bn, bk = (64, 128) if large else (16, 256)
+        return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": decode_split(N, K, bn, bk),
+                "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
     bm, bn, bk, warps, stages = (
         (64, 128, 128, 4, 3) if M <= 64 else (128, 128, 64, 8, 4) if M <= 128 else (256, 128, 64, 8, 3)
     )
