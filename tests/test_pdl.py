@@ -38,7 +38,7 @@ def _launches(tree: ast.Module) -> list[tuple[str, ast.Call]]:
 # Kernels that read, before their wait, tensors no kernel of a decode step writes (the batch metadata,
 # written by host copies and torch ops before the step). Nothing before the wait may store.
 READ_BEFORE_WAIT = {
-    "_decode_stage1_kernel": "seq_lens, req_pool_indices, req_to_token",
+    "_decode_stage1_kernel": "seq_lens, req_pool_indices, req_to_token; with ROPE positions, out_cache_loc, cos|sin",
     "_decode_stage2_kernel": "seq_lens",
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",

@@ -180,3 +180,65 @@ def test_backend_fused_matches_unfused(mode: ForwardMode, norm: bool) -> None:
     assert rel_err(outs[True], outs[False]) <= tol
     assert rel_err(pools[True].k_buffers[0], pools[False].k_buffers[0]) <= tol
     assert torch.equal(pools[True].v_buffers[0], pools[False].v_buffers[0])
+
+
+DECODE_FUSED = [  # (lens, H, H_kv, D, splits); 0 = a padded CUDA-graph row
+    ([1, 37, 0, 16], 4, 2, 32, 4),
+    ([3, 50], 64, 2, 16, 2),  # group 32: two head blocks per KV head (block 0 stores)
+] if not CUDA else [([1, 17, 300, 4097, 0, 64], 32, 4, 128, 16), ([9, 1000], 64, 8, 64, 8), ([513], 16, 16, 128, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.float32])  # the interpreter's bf16 dot is wrong
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("case", range(len(DECODE_FUSED)))
+def test_decode_attention_fused_rope(dtype: torch.dtype, norm: bool, case: int) -> None:
+    """decode_attention_fwd(rope=...) == rope_store then decode_attention_fwd: output, pool, and the
+    new token's K/V slot; a padded row (seq_len 0) gives zeros and stores nothing."""
+    from ftransformers.kernels.triton_decode_attention import DecodeRope, decode_attention_fwd, decode_scratch
+
+    lens, H, H_kv, D, splits = DECODE_FUSED[case]
+    B, N = len(lens), sum(lens) + 8
+    gen = torch.Generator().manual_seed(100 * case + 10 * norm + (dtype == torch.float32))
+    rope = get_rope(D, D, 8192, ROPES["default"]).to(DEV)
+    q, k, v = _inputs(B, H, H_kv, D, dtype, gen)
+    r2t = torch.zeros(B + 1, max(lens) + 2, dtype=torch.int64)
+    slots = torch.randperm(N, generator=gen)[: sum(lens)] + 1
+    start = 0
+    for i, n in enumerate(lens):
+        r2t[i + 1, :n], start = slots[start : start + n], start + n
+    rows = torch.arange(1, B + 1)
+    loc = torch.tensor([int(r2t[i + 1, n - 1]) if n else 0 for i, n in enumerate(lens)])
+    positions = torch.tensor([max(n - 1, 0) for n in lens])
+    qw = (torch.rand(D, generator=gen) + 0.5).to(DEV, dtype) if norm else None
+    kw = (torch.rand(D, generator=gen) + 0.5).to(DEV, dtype) if norm else None
+    pool_k = torch.randn(N + 1, H_kv, D, generator=gen).to(DEV, dtype)
+    pool_v = torch.randn(N + 1, H_kv, D, generator=gen).to(DEV, dtype)
+    r2t, rows, loc, positions = r2t.to(DEV), rows.to(DEV), loc.to(DEV), positions.to(DEV)
+    seq_lens = torch.tensor(lens, device=DEV)
+    block_n = 16 if not CUDA else 64
+    outs, pools = [], []
+    for fused in (False, True):
+        pk, pv = pool_k.clone(), pool_v.clone()
+        out = torch.full((B, H, D), float("nan"), dtype=dtype, device=DEV)
+        mid_o, mid_lse = decode_scratch(B, H, D, splits, DEV)
+        if fused:
+            fr = DecodeRope(k, v, positions, rope.cos_sin_cache, loc, qw, kw, 1e-6, 1e-5)
+            decode_attention_fwd(q, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,
+                                 block_n=block_n, rope=fr)  # fmt: skip
+        else:
+            qr, _ = rope_store(q, k, v, positions, rope.cos_sin_cache, pk, pv, loc, qw, kw, 1e-6, 1e-5)
+            decode_attention_fwd(qr, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,
+                                 block_n=block_n)  # fmt: skip
+        outs.append(out)
+        pools.append((pk, pv))
+    tol = TOL[dtype]
+    live = torch.tensor(lens, device=DEV) > 0
+    assert rel_err(outs[1][live], outs[0][live]) <= tol
+    assert not outs[1][~live].any()
+    written = loc[live]
+    assert rel_err(pools[1][0][written], pools[0][0][written]) <= tol
+    assert torch.equal(pools[1][1][written], pools[0][1][written])
+    keep = torch.ones(N + 1, dtype=torch.bool, device=DEV)
+    keep[written] = False
+    keep[0] = False  # the padded row's slot: rope_store writes it, the fused kernel does not
+    assert torch.equal(pools[1][0][keep], pool_k[keep]) and torch.equal(pools[1][1][keep], pool_v[keep])

@@ -15,7 +15,7 @@ import triton
 from ftransformers.attention.backend import AttentionBackend, register_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
-from ftransformers.kernels.triton_decode_attention import decode_attention_fwd
+from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import mla_decode_fwd, mla_extend_fwd
 from ftransformers.kernels.triton_mla_prefill import mla_prefill_fwd, mla_prefill_sdpa
@@ -62,6 +62,10 @@ class TritonAttentionBackend(AttentionBackend):
     a capture that would need a larger scratch raises instead of allocating. The split lengths are
     computed in-kernel from seq_lens, so `max_context_len` does not size anything.
     """
+
+    # decode: per-head q/k norm, rope and the K/V store inside the attention's first stage (one launch a
+    # layer less than kernels/triton_rope_store.py + stage 1); False keeps the separate launch (A/B benches)
+    fuse_decode_rope = True
 
     def __init__(self) -> None:
         self.max_bs = DEFAULT_MAX_BS
@@ -160,11 +164,17 @@ class TritonAttentionBackend(AttentionBackend):
         eps_q: float = 1e-6,
         eps_k: float = 1e-6,
     ) -> torch.Tensor:  # [T, H, D_v]
-        """forward_mha after (optional per-head q/k RMSNorm and) neox rotary, with the norm, rope and
-        K/V store in one launch (kernels/triton_rope_store.py)."""
+        """forward_mha after (optional per-head q/k RMSNorm and) neox rotary. Decode (with
+        `fuse_decode_rope`, power-of-two head dims): inside the attention kernel's first stage
+        (triton_decode_attention.DecodeRope); otherwise one launch of kernels/triton_rope_store.py first."""
         pool = batch.kv_pool
         assert isinstance(pool, MHAKVPool), "forward_mha_fused_rope needs an MHA KV pool"
         k_buf, v_buf = pool.get_kv(layer_id)
+        fuse = self.fuse_decode_rope and can_fuse_rope(q.shape[-1], v_buf.shape[-1], cos_sin_cache)
+        if batch.mode == ForwardMode.DECODE and fuse:
+            loc = batch.out_cache_loc
+            rope = DecodeRope(k, v, positions, cos_sin_cache, loc, q_norm_weight, k_norm_weight, eps_q, eps_k)
+            return self._attend_mha(q, k, v, layer_id, scaling, batch, rope)
         q, k_rot = rope_store(
             q, k, v, positions, cos_sin_cache, k_buf, v_buf, batch.out_cache_loc, q_norm_weight, k_norm_weight,
             eps_q, eps_k, write_k=batch.mode != ForwardMode.DECODE,
@@ -172,8 +182,9 @@ class TritonAttentionBackend(AttentionBackend):
         return self._attend_mha(q, k if k_rot is None else k_rot, v, layer_id, scaling, batch)
 
     def _attend_mha(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, batch: ForwardBatch
-    ) -> torch.Tensor:  # K/V already stored; k/v (new tokens) are read by extend only
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, batch: ForwardBatch,
+        rope: DecodeRope | None = None,
+    ) -> torch.Tensor:  # K/V already stored (by stage 1 itself with `rope`); k/v (new tokens) read by extend only
         k_buf, v_buf = batch.kv_pool.get_kv(layer_id)  # type: ignore[union-attr]
         T, H, _ = q.shape
         out = q.new_empty(T, H, v_buf.shape[-1])
@@ -186,7 +197,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16,
+                mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16, rope=rope,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return extend_attention_fwd(

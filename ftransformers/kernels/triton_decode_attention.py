@@ -14,8 +14,16 @@ it, and is not launched at all when `num_kv_splits == 1`. Nothing here reads hos
 splits inside stage 1, the last split out doing it, was measured slower with PDL on the H100:
 benchmarks/results/attention_merge_ab_h100.log, fusions_ab_h100.log.)
 
+Fused rope (`rope=DecodeRope(...)`, the triton backend's decode path for Qwen3 / Llama-style layers):
+stage 1 also does what kernels/triton_rope_store.py does in its own launch otherwise: per-head q/k
+RMSNorm, neox rotary and the new token's K/V store. Each program rotates its own query heads; the
+program whose split holds position seq_len - 1 rotates the new k, stores k and v, and seeds its online
+softmax with that token (score q . k_new, weight 1, value v_new) instead of reading it back. One
+launch a layer less at every batch size.
+
 PDL (kernels/pdl.py): stage 1 reads the batch metadata (seq_lens, req_pool_indices, the first tile of
-req_to_token) before its wait, stage 2 seq_lens; no kernel of a decode step writes those tensors.
+req_to_token; with rope also positions, out_cache_loc and the constant cos|sin cache) before its wait,
+stage 2 seq_lens; no kernel of a decode step writes those tensors.
 
 Optional "PE" part (MLA through this generic kernel): the score is q . k + q_pe . k_pe with k_pe read
 from a second view; `kernels/triton_mla_attention.py` has the dedicated MLA decode kernel.
@@ -23,11 +31,14 @@ from a second view; `kernels/triton_mla_attention.py` has the dedicated MLA deco
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.triton_rope_store import norm_rope
 
 
 @triton.jit
@@ -39,20 +50,29 @@ def _split_len(seq_len, num_kv_splits, min_split_len, ALIGN: tl.constexpr):
 @triton.jit
 def _decode_stage1_kernel(
     Q, QPE, K, KPE, V, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-    sm_scale, group, num_kv_splits, min_split_len, heads_per_kv_blocks,
+    KNEW, VNEW, positions, cos_sin, QW, KW, out_cache_loc,
+    sm_scale, group, num_kv_splits, min_split_len, heads_per_kv_blocks, eps_q, eps_k,
     s_q_t, s_q_h, s_qpe_t, s_qpe_h,
     s_k_n, s_k_h, s_kpe_n, s_kpe_h, s_v_n, s_v_h, s_r2t,
     s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
+    s_kn_t, s_kn_h, s_vn_t, s_vn_h, s_cs,
     D: tl.constexpr, DPE: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
-    # PDL: the batch metadata (seq_lens, req_pool_indices, req_to_token) is written before the step by
-    # host copies and torch ops, never by a kernel of the step, so it is read before the wait
+    # ROPE: Q and KNEW / VNEW are the new token's raw projections (q [B, H, D], k [B, H_kv, D], v); this
+    #   kernel does what kernels/triton_rope_store.py would (per-head RMSNorm when QK_NORM, neox rotary
+    #   over the [P, D] cos|sin cache, K/V store at out_cache_loc): every program norms and rotates its
+    #   own heads of q, and the program holding position seq_len - 1 norms and rotates k, stores k and
+    #   v in the pool (head block 0 of the KV head) and starts its online softmax from that token
+    #   instead of reading it back from the pool. D == BLOCK_D (a power of two).
+    # PDL: the batch metadata (seq_lens, req_pool_indices, req_to_token, positions, out_cache_loc) is
+    # written before the step by host copies and torch ops, never by a kernel of the step, and the
+    # cos|sin cache is constant, so they are read before the wait
     pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     req = tl.load(req_pool_indices + b)  # issued with seq_len: one round trip less before the KV loads
@@ -62,6 +82,13 @@ def _decode_stage1_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     r2t_row = req_to_token + req * s_r2t
     loc = tl.load(r2t_row + start + offs_n, mask=start + offs_n < end, other=0)  # the first tile's KV slots
+    HALF: tl.constexpr = BLOCK_D // 2
+    offs_half = tl.arange(0, HALF)
+    if ROPE:
+        new_pos = tl.load(positions + b).to(tl.int64)
+        new_slot = tl.load(out_cache_loc + b).to(tl.int64)
+        cos = tl.load(cos_sin + new_pos * s_cs + offs_half)
+        sin = tl.load(cos_sin + new_pos * s_cs + HALF + offs_half)
     pdl_enter(USE_PDL)
     kv_head = pid_hb // heads_per_kv_blocks
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
@@ -77,8 +104,13 @@ def _decode_stage1_kernel(
         return
 
     offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b * s_q_t + heads[:, None] * s_q_h + offs_d[None, :],
-                mask=h_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_H, BLOCK_D]
+    if ROPE:
+        q1, q2 = norm_rope(Q + b * s_q_t + heads[:, None] * s_q_h, QW, eps_q, cos[None, :], sin[None, :],
+                            offs_half[None, :], h_mask[:, None], HALF, QK_NORM)  # fmt: skip
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK_H, BLOCK_D]).to(Q.dtype.element_ty)
+    else:
+        q = tl.load(Q + b * s_q_t + heads[:, None] * s_q_h + offs_d[None, :],
+                    mask=h_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_H, BLOCK_D]
     if BLOCK_DPE > 0:
         offs_pe = tl.arange(0, BLOCK_DPE)
         qpe = tl.load(QPE + b * s_qpe_t + heads[:, None] * s_qpe_h + offs_pe[None, :],
@@ -88,9 +120,27 @@ def _decode_stage1_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start_n in range(start, end, BLOCK_N):
+    loop_end = end
+    if ROPE:
+        has_new = end == seq_len  # this split holds the new token, position seq_len - 1
+        k1, k2 = norm_rope(KNEW + b * s_kn_t + kv_head * s_kn_h, KW, eps_k, cos, sin, offs_half,
+                            offs_half < tl.where(has_new, HALF, 0), HALF, QK_NORM)  # fmt: skip
+        k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), [BLOCK_D]).to(KNEW.dtype.element_ty)
+        k_new = k_new.to(K.dtype.element_ty)
+        v_new = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv, mask=offs_dv < tl.where(has_new, DV, 0),
+                        other=0.0)  # (a scalar & a vector mask is an int array in Triton's interpreter)
+        v_new = v_new.to(V.dtype.element_ty)
+        store = has_new & (pid_hb % heads_per_kv_blocks == 0)
+        tl.store(K + new_slot * s_k_n + kv_head * s_k_h + offs_d, k_new, mask=offs_d < tl.where(store, D, 0))
+        tl.store(V + new_slot * s_v_n + kv_head * s_v_h + offs_dv, v_new, mask=offs_dv < tl.where(store, DV, 0))
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
+        m_i = tl.where(has_new, s_new, m_i)
+        l_i = tl.where(has_new, 1.0, l_i)
+        acc = tl.where(has_new, acc + v_new.to(tl.float32)[None, :], acc)
+        loop_end = end - has_new.to(tl.int32)
+    for start_n in range(start, loop_end, BLOCK_N):
         pos = start_n + offs_n
-        n_mask = pos < end
+        n_mask = pos < loop_end
         if SHARED_KV:
             v = tl.load(K + loc[:, None] * s_k_n + kv_head * s_k_h + offs_d[None, :],
                         mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -194,8 +244,29 @@ def decode_combine(
     return out
 
 
+class DecodeRope(NamedTuple):
+    """The new token's un-roped projections and what turns them into stored, roped K/V (a decode
+    step's triton_rope_store.rope_store, done inside stage 1)."""
+
+    k: torch.Tensor  # [B, H_kv, D], raw k of the new token (last dim contiguous)
+    v: torch.Tensor  # [B, H_kv, D_v]
+    positions: torch.Tensor  # [B]
+    cos_sin_cache: torch.Tensor  # [P, D] float32 cos | sin (neox, rotary_dim == D)
+    out_cache_loc: torch.Tensor  # [B] pool slots of the new token
+    q_norm_weight: torch.Tensor | None = None  # [D] per-head RMSNorm (Qwen3), with k's
+    k_norm_weight: torch.Tensor | None = None
+    eps_q: float = 1e-6
+    eps_k: float = 1e-6
+
+
+def can_fuse_rope(head_dim: int, v_head_dim: int, cos_sin_cache: torch.Tensor) -> bool:
+    """Stage 1 takes the norm, rope and store for power-of-two head dims with rotary over all of it."""
+    pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return pow2 and head_dim == v_head_dim and cos_sin_cache.shape[-1] == head_dim
+
+
 def decode_attention_fwd(
-    q: torch.Tensor,  # [B, H, D]
+    q: torch.Tensor,  # [B, H, D] (raw q of the new token when `rope` is given)
     k_buf: torch.Tensor,  # [N, H_kv, D] (any strides on the first two dims)
     v_buf: torch.Tensor,  # [N, H_kv, D_v]
     out: torch.Tensor,  # [B, H, D_v]
@@ -214,11 +285,16 @@ def decode_attention_fwd(
     num_stages: int = 2,
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
     direct: bool = True,  # False: every row goes through the partials and stage 2 (the pre-2026-11 behaviour)
+    rope: DecodeRope | None = None,  # norm + rope q and the new k, store k/v, here (seq_lens count it)
 ) -> torch.Tensor:
     B, H, D = q.shape
     H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
     group = H // H_kv
     assert H % H_kv == 0 and q.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+    if rope is not None:
+        assert q_pe is None and can_fuse_rope(D, DV, rope.cos_sin_cache), (D, DV, rope.cos_sin_cache.shape)
+        assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1 and rope.cos_sin_cache.stride(-1) == 1
+        assert (rope.q_norm_weight is None) == (rope.k_norm_weight is None)
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
     block_h = max(16, min(block_h, triton.next_power_of_2(group)))
     blocks_per_kv = triton.cdiv(group, block_h)
@@ -231,18 +307,28 @@ def decode_attention_fwd(
     shared_kv = (
         v_buf.data_ptr() == k_buf.data_ptr() and v_buf.stride() == k_buf.stride() and DV == D
     )  # MLA: c_kv is both key (with k_pe) and value
+    if rope is None:  # placeholders, never read
+        knew, vnew, pos, cs, qw, kw, new_loc, eps_q, eps_k = q, q, seq_lens, q, q, q, seq_lens, 0.0, 0.0
+    else:
+        knew, vnew, pos, cs, new_loc = rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.out_cache_loc
+        qw = rope.q_norm_weight if rope.q_norm_weight is not None else cs
+        kw = rope.k_norm_weight if rope.k_norm_weight is not None else cs
+        eps_q, eps_k = float(rope.eps_q), float(rope.eps_k)
     _decode_stage1_kernel[grid](
         q, q_pe, k_buf, kpe_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale, group, num_kv_splits, min_split_len, blocks_per_kv,
+        knew, vnew, pos, cs, qw, kw, new_loc,
+        sm_scale, group, num_kv_splits, min_split_len, blocks_per_kv, eps_q, eps_k,
         q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
         k_buf.stride(0), k_buf.stride(1), kpe_buf.stride(0), kpe_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
+        knew.stride(0), knew.stride(1), vnew.stride(0), vnew.stride(1), cs.stride(0),
         D=D, DPE=dpe, DV=DV,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, triton.next_power_of_2(dpe)),
         BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
+        ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip

@@ -19,13 +19,16 @@ from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
 
 @triton.jit
-def _norm_rope(src, w_ptr, eps, cos, sin, offs, mask, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def norm_rope(src, w_ptr, eps, cos, sin, offs, mask, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    # one head per row of src + offs (offs [BLOCK_HALF], or [1, BLOCK_HALF] under [R, 1] row pointers):
+    # -> the rotated halves in float32, shaped like src + offs
     x1 = tl.load(src + offs, mask=mask, other=0.0)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
     if HAS_NORM:
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
+        sq = tl.sum(a * a, axis=-1, keep_dims=True) + tl.sum(b * b, axis=-1, keep_dims=True)
+        rstd = tl.rsqrt(sq / (2 * HALF) + eps)
         w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
         x1 = ((a * rstd).to(src.dtype.element_ty).to(tl.float32) * w1).to(src.dtype.element_ty)
@@ -58,13 +61,13 @@ def _rope_store_kernel(
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=mask, other=0.0)
     pdl_enter(USE_PDL)
     if h < H:
-        r1, r2 = _norm_rope(q_ptr + t * s_qt + h * s_qh, qw_ptr, eps_q, cos, sin, offs, mask, HALF, HAS_NORM)
+        r1, r2 = norm_rope(q_ptr + t * s_qt + h * s_qh, qw_ptr, eps_q, cos, sin, offs, mask, HALF, HAS_NORM)
         dst = q_out_ptr + t * s_qot + h * s_qoh
         tl.store(dst + offs, r1.to(q_out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF + offs, r2.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
         hk = (h - H).to(tl.int64)
-        r1, r2 = _norm_rope(k_ptr + t * s_kt + hk * s_kh, kw_ptr, eps_k, cos, sin, offs, mask, HALF, HAS_NORM)
+        r1, r2 = norm_rope(k_ptr + t * s_kt + hk * s_kh, kw_ptr, eps_k, cos, sin, offs, mask, HALF, HAS_NORM)
         k1 = r1.to(k_ptr.dtype.element_ty)
         k2 = r2.to(k_ptr.dtype.element_ty)
         if WRITE_K:
