@@ -468,7 +468,13 @@ def main() -> None:
     p.add_argument("--hf", default="first", help="'first': HF peer for each model's first entry; 'none'")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: shapes shrunk 16x, torch_native")
+    p.add_argument("--separate-decode-rope", action="store_true",
+                   help="decode q/k norm + rope + K/V store as their own launch (the pre-fusion path), for A/B")  # fmt: skip
     args = p.parse_args()
+    if args.separate_decode_rope:
+        from ftransformers.attention.triton_backend import TritonAttentionBackend
+
+        TritonAttentionBackend.fuse_decode_rope = False
     global DEV
     DEV = "cpu" if args.dry_run else "cuda"
     args.batches = [int(x) for x in args.batches.split(",")]

@@ -79,6 +79,9 @@ def topk_only(name: str, logits: torch.Tensor, bias: torch.Tensor):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tokens", default="1,4,8,16")
+    parser.add_argument("--cases", default="qwen3_softmax_topk8,deepseek_grouped_topk8")
+    parser.add_argument("--name", default="router_h100.json")
     args = parser.parse_args()
     dummy = torch.empty(1, device="cuda")
     copy_gbs = copy_bandwidth()
@@ -86,11 +89,12 @@ def main() -> None:
     print(f"copy bandwidth {copy_gbs:.0f} GB/s, empty kernel node {floor:.2f} µs")
     rows: list[dict] = []
     shapes = {"qwen3_softmax_topk8": (128, 2048), "deepseek_grouped_topk8": (256, 7168)}
+    shapes = {k: v for k, v in shapes.items() if k in args.cases.split(",")}
     for name, (e, d) in shapes.items():
         copies = max(REPS, -(-128 * 2**20 // (e * d * 2)))
         gates = [torch.randn(e, d, device="cuda", dtype=torch.bfloat16) / d**0.5 for _ in range(copies)]
         bias = torch.randn(e, device="cuda") * 0.3
-        for t in (1, 4, 8, 16):
+        for t in (int(x) for x in args.tokens.split(",")):
             hidden = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
             old, fused, ref = routers(name, hidden, gates, bias)
             (w, ids), (w_ref, ids_ref) = fused(0), ref(0)
@@ -109,7 +113,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
-    (out / "router_h100.json").write_text(json.dumps({"device": device, "copy_GBps": copy_gbs, "rows": rows}, indent=1))
+    meta = {"device": device, "copy_GBps": copy_gbs, "rows": rows}
+    (out / args.name).write_text(json.dumps(meta, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,164 @@
+"""In-process A/B of decode-step variants: one model, one KV pool, CUDA graphs re-captured per variant,
+variants timed in interleaved rounds, so that a peer runs in the same process and drift between runs
+(the same code's B=1 graph replay read 3.327 and 3.346 ms in two processes of session 8) cannot pose
+as a difference.
+
+Variants (comma-separated `--variants`):
+  base                  the engine as configured
+  separate-rope         decode q/k norm + rope + K/V store as their own launch (triton_rope_store), not
+                        inside the attention's first stage
+  router=PATH           the fused router (`fused_router_topk`) of another checkout's
+                        ftransformers/kernels/triton_router.py, e.g. the previous commit's
+  no-pdl                programmatic dependent launch off (kernels/pdl.py)
+  A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
+
+Per variant and batch: median graph-replay ms over `--iters` replays, per round; the table gives the
+median over rounds and each round's figure, beside the step's byte floor (bench_decode's accounting and
+the shared copy ceiling).
+
+    PYTHONPATH=$PWD python benchmarks/ab_decode.py --out $OUT/ab.json --model qwen3-30b-a3b:48 \
+        --batches 1,8 --variants base,separate-rope,router=prev/ftransformers/kernels/triton_router.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode as bd
+
+
+def _router_from(path: str) -> Callable[[], Callable[[], None]]:
+    spec = importlib.util.spec_from_file_location("ab_peer_router", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"ab_decode: cannot load a router module from {path}")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+
+    def apply() -> Callable[[], None]:
+        from ftransformers.kernels import triton_router
+
+        mine = triton_router.fused_router_topk
+        triton_router.fused_router_topk = peer.fused_router_topk  # layers/moe/topk.py looks it up per call
+        return lambda: setattr(triton_router, "fused_router_topk", mine)
+
+    return apply
+
+
+def _separate_rope() -> Callable[[], None]:
+    from ftransformers.attention.triton_backend import TritonAttentionBackend
+
+    TritonAttentionBackend.fuse_decode_rope = False
+    return lambda: setattr(TritonAttentionBackend, "fuse_decode_rope", True)
+
+
+def _no_pdl() -> Callable[[], None]:
+    from ftransformers.kernels.pdl import pdl_enabled, set_pdl_enabled
+
+    was = pdl_enabled()
+    set_pdl_enabled(False)
+    return lambda: set_pdl_enabled(was)
+
+
+def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
+    """name (parts joined by '+') -> a function that applies the variant and returns its undo."""
+    if "+" in name:
+        parts = [variant_setup(part) for part in name.split("+")]
+
+        def apply_all() -> Callable[[], None]:
+            undos = [apply() for apply in parts]
+            return lambda: [undo() for undo in reversed(undos)] and None
+
+        return apply_all
+    if name == "base":
+        return lambda: lambda: None
+    if name == "separate-rope":
+        return _separate_rope
+    if name == "no-pdl":
+        return _no_pdl
+    if name.startswith("router="):
+        return _router_from(name.partition("=")[2])
+    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, router=PATH)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="qwen3-30b-a3b:48")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--variants", default="base,separate-rope")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--mem-fraction", type=float, default=0.92)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    names = args.variants.split(",")
+    setups = {n: variant_setup(n) for n in names}
+    bd.DEV = "cuda"
+    bd.logging_setup()
+    from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner
+    from ftransformers.runtime.step_io import StepBatch
+
+    ceil = bd.ceilings()
+    name, _, layers = args.model.partition(":")
+    depth = int(layers or bd.FULL_DEPTH[name])
+    tmp = tempfile.TemporaryDirectory()
+    root = Path(tmp.name) / f"{name}-{depth}"
+    cfg = bd.write_config(name, depth, root, False)
+    runner = bd.make_runner(root, max(batches), args)
+    acc = bd.accounting(runner.model, cfg, depth)
+    acc["vocab"] = cfg["vocab_size"]
+    for buf in getattr(runner.kv_pool, "k_buffers", []) + getattr(runner.kv_pool, "v_buffers", []):
+        buf.uniform_(-1.0, 1.0)  # as bench_decode: finite, non-constant KV
+    ctx, n = args.context, args.context + 1
+    steps = {}
+    for b in batches:
+        toks = torch.randint(0, acc["vocab"], (b,)).tolist()
+        runner.forward_step(StepBatch([bd.seq_step(i, [toks[i]], ctx, 0, list(range(1 + i * n, 1 + (i + 1) * n)))
+                                       for i in range(b)]))  # fmt: skip
+        steps[b] = StepBatch([bd.seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(b)])
+    assert isinstance(runner.graph_runner, CudaGraphRunner), "ab_decode needs CUDA graphs"
+    dummy_req_row = runner._max_req_slots  # as ModelRunner passes it to make_cuda_graph_runner
+    times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in batches} for v in names}
+    for r in range(args.rounds):
+        for v in names:
+            undo = setups[v]()
+            try:
+                graphs = CudaGraphRunner(runner, max(batches), dummy_req_row)
+                graphs.capture()
+                runner.graph_runner = graphs
+                for b in batches:
+                    runner.forward_step(steps[b])  # fills the graph's buffers with this batch
+                    times[v][b].append(bd.median_ms(graphs.graphs[b].replay, args.iters))
+                    print(f"round {r} {v:40s} B={b:3d} replay {times[v][b][-1]:.3f} ms", flush=True)
+            finally:
+                undo()
+    rows: list[dict[str, Any]] = []
+    for v in names:
+        for b in batches:
+            floor = bd.decode_bytes(acc, b, ctx) / (ceil["copy_GBps"] * 1e9) * 1e3
+            med = statistics.median(times[v][b])
+            rows.append({"variant": v, "batch": b, "context": ctx, "floor_ms": floor, "replay_ms": med,
+                         "ratio": med / floor, "rounds_ms": times[v][b]})  # fmt: skip
+    out = {"device": torch.cuda.get_device_name(), "args": vars(args), "ceilings": ceil, "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"\n{out['device']}  copy {ceil['copy_GBps']:.0f} GB/s   {args.model} ctx {ctx}")
+    for row in rows:
+        rounds = " ".join(f"{t:.3f}" for t in row["rounds_ms"])
+        print(f"{row['variant']:40s} B={row['batch']:3d} replay {row['replay_ms']:.3f} ms "
+              f"(x{row['ratio']:.2f} of floor {row['floor_ms']:.3f}; rounds {rounds})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
