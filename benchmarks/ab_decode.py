@@ -10,11 +10,15 @@ Variants (comma-separated `--variants`):
   router=PATH           the fused router (`fused_router_topk`) of another checkout's
                         ftransformers/kernels/triton_router.py, e.g. the previous commit's
   no-pdl                programmatic dependent launch off (kernels/pdl.py)
+  no-prefetch           PDL on, but no L2 prefetch ahead of the wait (kernels/pdl.py, l2_prefetch)
+  prefetch=F/G[:N]      L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES), at most N
+                        lines of each row (default 512)
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
 
 Per variant and batch: median graph-replay ms over `--iters` replays, per round; the table gives the
 median over rounds and each round's figure, beside the step's byte floor (bench_decode's accounting and
-the shared copy ceiling).
+the shared copy ceiling). `--format` builds the model with quantized weights as bench_quant_decode does
+(its accounting gives the floor then).
 
     PYTHONPATH=$PWD python benchmarks/ab_decode.py --out $OUT/ab.json --model qwen3-30b-a3b:48 \
         --batches 1,8 --variants base,separate-rope,router=prev/ftransformers/kernels/triton_router.py
@@ -36,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd
+import bench_quant_decode as bq
 
 
 def _router_from(path: str) -> Callable[[], Callable[[], None]]:
@@ -70,6 +75,20 @@ def _no_pdl() -> Callable[[], None]:
     return lambda: set_pdl_enabled(was)
 
 
+def _prefetch(spec: str) -> Callable[[], Callable[[], None]]:
+    # spec: "" (none) or "fam/fam[:max_lines]"
+    fams, _, lines = spec.partition(":")
+
+    def apply() -> Callable[[], None]:
+        from ftransformers.kernels.pdl import pdl_prefetch_state, set_pdl_prefetch
+
+        was = pdl_prefetch_state()
+        set_pdl_prefetch(frozenset(f for f in fams.split("/") if f), int(lines or 512))
+        return lambda: set_pdl_prefetch(*was)
+
+    return apply
+
+
 def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
     """name (parts joined by '+') -> a function that applies the variant and returns its undo."""
     if "+" in name:
@@ -86,15 +105,20 @@ def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
         return _separate_rope
     if name == "no-pdl":
         return _no_pdl
+    if name == "no-prefetch":
+        return _prefetch("")
+    if name.startswith("prefetch="):
+        return _prefetch(name.partition("=")[2])
     if name.startswith("router="):
         return _router_from(name.partition("=")[2])
-    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, router=PATH)")
+    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, prefetch=F/G[:N], router=PATH)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="qwen3-30b-a3b:48")
+    p.add_argument("--format", default="bf16", choices=sorted(bq.FORMATS))
     p.add_argument("--batches", default="1,8")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--variants", default="base,separate-rope")
@@ -116,9 +140,14 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name) / f"{name}-{depth}"
     cfg = bd.write_config(name, depth, root, False)
+    if bq.FORMATS[args.format] is not None:
+        cfg["quantization_config"] = bq.FORMATS[args.format]
+        (root / "config.json").write_text(json.dumps(cfg))
     runner = bd.make_runner(root, max(batches), args)
-    acc = bd.accounting(runner.model, cfg, depth)
+    quant = bq.FORMATS[args.format] is not None
+    acc = bq.accounting(runner.model, cfg, depth) if quant else bd.accounting(runner.model, cfg, depth)
     acc["vocab"] = cfg["vocab_size"]
+    decode_bytes = bq.decode_bytes if quant else bd.decode_bytes
     for buf in getattr(runner.kv_pool, "k_buffers", []) + getattr(runner.kv_pool, "v_buffers", []):
         buf.uniform_(-1.0, 1.0)  # as bench_decode: finite, non-constant KV
     ctx, n = args.context, args.context + 1
@@ -147,13 +176,13 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for v in names:
         for b in batches:
-            floor = bd.decode_bytes(acc, b, ctx) / (ceil["copy_GBps"] * 1e9) * 1e3
+            floor = decode_bytes(acc, b, ctx) / (ceil["copy_GBps"] * 1e9) * 1e3
             med = statistics.median(times[v][b])
             rows.append({"variant": v, "batch": b, "context": ctx, "floor_ms": floor, "replay_ms": med,
                          "ratio": med / floor, "rounds_ms": times[v][b]})  # fmt: skip
     out = {"device": torch.cuda.get_device_name(), "args": vars(args), "ceilings": ceil, "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"\n{out['device']}  copy {ceil['copy_GBps']:.0f} GB/s   {args.model} ctx {ctx}")
+    print(f"\n{out['device']}  copy {ceil['copy_GBps']:.0f} GB/s   {args.model} {args.format} ctx {ctx}")
     for row in rows:
         rounds = " ".join(f"{t:.3f}" for t in row["rounds_ms"])
         print(f"{row['variant']:40s} B={row['batch']:3d} replay {row['replay_ms']:.3f} ms "

@@ -43,22 +43,55 @@ READ_BEFORE_WAIT = {
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
 }
-READ_ONLY_CALLS = {"tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "_split_len"}
+# Kernels that prefetch into L2 ahead of their wait (an `if PREFETCH:` block): what they prefetch, and
+# what they load there only to form addresses (a hint: any value is safe while the address is in bounds).
+# Keyed module.kernel.
+PREFETCH_BEFORE_WAIT = {
+    "triton_norm._rmsnorm_kernel": "the norm weight",
+    "triton_router._fused_router_kernel": "its gate rows",
+    "triton_gemv._gemv_kernel": "its weight rows",
+    "triton_fused_moe._pair_down_sum_kernel": "its experts' rows (loads topk_ids, clamped)",
+    "triton_fused_moe_w4._pair_down_sum_w4_kernel": "its experts' codes, scales, zeros (loads topk_ids, clamped)",
+    "triton_w4a16._w4a16_gemv_kernel": "its rows of codes, scales, zeros",
+    "triton_decode_attention._decode_stage1_kernel": "the first tile's K and V rows, the q/k norm weights",
+}
+READ_ONLY_CALLS = {
+    "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len"
+}
 
 
-def _first_statement(fn: ast.FunctionDef) -> str:
+def _is_prefetch_block(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "PREFETCH"
+
+
+def _first_statement(fn: ast.FunctionDef, key: str) -> str:
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    if fn.name in READ_BEFORE_WAIT:
-        tops = [ast.unparse(s) for s in body]
-        assert "pdl_enter(USE_PDL)" in tops, f"{fn.name}: no top-level pdl_enter(USE_PDL)"
-        before = body[: tops.index("pdl_enter(USE_PDL)")]
-        for node in (n for s in before for n in ast.walk(s)):
-            if isinstance(node, ast.Call):  # only loads and index arithmetic before the wait
-                name = ast.unparse(node.func)
-                ok = name in READ_ONLY_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr == "to")
-                assert ok, f"{fn.name}: {ast.unparse(node)} before the PDL wait"
-        return "pdl_enter(USE_PDL)"
-    return ast.unparse(body[0])
+    tops = [ast.unparse(s) for s in body]
+    if fn.name not in READ_BEFORE_WAIT and key not in PREFETCH_BEFORE_WAIT:
+        return tops[0]
+    assert "pdl_enter(USE_PDL)" in tops, f"{fn.name}: no top-level pdl_enter(USE_PDL)"
+    before = body[: tops.index("pdl_enter(USE_PDL)")]
+    for stmt in before:
+        prefetch = _is_prefetch_block(stmt)
+        assert not prefetch or key in PREFETCH_BEFORE_WAIT, f"{fn.name}: prefetches, not in PREFETCH_BEFORE_WAIT"
+        for node in ast.walk(stmt):
+            if not isinstance(node, ast.Call):
+                continue  # only loads, index arithmetic and (in a PREFETCH block) L2 prefetches before the wait
+            name = ast.unparse(node.func)
+            ok = name in READ_ONLY_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr == "to")
+            ok = ok or (prefetch and name == "l2_prefetch")
+            assert ok, f"{fn.name}: {ast.unparse(node)} before the PDL wait"
+            if name == "tl.load" and not prefetch:
+                assert fn.name in READ_BEFORE_WAIT, f"{fn.name}: loads before the wait, not in READ_BEFORE_WAIT"
+    return "pdl_enter(USE_PDL)"
+
+
+def _passes_prefetch(call: ast.Call) -> bool:
+    return any(
+        kw.arg is None and isinstance(kw.value, ast.Call) and ast.unparse(kw.value.func) == "pdl_launch"
+        and any(k.arg == "prefetch" for k in kw.value.keywords)
+        for kw in call.keywords
+    )
 
 
 def _passes_pdl(call: ast.Call, pdl_names: set[str]) -> bool:
@@ -94,9 +127,14 @@ def test_every_launched_kernel_keeps_the_pdl_contract() -> None:
             assert fn is not None, f"{path.name}: launch of {name}, not a @triton.jit function of this file"
             params = [a.arg for a in fn.args.args]
             takes = "USE_PDL" in params
-            first = _first_statement(fn) == "pdl_enter(USE_PDL)"
+            first = _first_statement(fn, f"{path.stem}.{name}") == "pdl_enter(USE_PDL)"
             passes = _passes_pdl(call, pdl_names)
             where = f"{path.name}:{call.lineno} {name}"
+            prefetches = "PREFETCH" in params
+            listed = f"{path.stem}.{name}" in PREFETCH_BEFORE_WAIT
+            assert prefetches == listed == _passes_prefetch(call), (
+                f"{where}: PREFETCH param {prefetches}, listed {listed}, launched with prefetch"
+            )
             assert takes == first == passes, (
                 f"{where}: USE_PDL param {takes}, pdl_enter(USE_PDL) first {first}, launched with pdl_launch {passes}"
             )

@@ -17,6 +17,23 @@ torch ops before the step's first kernel) may be read ahead of the wait. Kernels
 with those tensors, in tests/test_pdl.py (READ_BEFORE_WAIT), which checks nothing is stored before it.
 Kernels of other origins (cuBLAS, torch) in between are ordinary launches: full serialisation.
 
+L2 prefetch ahead of the wait (`l2_prefetch`, kernels launched with `pdl_launch(device, prefetch=FAMILY)`):
+a program that is resident before its predecessor completes can already pull lines it will read from
+DRAM into L2: constant weights, and the KV cache of earlier tokens, which no kernel of the step writes.
+A prefetch is a hint with no value: L2 is the GPU's point of coherence, so a line prefetched before a
+write to it reads the written value afterwards; a prefetch can make a kernel idle or early, never
+wrong, as long as every address is in bounds (`prefetch.global.L2` of an unmapped address is
+undefined). The values a kernel computes with are still loaded after the wait. Families:
+  norm    the RMSNorm weight (one row), by the first program
+  router  each program's rows of the fused router's gate
+Both are one-wave, latency-bound kernels of a decode step, resident while their predecessor runs.
+Measured and left out (H100, in-process A/B, Qwen3-30B-A3B bf16 B=1, benchmarks/results/
+ab_prefetch_fam_30b_h100.log and ab_prefetch_final_30b_h100.log): the weight rows of the streaming
+kernels of many waves, whole or their first tile (the one-row GEMV: 3.310 -> 3.487 ms; the MoE pair
+down kernel: 3.573; their 4-bit forms slower too), and GQA decode stage 1's first K/V tile (neutral
+alone, 3.306; with the q/k norm weights and the families above, 3.384 against 3.260 without it).
+`set_pdl_prefetch` chooses families (A/B runs); FTRANSFORMERS_DISABLE_PDL_PREFETCH=1 starts with none.
+
 Off on the CPU, in Triton's interpreter, below compute capability 9.0, with FTRANSFORMERS_DISABLE_PDL=1,
 or through `set_pdl_enabled(False)` (`--disable-pdl`). CUDA graphs capture the launch attribute as a
 programmatic edge, so replays keep the overlap.
@@ -36,6 +53,12 @@ _enabled = os.environ.get("FTRANSFORMERS_DISABLE_PDL", "0") in ("", "0") and not
 _by_device: dict[int, dict[str, bool]] = {}
 _OFF: dict[str, bool] = {}
 _ON: dict[str, bool] = {"USE_PDL": True, "launch_pdl": True}
+_ON_PREFETCH: dict[str, bool] = {**_ON, "PREFETCH": True}
+PREFETCH_FAMILIES = frozenset({"gemv", "norm", "router", "moe_down", "attention", "w4_gemv", "w4_moe_down"})
+_prefetch: frozenset[str] = (
+    PREFETCH_FAMILIES if os.environ.get("FTRANSFORMERS_DISABLE_PDL_PREFETCH", "0") in ("", "0") else frozenset()
+)
+_prefetch_max_lines = 512
 
 
 def set_pdl_enabled(enabled: bool) -> None:
@@ -48,9 +71,24 @@ def pdl_enabled() -> bool:
     return _enabled
 
 
-def pdl_launch(device: torch.device) -> dict[str, bool]:
+def set_pdl_prefetch(families: bool | frozenset[str], max_lines: int = 512) -> None:
+    """L2 prefetch ahead of the PDL wait for launches from now on (A/B measurements): on (True), off
+    (False) or for some kernel families only, at most `max_lines` 128-byte lines of each row."""
+    global _prefetch, _prefetch_max_lines
+    chosen = PREFETCH_FAMILIES if families is True else frozenset() if families is False else frozenset(families)
+    if chosen - PREFETCH_FAMILIES:
+        raise ValueError(f"unknown prefetch families {sorted(chosen - PREFETCH_FAMILIES)}; valid: {sorted(PREFETCH_FAMILIES)}")
+    _prefetch, _prefetch_max_lines = chosen, max_lines
+
+
+def pdl_prefetch_state() -> tuple[frozenset[str], int]:
+    return _prefetch, _prefetch_max_lines
+
+
+def pdl_launch(device: torch.device, prefetch: str | None = None) -> dict[str, bool]:
     """Extra launch arguments for a kernel taking `USE_PDL: tl.constexpr = False`: none where PDL is off,
-    else the constexpr and Triton's `launch_pdl` option."""
+    else the constexpr and Triton's `launch_pdl` option; with `prefetch` (the family of a kernel that
+    also takes `PREFETCH: tl.constexpr = False`) PREFETCH=True while that family's prefetch is on."""
     if not _enabled or device.type != "cuda":
         return _OFF
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -58,7 +96,7 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
     if args is None:
         args = _ON if torch.cuda.get_device_capability(index)[0] >= 9 else _OFF
         _by_device[index] = args
-    return args
+    return _ON_PREFETCH if prefetch in _prefetch and args is _ON else args
 
 
 @triton.jit
@@ -67,3 +105,28 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+def prefetch_lines(row_elems: int, element_size: int) -> dict[str, int]:
+    """PF_STRIDE (elements per 128-byte line) and PF_LINES (lines to cover a row of `row_elems`, a power
+    of two for tl.arange, at most the set maximum) for a kernel prefetching whole rows."""
+    stride = max(1, 128 // element_size)
+    lines = min(_prefetch_max_lines, triton.next_power_of_2(triton.cdiv(row_elems, stride)))
+    return {"PF_STRIDE": stride, "PF_LINES": lines}
+
+
+def packed4_prefetch_lines(row_elems: int, group_size: int, scale_element_size: int) -> dict[str, int]:
+    """For a 4-bit weight row of `row_elems` inputs (int32 words of 8 codes, one scale per group): PF_Q
+    lines of 32 words, PF_S lines of the scales' row and PF_SS scales a line."""
+    scales = prefetch_lines(row_elems // group_size, scale_element_size)
+    return {"PF_Q": prefetch_lines(row_elems // 8, 4)["PF_LINES"], "PF_S": scales["PF_LINES"], "PF_SS": scales["PF_STRIDE"]}
+
+
+@triton.jit
+def l2_prefetch(ptrs, PREFETCH: tl.constexpr):
+    # pull the 128-byte lines holding `ptrs` (in-bounds addresses, one per line is enough) into L2; a
+    # hint with no value, issued ahead of pdl_enter by kernels launched with pdl_launch(prefetch=FAMILY)
+    if PREFETCH:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )

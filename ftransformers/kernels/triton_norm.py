@@ -10,16 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
 
 
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, D, eps,
     stride_x, stride_res, stride_out, stride_new_res,
-    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr, PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
+    if PREFETCH:  # the weight, a constant, to L2 ahead of the wait (x and the residual come from L2 anyway),
+        if tl.program_id(0) == 0:  # by one program: the others' copies of the hint only queue behind it
+            l2_prefetch(w_ptr + tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, D - 1), PREFETCH)
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -64,7 +67,7 @@ def rms_norm(
             x2, res2, weight, out, new_res, d, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
-            **pdl_launch(x2.device),
+            **prefetch_lines(d, weight.element_size()), **pdl_launch(x2.device, prefetch="norm"),
         )
     if residual is None:
         return out.view(shape)

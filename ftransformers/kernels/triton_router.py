@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
 from ftransformers.kernels.tickets import ticket_counters
 
 MAX_EXPERTS = 1024
@@ -185,11 +185,16 @@ def _fused_router_kernel(
     ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
-    pdl_enter(USE_PDL)
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
+    if PREFETCH:  # this program's gate rows to L2 ahead of the wait
+        pf_e = tl.minimum((tl.program_id(0) % E_BLOCKS) * BLOCK_E + tl.arange(0, BLOCK_E), E - 1)
+        pf_d = tl.minimum((tl.program_id(0) // E_BLOCKS) * (D_TILES * BLOCK_D) + tl.arange(0, PF_LINES) * PF_STRIDE, D - 1)
+        l2_prefetch(w_ptr + pf_e[:, None].to(tl.int64) * stride_we + pf_d[None, :], PREFETCH)
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_e = pid % E_BLOCKS
     pid_d = pid // E_BLOCKS
@@ -350,6 +355,6 @@ def fused_router_topk(
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=8 if sel_t * block_g * block_s >= 4096 else 4,
-        **pdl_launch(hidden.device),
+        **prefetch_lines(tiles_per_split * block_d, weight.element_size()), **pdl_launch(hidden.device, prefetch="router"),
     )  # fmt: skip
     return out_w, out_ids
