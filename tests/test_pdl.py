@@ -49,11 +49,6 @@ READ_BEFORE_WAIT = {
 PREFETCH_BEFORE_WAIT = {
     "triton_norm._rmsnorm_kernel": "the norm weight",
     "triton_router._fused_router_kernel": "its gate rows",
-    "triton_gemv._gemv_kernel": "its weight rows",
-    "triton_fused_moe._pair_down_sum_kernel": "its experts' rows (loads topk_ids, clamped)",
-    "triton_fused_moe_w4._pair_down_sum_w4_kernel": "its experts' codes, scales, zeros (loads topk_ids, clamped)",
-    "triton_w4a16._w4a16_gemv_kernel": "its rows of codes, scales, zeros",
-    "triton_decode_attention._decode_stage1_kernel": "the first tile's K and V rows, the q/k norm weights",
 }
 READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len"

@@ -54,7 +54,7 @@ _by_device: dict[int, dict[str, bool]] = {}
 _OFF: dict[str, bool] = {}
 _ON: dict[str, bool] = {"USE_PDL": True, "launch_pdl": True}
 _ON_PREFETCH: dict[str, bool] = {**_ON, "PREFETCH": True}
-PREFETCH_FAMILIES = frozenset({"gemv", "norm", "router", "moe_down", "attention", "w4_gemv", "w4_moe_down"})
+PREFETCH_FAMILIES = frozenset({"norm", "router"})
 _prefetch: frozenset[str] = (
     PREFETCH_FAMILIES if os.environ.get("FTRANSFORMERS_DISABLE_PDL_PREFETCH", "0") in ("", "0") else frozenset()
 )
@@ -113,13 +113,6 @@ def prefetch_lines(row_elems: int, element_size: int) -> dict[str, int]:
     stride = max(1, 128 // element_size)
     lines = min(_prefetch_max_lines, triton.next_power_of_2(triton.cdiv(row_elems, stride)))
     return {"PF_STRIDE": stride, "PF_LINES": lines}
-
-
-def packed4_prefetch_lines(row_elems: int, group_size: int, scale_element_size: int) -> dict[str, int]:
-    """For a 4-bit weight row of `row_elems` inputs (int32 words of 8 codes, one scale per group): PF_Q
-    lines of 32 words, PF_S lines of the scales' row and PF_SS scales a line."""
-    scales = prefetch_lines(row_elems // group_size, scale_element_size)
-    return {"PF_Q": prefetch_lines(row_elems // 8, 4)["PF_LINES"], "PF_S": scales["PF_LINES"], "PF_SS": scales["PF_STRIDE"]}
 
 
 @triton.jit

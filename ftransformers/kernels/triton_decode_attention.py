@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.triton_rope_store import norm_rope
 
 
@@ -60,8 +60,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-    PF_KS: tl.constexpr, PF_KL: tl.constexpr, PF_VS: tl.constexpr, PF_VL: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
@@ -83,17 +82,6 @@ def _decode_stage1_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     r2t_row = req_to_token + req * s_r2t
     loc = tl.load(r2t_row + start + offs_n, mask=start + offs_n < end, other=0)  # the first tile's KV slots
-    if PREFETCH:  # that tile's K and V rows to L2 ahead of the wait (PF_KL / PF_VL lines of PF_KS / PF_VS)
-        # earlier tokens' KV, written by earlier steps (the new token's slot, if in the tile, is a no-op hint)
-        pf_kvh = (tl.program_id(0) // heads_per_kv_blocks).to(tl.int64)
-        pf_row = loc[:, None].to(tl.int64)
-        l2_prefetch(K + pf_row * s_k_n + pf_kvh * s_k_h + tl.minimum(tl.arange(0, PF_KL) * PF_KS, D - 1)[None, :],
-                    PREFETCH)
-        l2_prefetch(V + pf_row * s_v_n + pf_kvh * s_v_h + tl.minimum(tl.arange(0, PF_VL) * PF_VS, DV - 1)[None, :],
-                    PREFETCH)
-        if QK_NORM:  # and the constant per-head norm weights (D elements each)
-            l2_prefetch(QW + tl.minimum(tl.arange(0, PF_KL) * PF_KS, D - 1), PREFETCH)
-            l2_prefetch(KW + tl.minimum(tl.arange(0, PF_KL) * PF_KS, D - 1), PREFETCH)
     HALF: tl.constexpr = BLOCK_D // 2
     offs_half = tl.arange(0, HALF)
     if ROPE:
@@ -326,7 +314,6 @@ def decode_attention_fwd(
         qw = rope.q_norm_weight if rope.q_norm_weight is not None else cs
         kw = rope.k_norm_weight if rope.k_norm_weight is not None else cs
         eps_q, eps_k = float(rope.eps_q), float(rope.eps_k)
-    pf_k, pf_v = prefetch_lines(D, k_buf.element_size()), prefetch_lines(DV, v_buf.element_size())
     _decode_stage1_kernel[grid](
         q, q_pe, k_buf, kpe_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         knew, vnew, pos, cs, qw, kw, new_loc,
@@ -342,9 +329,8 @@ def decode_attention_fwd(
         BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
-        PF_KS=pf_k["PF_STRIDE"], PF_KL=pf_k["PF_LINES"], PF_VS=pf_v["PF_STRIDE"], PF_VL=pf_v["PF_LINES"],
         num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(q.device, prefetch="attention"),
+        **pdl_launch(q.device),
     )  # fmt: skip
     if num_kv_splits > 1 or not direct:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct)

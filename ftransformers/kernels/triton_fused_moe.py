@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import grouped_tile
 
@@ -314,32 +314,18 @@ def _pair_gate_up_kernel(
 
 @triton.jit
 def _pair_down_sum_kernel(
-    act_ptr, w_ptr, out_ptr, ids_ptr, part_ptr, ticket_ptr, N, K, num_tokens, num_experts,
+    act_ptr, w_ptr, out_ptr, ids_ptr, part_ptr, ticket_ptr, N, K, num_tokens,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     TOP_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    K_TILES: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     # out[t, n] = sum_k act[t*TOP_K + k] @ w2[e_k, n]^T, one float32 accumulator over (k, i); act
     # already carries the routing weight. The slots are unrolled, so their expert ids and weight
     # loads are independent of each other. Token fastest in the grid. SPLIT > 1: program (t, s,
     # n-block) takes slots [s*TOP_K/SPLIT, (s+1)*TOP_K/SPLIT) and the last one out of (t, n-block) adds
     # the SPLIT float32 partials in order (as in triton_fused_moe_w4's down kernel).
-    SLOTS: tl.constexpr = TOP_K // SPLIT
-    if PREFETCH:  # this program's rows of its experts to L2 ahead of the wait: the ids come from the router
-        # two kernels back (router -> gate-up -> here), final by the time this program can be resident;
-        # clamped, since a prefetch address must be valid whatever the buffer holds
-        pf_pid = tl.program_id(0)
-        pf_t = pf_pid % num_tokens
-        pf_n = tl.minimum((pf_pid // (num_tokens * SPLIT)) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        pf_k = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, K - 1)
-        for j in tl.static_range(SLOTS):
-            pf_slot = ((pf_pid // num_tokens) % SPLIT) * SLOTS + j
-            pf_e = tl.load(ids_ptr + pf_t * TOP_K + pf_slot).to(tl.int64)
-            pf_e = tl.minimum(tl.maximum(pf_e, 0), num_experts - 1)
-            l2_prefetch(w_ptr + pf_e * stride_we + pf_n[:, None].to(tl.int64) * stride_wn + pf_k[None, :] * stride_wk,
-                        PREFETCH)  # fmt: skip
     pdl_enter(USE_PDL)
+    SLOTS: tl.constexpr = TOP_K // SPLIT
     pid = tl.program_id(0)
     t = pid % num_tokens
     pid_s = (pid // num_tokens) % SPLIT
@@ -406,12 +392,11 @@ def pair_down_sum(
     split = cfg.down_split if top_k % cfg.down_split == 0 else 1
     split, tickets, part = split_scratch(act.device, "moe_down", t * n_blocks, split, t, d)
     _pair_down_sum_kernel[(t * split * n_blocks,)](
-        act, w2, out, topk_ids, act if part is None else part, topk_ids if tickets is None else tickets, d, inter, t,
-        w2.shape[0], act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k, SPLIT=split,
-        BLOCK_N=cfg.down_n, BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
-        **prefetch_lines(inter, w2.element_size()),
+        act, w2, out, topk_ids, act if part is None else part, topk_ids if tickets is None else tickets, d, inter, t, act.stride(0),
+        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK_N=cfg.down_n,
+        BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
-        **pdl_launch(act.device, prefetch="moe_down" if w2.stride(2) == 1 else None),
+        **pdl_launch(act.device),
     )  # fmt: skip
     return out
 

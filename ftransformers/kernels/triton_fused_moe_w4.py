@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, packed4_prefetch_lines, pdl_enter, pdl_launch
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import grouped_tile
@@ -279,11 +279,10 @@ def _pair_gate_up_w4_kernel(
 @triton.jit
 def _pair_down_sum_w4_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, out_ptr, ids_ptr, tw_ptr, part_ptr, ticket_ptr, N, K,
-    num_tokens, plane, stride_qe, stride_qn, stride_se, stride_sn, stride_ge, stride_om, num_experts,
+    num_tokens, plane, stride_qe, stride_qn, stride_se, stride_sn, stride_ge, stride_om,
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    PF_Q: tl.constexpr, PF_S: tl.constexpr, PF_SS: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[t, n] = sum_k tw[t, k] * (act[t*TOP_K + k] @ w2[e_k, n]), float32 across the slots; act_ptr:
     # the gate-up kernel's float32 planes [T*TOP_K, 8, K/8]; plane = K / 8 (an argument, so that its
@@ -291,26 +290,11 @@ def _pair_down_sum_w4_kernel(
     # SPLIT > 1 (few tokens: more programs in flight): program (t, s, n-block) sums slots
     # [s*TOP_K/SPLIT, (s+1)*TOP_K/SPLIT) into part[s, t, n-block] (float32); the last of the SPLIT
     # programs of (t, n-block) to take a ticket adds the SPLIT partials in order and writes out.
-    SLOTS: tl.constexpr = TOP_K // SPLIT
-    if PREFETCH:  # this program's rows of its experts' codes (PF_Q lines of 32 words), scales and zeros
-        # (PF_S lines of PF_SS) to L2 ahead of the wait; the ids come from the router two kernels back
-        # (router -> gate-up -> here), final once this program can be resident, and are clamped anyway
-        pf_pid = tl.program_id(0)
-        pf_t = pf_pid % num_tokens
-        pf_n = tl.minimum((pf_pid // (num_tokens * SPLIT)) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None]
-        pf_w = tl.minimum(tl.arange(0, PF_Q) * 32, K // 8 - 1)[None, :]
-        pf_g = tl.minimum(tl.arange(0, PF_S) * PF_SS, K // GROUP - 1)[None, :]
-        for j in tl.static_range(SLOTS):
-            pf_e = tl.load(ids_ptr + pf_t * TOP_K + ((pf_pid // num_tokens) % SPLIT) * SLOTS + j).to(tl.int64)
-            pf_e = tl.minimum(tl.maximum(pf_e, 0), num_experts - 1)
-            l2_prefetch(q_ptr + pf_e * stride_qe + pf_n * stride_qn + pf_w, PREFETCH)
-            l2_prefetch(s_ptr + pf_e * stride_se + pf_n * stride_sn + pf_g, PREFETCH)
-            if HAS_ZERO:
-                l2_prefetch(z_ptr + pf_e * stride_se + pf_n * stride_sn + pf_g, PREFETCH)
     pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP
     WPG: tl.constexpr = GROUP // 8
+    SLOTS: tl.constexpr = TOP_K // SPLIT
     pid = tl.program_id(0)
     t = pid % num_tokens
     pid_s = (pid // num_tokens) % SPLIT
@@ -508,12 +492,11 @@ def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor
     _pair_down_sum_w4_kernel[(t * split * n_blocks,)](
         act, *_weight_args(w2)[:5], out, ids, weights, act if part is None else part,
         ids if tickets is None else tickets, d, inter, t,
-        inter // 8, *_weight_args(w2)[5:], out.stride(0), w2.qweight.shape[0], FMT=_FMT_ID[w2.fmt],
-        HAS_ZERO=w2.zeros is not None, EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k,
-        SPLIT=split, BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk),
-        **packed4_prefetch_lines(inter, w2.group_size, w2.scales.element_size()),
-        num_warps=cfg.down_warps, num_stages=cfg.stages, **_maxnreg(cfg.down_maxnreg),
-        **pdl_launch(act.device, prefetch="w4_moe_down"),
+        inter // 8, *_weight_args(w2)[5:], out.stride(0), FMT=_FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
+        EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, SPLIT=split,
+        BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps,
+        num_stages=cfg.stages, **_maxnreg(cfg.down_maxnreg),
+        **pdl_launch(act.device),
     )  # fmt: skip
     return out
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
 GEMV_MAX_M = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -35,15 +35,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
-    # PREFETCH: its weight rows (PF_LINES lines of PF_STRIDE elements each) go to L2 ahead of the wait
-    if PREFETCH:
-        pf_n = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        pf_k = tl.minimum(tl.arange(0, PF_LINES) * PF_STRIDE, K - 1)
-        l2_prefetch(w_ptr + pf_n[:, None] * stride_wn + pf_k[None, :], PREFETCH)
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -107,9 +102,9 @@ def gemv(
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
-        IEEE=x.dtype == torch.float32 or _INTERPRET, **prefetch_lines(K, weight.element_size()),
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
         **cfg,
-        **pdl_launch(x.device, prefetch="gemv"),
+        **pdl_launch(x.device),
     )  # fmt: skip
     return y
 

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, packed4_prefetch_lines, pdl_enter, pdl_launch
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
@@ -82,22 +82,13 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PF_Q: tl.constexpr, PF_S: tl.constexpr, PF_SS: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
     # along W only; a thread holds all N, M and J of its word column, so x (one 16-byte vector per word and
     # row), q and the scales meet in one layout without shuffles. `unit` (== 1, never specialized) hides
     # q's contiguity so that its load takes that one-word-per-thread layout too.
-    # PREFETCH: this program's rows of q (PF_Q lines of 32 words) and of the scales and zeros (PF_S lines
-    # of PF_SS entries) to L2 ahead of the wait
-    if PREFETCH:
-        pf_n = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)[:, None]
-        l2_prefetch(q_ptr + pf_n * stride_qn + tl.minimum(tl.arange(0, PF_Q) * 32, K // 8 - 1)[None, :], PREFETCH)
-        pf_g = tl.minimum(tl.arange(0, PF_S) * PF_SS, K // GROUP - 1)[None, :]
-        l2_prefetch(s_ptr + pf_n * stride_sn + pf_g, PREFETCH)
-        if HAS_ZEROS:
-            l2_prefetch(z_ptr + pf_n * stride_zn + pf_g, PREFETCH)
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -360,10 +351,7 @@ def w4a16_linear(
     pdl = pdl_launch(x.device)
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
-        pf = packed4_prefetch_lines(K, qw.group_size, s.element_size())
-        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
-            *args, 1, *strides, **flags, **cfg, **pf, **pdl_launch(x.device, prefetch="w4_gemv")
-        )
+        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](*args, 1, *strides, **flags, **cfg, **pdl)
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         ieee = x.dtype == torch.float32 or _INTERPRET
