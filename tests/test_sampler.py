@@ -133,6 +133,19 @@ def test_greedy_is_argmax_after_penalties_and_bans() -> None:
     assert out[1] != top[1]
 
 
+@pytest.mark.parametrize("case", ["greedy", "banned", "penalty", "banned+penalty", "sampled+banned"])
+def test_sample_leaves_the_logits_untouched(case: str) -> None:
+    # the sampler reads the CUDA graph's logits buffer in place (no copy for a plain greedy step)
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5))
+    before = logits.clone()
+    banned = [int(logits[0].argmax())] if "banned" in case else None
+    params = SamplingParams(temperature=0.7 if "sampled" in case else 0.0, frequency_penalty=1.5 if "penalty" in case else 0.0)
+    out = [r.token_id for r in Sampler("cpu", seed=1)(logits, [seq(params, output=[3, 3], banned=banned) for _ in range(4)])]
+    assert torch.equal(logits, before)
+    if banned:
+        assert banned[0] not in out[:1]
+
+
 def test_banned_tokens_never_chosen() -> None:
     logits = torch.tensor([[5.0, 4.0, 0.0, 0.0, -1.0, 0.5]]).repeat(2000, 1)
     sampler = Sampler("cpu", seed=4)

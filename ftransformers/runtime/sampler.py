@@ -57,7 +57,8 @@ def resolve_future(ids: torch.Tensor, future: torch.Tensor | None) -> torch.Tens
 
 
 def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep], future: torch.Tensor | None = None) -> torch.Tensor:
-    """Repetition, frequency and presence penalties in place on logits [S, V]."""
+    """Repetition, frequency and presence penalties on logits [S, V], out of place (logits itself is
+    returned untouched when no row has a penalty)."""
     S, V = logits.shape
     dev = logits.device
     rows = [i for i, s in enumerate(seqs) if s.sampling.has_penalties]
@@ -92,6 +93,7 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep], future: torch
 
 
 def apply_bans(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
+    """-inf at each row's banned ids, on a copy (logits itself is returned when no row bans any)."""
     rows: list[int] = []
     toks: list[int] = []
     for i, s in enumerate(seqs):
@@ -100,6 +102,7 @@ def apply_bans(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
             toks += s.banned_token_ids
     if rows:
         dev = logits.device
+        logits = logits.clone()
         logits[to_device(rows, torch.int64, dev), to_device(toks, torch.int64, dev)] = float("-inf")
     return logits
 
@@ -197,8 +200,9 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         logprobs = raw.log_softmax(dim=-1) if any(want_logprobs) else None  # [S, V]
 
-        logits = apply_penalties(raw.clone(), seqs, self.future)
-        logits = apply_bans(logits, seqs)
+        # both copy before changing anything: raw (the CUDA graph's logits buffer) stays as it is, and a
+        # plain greedy step reads it without a [S, V] copy
+        logits = apply_bans(apply_penalties(raw, seqs, self.future), seqs)
         greedy = [p.greedy for p in params]
         tokens = logits.argmax(dim=-1)  # [S]
         if not all(greedy):
