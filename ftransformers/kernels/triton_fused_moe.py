@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
-from ftransformers.kernels.tiling import grouped_tile
+from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 
 # Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
 # (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
@@ -201,15 +201,10 @@ def _moe_gemm_kernel(
     # C[pair, n] = A[pair // A_DIV, :] @ B[e, n, :]^T for the rows of one expert-aligned block.
     # FUSE_SILU: B rows [n] (gate) and [up_offset + n] (up) -> silu(gate) * up.
     pdl_enter(USE_PDL)
-    pid = tl.program_id(0)
-    num_pid_m = max_padded // BLOCK_M
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n = aligned_tile(max_padded, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):  # past the used row blocks
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-    row_ok = pair < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair, row_ok, expert = aligned_rows(sorted_ptr, expert_ids_ptr, pid_m, num_pairs, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

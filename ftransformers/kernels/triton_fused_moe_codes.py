@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.tiling import grouped_tile
+from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_w4a16_codes import MAGIC, code_tile, codes_block_k, group_params
 
 # Triton's CPU interpreter truncates float32 -> bfloat16; round to nearest even by hand there.
@@ -64,16 +64,11 @@ def _moe_gemm_codes_kernel(
     # MUL_WEIGHT: times the routing weight. Scales and zeros share strides (fused_moe_w4's _check).
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
-    pid = tl.program_id(0)
-    num_pid_m = max_padded // BLOCK_M
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n = aligned_tile(max_padded, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):  # past the used row blocks
         return
+    pair, row_ok, expert = aligned_rows(sorted_ptr, expert_ids_ptr, pid_m, num_pairs, BLOCK_M)  # [BM]
     magic = magic.to(tl.int32)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-    row_ok = pair < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

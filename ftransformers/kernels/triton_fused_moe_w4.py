@@ -40,7 +40,7 @@ import triton.language as tl
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
-from ftransformers.kernels.tiling import grouped_tile
+from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
 from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm_codes, to_16bit
 
@@ -385,16 +385,11 @@ def _moe_gemm_w4_kernel(
     pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     WPG: tl.constexpr = GROUP // 8
-    pid = tl.program_id(0)
-    num_pid_m = max_padded // BLOCK_M
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n = aligned_tile(max_padded, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):  # past the used row blocks
         return
+    pair, row_ok, expert = aligned_rows(sorted_ptr, expert_ids_ptr, pid_m, num_pairs, BLOCK_M)  # [BM]
     magic = magic.to(tl.uint32, bitcast=True)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-    row_ok = pair < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

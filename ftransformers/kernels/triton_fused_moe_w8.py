@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
-from ftransformers.kernels.tiling import grouped_tile
+from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fp8_gemm import quant_act_fp8
 from ftransformers.kernels.triton_fused_moe import PAIR_MAX_PAIRS, MoEConfig, moe_align, moe_sum
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_act_int8, quant_int8
@@ -56,16 +56,11 @@ def _w8_moe_gemm_kernel(
     # up_rows + n (up) -> silu(gate) * up. FP8: BLOCK_K is the scale group, scales per K tile.
     # Products are rounded to ROUND_TY (hidden.dtype) before SiLU / the routing weight.
     pdl_enter(USE_PDL)
-    pid = tl.program_id(0)
-    num_pid_m = max_padded // BLOCK_M
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+    pid_m, pid_n = aligned_tile(max_padded, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):  # past the used row blocks
         return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-    row_ok = pair < num_pairs
+    pair, row_ok, expert = aligned_rows(sorted_ptr, expert_ids_ptr, pid_m, num_pairs, BLOCK_M)  # [BM]
     a_row = pair // A_DIV
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
