@@ -99,13 +99,19 @@ def decode_bytes(acc: dict[str, Any], batch: int, context: int) -> float:
             + 4 * batch * acc["hidden"] + batch * (context + 1) * acc["kv_bytes_per_token"])  # fmt: skip
 
 
-def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Namespace, bw: float) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp()) / f"{name}-{layers}-{fmt}"
-    args.disable_pdl = not pdl
-    cfg = bd.write_config(name, layers, root, args.dry_run)
+def write_config(name: str, layers: int, root: Path, fmt: str, dry_run: bool) -> dict[str, Any]:
+    """bench_decode's config of `name` with the `quantization_config` of `fmt` (none for bf16)."""
+    cfg = bd.write_config(name, layers, root, dry_run)
     if FORMATS[fmt] is not None:
         cfg["quantization_config"] = FORMATS[fmt]
         (root / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Namespace, bw: float) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp()) / f"{name}-{layers}-{fmt}"
+    args.disable_pdl = not pdl
+    cfg = write_config(name, layers, root, fmt, args.dry_run)
     t0 = time.perf_counter()
     runner = bd.make_runner(root, max(args.batches), args)
     res: dict[str, Any] = {"model": name, "layers": layers, "format": fmt, "pdl": pdl, "init_s": time.perf_counter() - t0}

@@ -158,23 +158,24 @@ def test_pdl_launch_arguments() -> None:
 def test_prefetch_families() -> None:
     from ftransformers.kernels import pdl
 
-    saved = pdl.pdl_prefetch_state()
+    saved = pdl.pdl_prefetch_families()
     try:
         with pytest.raises(ValueError, match="unknown prefetch families"):
             pdl.set_pdl_prefetch(frozenset({"gemv"}))
-        pdl.set_pdl_prefetch(frozenset({"norm"}), max_lines=4)
-        assert pdl.pdl_prefetch_state() == (frozenset({"norm"}), 4)
-        assert pdl.prefetch_lines(2048, 2) == {"PF_STRIDE": 64, "PF_LINES": 4}
+        pdl.set_pdl_prefetch(frozenset({"norm"}))
+        assert pdl.pdl_prefetch_families() == frozenset({"norm"})
         pdl.set_pdl_prefetch(True)
+        assert pdl.pdl_prefetch_families() == pdl.PREFETCH_FAMILIES
         assert pdl.prefetch_lines(2048, 2) == {"PF_STRIDE": 64, "PF_LINES": 32}
         assert pdl.prefetch_lines(100, 4) == {"PF_STRIDE": 32, "PF_LINES": 4}
+        assert pdl.prefetch_lines(1 << 20, 2) == {"PF_STRIDE": 64, "PF_LINES": pdl.MAX_PREFETCH_LINES}
         assert pdl.pdl_launch(torch.device("cpu"), prefetch="norm") == {}  # no PDL, so no prefetch either
         if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and pdl.pdl_enabled():
             assert pdl.pdl_launch(torch.device("cuda"), prefetch="norm").get("PREFETCH") is True
             pdl.set_pdl_prefetch(frozenset({"router"}))
             assert "PREFETCH" not in pdl.pdl_launch(torch.device("cuda"), prefetch="norm")
     finally:
-        pdl.set_pdl_prefetch(*saved)
+        pdl.set_pdl_prefetch(saved)
 
 
 def test_disable_pdl_flag() -> None:

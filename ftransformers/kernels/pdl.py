@@ -58,7 +58,7 @@ PREFETCH_FAMILIES = frozenset({"norm", "router"})
 _prefetch: frozenset[str] = (
     PREFETCH_FAMILIES if os.environ.get("FTRANSFORMERS_DISABLE_PDL_PREFETCH", "0") in ("", "0") else frozenset()
 )
-_prefetch_max_lines = 512
+MAX_PREFETCH_LINES = 512  # a row's prefetch stops after this many 128-byte lines
 
 
 def set_pdl_enabled(enabled: bool) -> None:
@@ -71,18 +71,18 @@ def pdl_enabled() -> bool:
     return _enabled
 
 
-def set_pdl_prefetch(families: bool | frozenset[str], max_lines: int = 512) -> None:
+def set_pdl_prefetch(families: bool | frozenset[str]) -> None:
     """L2 prefetch ahead of the PDL wait for launches from now on (A/B measurements): on (True), off
-    (False) or for some kernel families only, at most `max_lines` 128-byte lines of each row."""
-    global _prefetch, _prefetch_max_lines
+    (False) or for some kernel families only."""
+    global _prefetch
     chosen = PREFETCH_FAMILIES if families is True else frozenset() if families is False else frozenset(families)
     if chosen - PREFETCH_FAMILIES:
         raise ValueError(f"unknown prefetch families {sorted(chosen - PREFETCH_FAMILIES)}; valid: {sorted(PREFETCH_FAMILIES)}")
-    _prefetch, _prefetch_max_lines = chosen, max_lines
+    _prefetch = chosen
 
 
-def pdl_prefetch_state() -> tuple[frozenset[str], int]:
-    return _prefetch, _prefetch_max_lines
+def pdl_prefetch_families() -> frozenset[str]:
+    return _prefetch
 
 
 def pdl_launch(device: torch.device, prefetch: str | None = None) -> dict[str, bool]:
@@ -109,9 +109,9 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 def prefetch_lines(row_elems: int, element_size: int) -> dict[str, int]:
     """PF_STRIDE (elements per 128-byte line) and PF_LINES (lines to cover a row of `row_elems`, a power
-    of two for tl.arange, at most the set maximum) for a kernel prefetching whole rows."""
+    of two for tl.arange, at most MAX_PREFETCH_LINES) for a kernel prefetching whole rows."""
     stride = max(1, 128 // element_size)
-    lines = min(_prefetch_max_lines, triton.next_power_of_2(triton.cdiv(row_elems, stride)))
+    lines = min(MAX_PREFETCH_LINES, triton.next_power_of_2(triton.cdiv(row_elems, stride)))
     return {"PF_STRIDE": stride, "PF_LINES": lines}
 
 
