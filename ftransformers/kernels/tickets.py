@@ -52,17 +52,27 @@ def split_scratch(
 
 
 @triton.jit
-def publish_and_sum(acc, part_row, pid_s, split_stride, mask, counter, SPLIT: tl.constexpr):
-    """Last one out over SPLIT programs: store this program's float32 partial `acc` at
-    part_row + pid_s * split_stride, take a ticket on `counter`; the program with the last ticket puts
-    the counter back to 0 and sums all SPLIT partials in split order (deterministic).
-    Returns (is_last, the sum; zeros on the other programs)."""
-    tl.store(part_row + pid_s * split_stride, acc, mask=mask)
+def last_one_out(counter, PROGRAMS: tl.constexpr):
+    """Called by each of PROGRAMS programs after storing its partials: take a ticket on `counter`.
+    True for the program holding the last ticket, which has put the counter back to 0 and may read
+    every program's partials (with .cg loads: L2, where the release tickets made them visible)."""
     tl.debug_barrier()  # the CTA's partial stores are ordered before its release ticket
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
-    total = tl.zeros_like(acc)
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == PROGRAMS - 1
     if last:
         tl.store(counter, 0)
+    return last
+
+
+@triton.jit
+def publish_and_sum(acc, part_row, pid_s, split_stride, mask, counter, SPLIT: tl.constexpr):
+    """Last one out over SPLIT programs: store this program's float32 partial `acc` at
+    part_row + pid_s * split_stride, take a ticket on `counter`; the program with the last ticket
+    sums all SPLIT partials in split order (deterministic).
+    Returns (is_last, the sum; zeros on the other programs)."""
+    tl.store(part_row + pid_s * split_stride, acc, mask=mask)
+    last = last_one_out(counter, SPLIT)
+    total = tl.zeros_like(acc)
+    if last:
         for s in tl.static_range(SPLIT):
             total += tl.load(part_row + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
     return last, total

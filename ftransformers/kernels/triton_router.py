@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
-from ftransformers.kernels.tickets import ticket_counters
+from ftransformers.kernels.tickets import last_one_out, ticket_counters
 
 MAX_EXPERTS = 1024
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -215,11 +215,8 @@ def _fused_router_kernel(
         x_ptrs += BLOCK_D
         w_ptrs += BLOCK_D
     tl.store(part_ptr + (pid_d * BLOCK_T + offs_t[:, None]) * E + offs_e[None, :], acc, mask=offs_e[None, :] < E)
-    # Phase 2, the last program only: the barrier orders the CTA's stores before its release ticket.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    if ticket == E_BLOCKS * N_SPLIT - 1:
-        tl.store(counter_ptr, 0)
+    # Phase 2, the last program only
+    if last_one_out(counter_ptr, E_BLOCKS * N_SPLIT):
         t3 = tl.arange(0, SEL_T)[:, None, None]
         g3 = tl.arange(0, BLOCK_G)[None, :, None]
         s3 = tl.arange(0, BLOCK_S)[None, None, :]
