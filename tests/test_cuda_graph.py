@@ -22,6 +22,7 @@ from ftransformers.runtime.cuda_graph_runner import capture_batch_sizes, padded_
 from tests.model_harness import make_tiny_checkpoint, random_prompts
 
 NEW_TOKENS = 12
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 on_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
@@ -49,6 +50,55 @@ def test_cpu_runner_captures_nothing(tmp_path: Path) -> None:
     runner = ModelRunner(args, ModelConfig.from_server_args(args))
     assert runner.graph_runner is None
     assert runner.req_to_token.shape[0] == runner.max_req_slots + 1  # + the dummy padding row
+
+
+class EagerGraphs:
+    """A CudaGraphRunner whose "graphs" run the captured step eagerly: the graph step's host side
+    (input rows, padding, future slots, graph tokens or sampler) on any device, CPU included."""
+
+    @staticmethod
+    def install(llm: Any, max_bs: int) -> Any:
+        from types import SimpleNamespace
+
+        from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner
+
+        graphs = CudaGraphRunner(llm.runner, max_bs, dummy_req_row=llm.runner.max_req_slots)
+        graphs.logits = llm.runner.model.logits_buffer(graphs.max_bs)
+        for bs in graphs.batch_sizes:
+            fb = graphs.static_batch(bs)
+            graphs.graphs[bs] = SimpleNamespace(replay=lambda fb=fb: graphs._step(fb))
+        llm.runner.graph_runner = graphs
+        return graphs
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_graph_step_host_side(tmp_path: Path, mixed: bool) -> None:
+    """The graph step's input rows, padding (3 -> 4), future placeholders (overlap on), graph tokens
+    for plain greedy rows and the sampler for the others give the eager step's tokens, on the CPU
+    (Triton interpreter) through a stand-in that runs the captured step eagerly."""
+    from ftransformers import LLM, SamplingParams
+    from ftransformers.scheduler.scheduler import Scheduler
+
+    path = make_tiny_checkpoint("llama", tmp_path / "llama")
+    prompts = random_prompts(3, 384, seed=2)
+    common = {"max_tokens": 5, "ignore_eos": True}
+    params = [SamplingParams(temperature=0.0, **common)] * 3
+    if mixed:
+        params = [SamplingParams(temperature=0.0, logprobs=2, **common), SamplingParams(temperature=0.7, seed=3, **common),
+                  SamplingParams(temperature=0.0, **common)]  # fmt: skip
+    outs = []
+    for graphs in (False, True):
+        llm = LLM(str(path), skip_tokenizer_init=True, device=DEV, dtype="float32", attention_backend="triton",
+                  max_total_tokens=512, max_running_requests=4)  # fmt: skip
+        llm.scheduler = Scheduler(llm.runner, llm.server_args, llm.model_config.eos_token_ids, overlap=True)
+        runner = EagerGraphs.install(llm, 4) if graphs else None
+        outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        if runner is not None:
+            assert runner.replays >= 4
+    for eager, graphed in zip(*outs):
+        assert graphed.token_ids == eager.token_ids
+        for a, b in zip(eager.logprobs or [], graphed.logprobs or []):
+            assert a.token_id == b.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-5)
 
 
 # CUDA ----------------------------------------------------------------------------------------
@@ -91,6 +141,27 @@ def _generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
 
+class SamplerCounter:
+    """Counts the runner's steps, graph replays and Sampler.sample calls."""
+
+    def __init__(self, llm: Any) -> None:
+        runner = llm.runner
+        self.steps = 0
+        self.sampler_calls = 0
+        launch, sample = runner.launch_step, runner.sampler.sample
+
+        def counted_launch(batch: Any) -> Any:
+            self.steps += 1
+            return launch(batch)
+
+        def counted_sample(*args: Any, **kwargs: Any) -> Any:
+            self.sampler_calls += 1
+            return sample(*args, **kwargs)
+
+        runner.launch_step = counted_launch
+        runner.sampler.sample = counted_sample
+
+
 @on_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_and_eager_tokens_match(tiny_path: Path, dtype: str) -> None:
@@ -105,11 +176,13 @@ def test_graph_and_eager_tokens_match(tiny_path: Path, dtype: str) -> None:
     runner = graphed.runner.graph_runner
     assert runner is not None and runner.batch_sizes == [1, 2, 4, 8]
     counter = DecodeCounter(graphed)
+    calls = SamplerCounter(graphed)
     for n in (3, 5):  # padded to 4 and 8
         before = runner.replays
         assert _generate(graphed, sets[n]) == expected[n], f"{n} prompts: graph tokens differ from eager"
         assert runner.replays - before >= NEW_TOKENS - 1
     assert counter.eager_decode_sizes == [], "decode batches within max_bs must replay a graph"
+    assert calls.sampler_calls == calls.steps - runner.replays, "greedy graph steps take the graph's tokens"
     del graphed
 
     small = _llm(tiny_path, dtype, graphs=True, max_bs=4)
@@ -119,3 +192,36 @@ def test_graph_and_eager_tokens_match(tiny_path: Path, dtype: str) -> None:
     assert _generate(small, sets[6]) == expected[6]
     assert 6 in counter.eager_decode_sizes, "a decode batch above --cuda-graph-max-bs must run eagerly"
     assert runner.replays == 0
+
+
+@on_cuda
+def test_graph_steps_that_need_the_sampler(tiny_path: Path) -> None:
+    """Rows with logprobs, penalties, bans (min_tokens) or temperature make a graph step sample from
+    the graph's logits: same tokens as eager, logprobs within float32 rounding."""
+    from ftransformers import SamplingParams
+
+    prompts = random_prompts(4, 200, seed=11)
+    common = {"max_tokens": NEW_TOKENS, "ignore_eos": True}
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, **common),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, **common),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, **common),
+        SamplingParams(temperature=0.0, min_tokens=4, max_tokens=NEW_TOKENS),  # EOS banned for 4 tokens
+    ]
+    outs = {}
+    for graphs in (False, True):
+        llm = _llm(tiny_path, "bfloat16", graphs=graphs, max_bs=8)
+        calls = SamplerCounter(llm)
+        outs[graphs] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        if graphs:
+            assert llm.runner.graph_runner is not None and llm.runner.graph_runner.replays >= NEW_TOKENS - 1
+            assert calls.sampler_calls == calls.steps, "a step with such rows must call the sampler"
+        del llm
+    for eager, graphed in zip(outs[False], outs[True]):
+        assert graphed.token_ids == eager.token_ids
+    lp_eager, lp_graph = outs[False][0].logprobs, outs[True][0].logprobs  # SeqResults
+    assert lp_eager is not None and lp_graph is not None and len(lp_graph) == len(lp_eager) == NEW_TOKENS
+    for a, b in zip(lp_eager, lp_graph):
+        assert a.token_id == b.token_id and [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+        assert [v for _, v in b.top_logprobs] == pytest.approx([v for _, v in a.top_logprobs], abs=1e-5)

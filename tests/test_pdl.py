@@ -35,8 +35,9 @@ def _launches(tree: ast.Module) -> list[tuple[str, ast.Call]]:
     return calls
 
 
-# Kernels that read, before their wait, tensors no kernel of a decode step writes (the batch metadata,
-# written by host copies and torch ops before the step). Nothing before the wait may store.
+# Kernels that read, before their wait, tensors no kernel of a decode step's model writes (the batch
+# metadata, written by host copies and torch ops before the step, or in a CUDA graph by its first kernel,
+# triton_greedy.decode_inputs, which the embedding, a torch op, follows). Nothing before the wait may store.
 READ_BEFORE_WAIT = {
     "_decode_stage1_kernel": "seq_lens, req_pool_indices, req_to_token; with ROPE positions, out_cache_loc, cos|sin",
     "_decode_stage2_kernel": "seq_lens",

@@ -38,6 +38,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - misuse guard
         raise RuntimeError("ParallelLMHead is applied through compute_logits, not called")
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, D] -> float32 logits [S, V]
-        return F.linear(hidden, self.weight, self.bias).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [S, D] -> float32 logits [S, V], or logits written into out (a logits_buffer's rows)
+        if out is None:
+            return F.linear(hidden, self.weight, self.bias).float()
+        torch.mm(hidden, self.weight.t(), out=out)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def logits_buffer(self, rows: int) -> torch.Tensor:
+        """[rows, V] in the head's dtype (what compute_logits(hidden, out=...) writes: no float32 copy)."""
+        return torch.empty(rows, self.num_embeddings, dtype=self.weight.dtype, device=self.weight.device)

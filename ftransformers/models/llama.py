@@ -144,8 +144,11 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> final-normed hidden states [T, D]
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)  # [S, D] -> float32 [S, V]
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, out)  # [S, D] -> float32 [S, V], or into out
+
+    def logits_buffer(self, rows: int) -> torch.Tensor:
+        return self.lm_head.logits_buffer(rows)
 
     @classmethod
     def kv_spec(cls, config: PretrainedConfig) -> MHAKVSpec:

@@ -1,13 +1,18 @@
 """CUDA graphs for decode steps at padded batch sizes up to `--cuda-graph-max-bs`.
 
 At startup `make_cuda_graph_runner` captures, for each size in `capture_batch_sizes(max_bs)`
-(largest first, all graphs sharing one memory pool), the attention backend's
-`init_forward_metadata`, `model.forward` and `compute_logits` on every row of a static
-`ForwardBatch` whose index tensors are rows of one persistent buffer. A decode step then copies its
-real rows into that buffer, points the padding rows at slot 0 (the pool's padding sink) through a
-dummy request row with seq_len 1, replays the smallest graph that holds the batch and reads back the
-real rows' logits. Kernels on the captured path must follow the CUDA-graph rule: read only the
-device tensors of the batch (no `.item()`, no `*_cpu` lists, no data-dependent sizes).
+(largest first, all graphs sharing one memory pool), a whole decode step of a static `ForwardBatch`
+whose index tensors are the rows of that size's input buffer `inputs[bs]` ([F, bs] int64, FIELDS):
+  `decode_inputs` (future placeholders in input_ids resolved, each row's new KV slot written into
+  req_to_token), the attention backend's `init_forward_metadata`, `model.forward`, the LM head into
+  the shared `logits` buffer (the head's dtype), and `greedy_tokens` (each row's first argmax into
+  `tokens`, and into the future table at the row's future slot, -1 for none).
+A decode step is then one host->device copy of its rows, padding included (padding rows name the
+dummy request row with seq_len 1 and KV slot 0, the pool's padding sink), and one replay of the
+smallest graph that holds the batch. A step whose rows all sample greedily with no penalty, ban or
+logprobs reads `tokens`; any other step samples from `logits` and overwrites those rows' future slots.
+Kernels on the captured path must follow the CUDA-graph rule: read only the device tensors of the batch
+(no `.item()`, no `*_cpu` lists, no data-dependent sizes).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, forward_context
+from ftransformers.kernels.triton_greedy import decode_inputs, greedy_tokens
 from ftransformers.layers.moe.experts import FusedMoE
 
 if TYPE_CHECKING:
@@ -27,9 +33,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Rows of the static index buffer, in order, and the value a padding row holds in each.
-FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens")
-_PAD_VALUES = {"input_ids": 0, "positions": 0, "out_cache_loc": 0, "seq_lens": 1, "prefix_lens": 0}
+# Rows of a graph's input buffer, in order, and the value a padding row holds in each.
+FIELDS = (
+    "input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens", "prefix_lens", "future_slots"
+)  # fmt: skip
+_PAD_VALUES = {
+    "input_ids": 0, "positions": 0, "out_cache_loc": 0, "seq_lens": 1, "prefix_lens": 0, "future_slots": -1
+}  # fmt: skip
 _WARMUP_RUNS = 2
 
 
@@ -65,21 +75,21 @@ class CudaGraphRunner:
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev, n = model_runner.device, self.max_bs
-        # buf[f, i]: field FIELDS[f] of row i of the static batch; pad holds each field's padding value.
-        self.pad = torch.zeros(len(FIELDS), n, dtype=torch.int64, device=dev)
-        for f, name in enumerate(FIELDS):
-            self.pad[f].fill_(dummy_req_row if name == "req_pool_indices" else _PAD_VALUES[name])
-        self.buf = self.pad.clone()
+        self.pad_values = [dummy_req_row if name == "req_pool_indices" else _PAD_VALUES[name] for name in FIELDS]
+        pad = torch.tensor(self.pad_values, dtype=torch.int64, device=dev)[:, None]
+        # inputs[bs][f, i]: field FIELDS[f] of row i of graph bs (contiguous: one H2D copy fills it)
+        self.inputs = {bs: pad.expand(len(FIELDS), bs).contiguous() for bs in self.batch_sizes}
         self.extend_lens = torch.ones(n, dtype=torch.int64, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
-        self.logits: torch.Tensor | None = None  # [max_bs, V] float32, written by every graph
+        self.logits: torch.Tensor | None = None  # [max_bs, V] in the LM head's dtype, written by every graph
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bs] each row's greedy token
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
         self.capture_seconds = 0.0
 
     def static_batch(self, bs: int) -> ForwardBatch:
         r = self.runner
-        rows = {name: self.buf[f, :bs] for f, name in enumerate(FIELDS)}
+        rows = {name: self.inputs[bs][f] for f, name in enumerate(FIELDS) if name != "future_slots"}
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             extend_lens=self.extend_lens[:bs],
@@ -94,12 +104,16 @@ class CudaGraphRunner:
             **rows,
         )
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        # -> logits [bs, V] float32 of every row
-        self.runner.attn_backend.init_forward_metadata(fb)
+    def _step(self, fb: ForwardBatch) -> None:
+        """The captured step: inputs[bs] -> logits[:bs], tokens[:bs] and the rows' future slots."""
+        r, bs, inputs = self.runner, fb.batch_size, self.inputs[fb.batch_size]
+        assert self.logits is not None
+        decode_inputs(inputs, FIELDS, r.future_tokens, r.req_to_token)
+        r.attn_backend.init_forward_metadata(fb)
         with forward_context(fb):
-            hidden = self.runner.model(fb.input_ids, fb.positions)  # [bs, D]
-        return self.runner.model.compute_logits(hidden)
+            hidden = r.model(fb.input_ids, fb.positions)  # [bs, D]
+        logits = r.model.compute_logits(hidden, out=self.logits[:bs])
+        greedy_tokens(logits, out=self.tokens[:bs], future=r.future_tokens, slots=inputs[FIELDS.index("future_slots")])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -108,37 +122,33 @@ class CudaGraphRunner:
             init_state(self.max_bs, self.runner.max_context_len)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.runner.device)
-        vocab = self._forward(self.static_batch(1)).shape[-1]
-        self.logits = torch.empty(self.max_bs, vocab, dtype=torch.float32, device=self.runner.device)
+        self.logits = self.runner.model.logits_buffer(self.max_bs)
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool blocks
             fb = self.static_batch(bs)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(_WARMUP_RUNS):  # compiles / autotunes kernels outside the capture
-                    self.logits[:bs].copy_(self._forward(fb))
+                    self._step(fb)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[:bs].copy_(self._forward(fb))
+                self._step(fb)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.runner.device)
 
-    def can_run(self, fb: ForwardBatch) -> bool:
-        return bool(self.graphs) and fb.mode is ForwardMode.DECODE and fb.batch_size <= self.max_bs
+    def padded_size(self, bs: int) -> int | None:
+        """The captured size a decode batch of bs rows replays at, None when graphs cannot run it."""
+        return padded_batch_size(self.batch_sizes, bs) if self.graphs else None
 
-    def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run a decode batch through its graph; returns logits [B, V] float32 of its B real rows
-        (a view of the shared output buffer, valid until the next replay)."""
-        bs = fb.batch_size
-        pbs = padded_batch_size(self.batch_sizes, bs)
-        assert pbs is not None and self.logits is not None, "replay() without can_run()"
-        if pbs > bs:
-            self.buf[:, bs:pbs].copy_(self.pad[:, bs:pbs])
-        real = torch.stack([getattr(fb, name) for name in FIELDS])  # [F, bs]
-        self.buf[:, :bs].copy_(real)
+    def replay(self, rows: torch.Tensor, bs: int) -> None:
+        """Run a decode step from its input rows [F, pbs] (pinned host memory, padding included; pbs a
+        captured size). Afterwards logits[:bs] and tokens[:bs] hold its real rows' results, valid until
+        the next replay."""
+        pbs = rows.shape[1]
+        assert pbs in self.graphs and bs <= pbs, "replay() at a size that was not captured"
+        self.inputs[pbs].copy_(rows, non_blocking=True)
         self.graphs[pbs].replay()
         self.replays += 1
-        return self.logits[:bs]
 
 
 def make_cuda_graph_runner(runner: ModelRunner, dummy_req_row: int) -> CudaGraphRunner | None:

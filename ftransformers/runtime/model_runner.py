@@ -4,8 +4,10 @@
 `req_to_token`, builds a `ForwardBatch` (all index tensors from one host->device copy), runs the
 model inside `forward_context`, computes logits only for the rows that sample and hands them to
 the `Sampler`. On CUDA, decode steps of up to `--cuda-graph-max-bs` sequences replay a captured
-CUDA graph instead (`cuda_graph_runner.py`); `req_to_token` has one extra all-zero row, the dummy
-request the graphs' padding rows read.
+CUDA graph instead (`cuda_graph_runner.py`): one host->device copy of the step's rows, the replay
+(which resolves placeholders, writes the new slots and picks greedy tokens on the device), and the
+`Sampler` only when a row needs more than the first argmax (temperature, penalties, bans, logprobs);
+`req_to_token` has one extra all-zero row, the dummy request the graphs' padding rows read.
 
 `launch_step` never waits for the device on CUDA: input future placeholders are resolved from the
 device-side `future_tokens` table, the sampled tokens are written into it and copied to pinned host
@@ -25,10 +27,18 @@ from ftransformers.config.model_config import ModelConfig
 from ftransformers.config.server_args import ServerArgs
 from ftransformers.layers.moe.experts import resolve_moe_backend
 from ftransformers.models.loader import load_model
-from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner, make_cuda_graph_runner
+from ftransformers.runtime.cuda_graph_runner import FIELDS, CudaGraphRunner, make_cuda_graph_runner
 from ftransformers.runtime.memory import kv_pool_tokens
-from ftransformers.runtime.sampler import SampleOutput, Sampler, resolve_future, to_device
-from ftransformers.runtime.step_io import DoneStep, PendingStep, SeqResult, StepBatch, StepResult, num_future_slots
+from ftransformers.runtime.sampler import SampleOutput, Sampler, argmax_suffices, resolve_future, to_device
+from ftransformers.runtime.step_io import (
+    DoneStep,
+    PendingStep,
+    SeqResult,
+    SeqStep,
+    StepBatch,
+    StepResult,
+    num_future_slots,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,20 +123,21 @@ class ModelRunner:
     def launch_step(self, batch: StepBatch) -> PendingStep:
         if not batch.seqs:
             return DoneStep(StepResult(results=[]))
+        for s in batch.seqs:
+            self._check(s)
+        graphs = self.graph_runner
+        if graphs is not None and all(len(s.input_ids) == 1 for s in batch.seqs):
+            pbs = graphs.padded_size(len(batch.seqs))
+            if pbs is not None:
+                return self._launch_graph_step(graphs, batch, pbs)
         fb, sample_rows, future_slots = self._prepare(batch)
         with torch.inference_mode():
-            if self.graph_runner is not None and self.graph_runner.can_run(fb):
-                all_logits = self.graph_runner.replay(fb)  # [B, V] float32, one row per sequence
-                if not sample_rows:
-                    return DoneStep(StepResult(results=[None] * len(batch.seqs)))
-                logits = all_logits if len(sample_rows) == fb.batch_size else all_logits[fb.logits_indices]
-            else:
-                self.attn_backend.init_forward_metadata(fb)
-                with forward_context(fb):
-                    hidden = self.model(fb.input_ids, fb.positions)  # [T, D]
-                if not sample_rows:
-                    return DoneStep(StepResult(results=[None] * len(batch.seqs)))
-                logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S, V] float32
+            self.attn_backend.init_forward_metadata(fb)
+            with forward_context(fb):
+                hidden = self.model(fb.input_ids, fb.positions)  # [T, D]
+            if not sample_rows:
+                return DoneStep(StepResult(results=[None] * len(batch.seqs)))
+            logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S, V] float32
             sampled = self.sampler.sample(logits, [batch.seqs[i] for i in sample_rows])
             if future_slots is not None:
                 rows, slots = future_slots
@@ -139,10 +150,70 @@ class ModelRunner:
         self.req_to_token.zero_()
 
     # internals -------------------------------------------------------------------------------
+    def _check(self, s: SeqStep) -> None:
+        n, pre, start = len(s.input_ids), s.prefix_len, s.slots_start
+        end = start + len(s.slots)
+        # step_io invariant: the row ends up valid on [0, prefix_len + n).
+        if n < 1 or start > pre or end != pre + n or end > self._max_context_len:
+            raise ValueError(
+                f"bad SeqStep {s.rid!r}: {n} new tokens, prefix_len={pre}, slots [{start}, {end}) "
+                f"(context {self._max_context_len})"
+            )
+        if not 0 <= s.req_pool_idx < self._max_req_slots:
+            raise ValueError(f"bad SeqStep {s.rid!r}: req_pool_idx {s.req_pool_idx} of {self._max_req_slots}")
+
+    def _launch_graph_step(self, graphs: CudaGraphRunner, batch: StepBatch, pbs: int) -> PendingStep:
+        """A decode batch (one new token per sequence) through the graph of `pbs` >= len(batch.seqs) rows."""
+        seqs = batch.seqs
+        B = len(seqs)
+        cols: list[list[int]] = [[] for _ in FIELDS]
+        ids, pos, loc, pool, seq_len, pre_len, fut = cols
+        w_rows: list[int] = []  # slots of earlier positions a sequence (re)sends; the graph writes only the new one
+        w_cols: list[int] = []
+        w_vals: list[int] = []
+        sample_rows: list[int] = []
+        for i, s in enumerate(seqs):
+            pre = s.prefix_len
+            ids.append(s.input_ids[0])
+            pos.append(pre)
+            loc.append(s.slots[-1])
+            pool.append(s.req_pool_idx)
+            seq_len.append(pre + 1)
+            pre_len.append(pre)
+            fut.append(s.future_slot if s.sample else -1)
+            if s.slots_start < pre:
+                w_rows += [s.req_pool_idx] * (pre - s.slots_start)
+                w_cols += range(s.slots_start, pre)
+                w_vals += s.slots[:-1]
+            if s.sample:
+                sample_rows.append(i)
+        flat = [v for col, padv in zip(cols, graphs.pad_values) for v in col + [padv] * (pbs - B)]
+        on_cuda = self.device.type == "cuda"  # (a CPU stand-in for the graphs runs in tests)
+        rows = torch.tensor(flat, dtype=torch.int64, pin_memory=on_cuda).view(len(FIELDS), pbs)
+        with torch.inference_mode():
+            if w_vals:
+                w = to_device(w_rows + w_cols + w_vals, torch.int64, self.device).view(3, -1)
+                self.req_to_token[w[0], w[1]] = w[2]
+            graphs.replay(rows, B)
+            if not sample_rows:
+                return DoneStep(StepResult(results=[None] * B))
+            sample_seqs = [seqs[i] for i in sample_rows]
+            picked = None if len(sample_rows) == B else to_device(sample_rows, torch.int64, self.device)
+            if argmax_suffices(sample_seqs):  # the graph's tokens, already in the future table
+                tokens = graphs.tokens[:B] if picked is None else graphs.tokens[picked]
+                sampled = SampleOutput(tokens, None, [None] * len(sample_rows))
+            else:
+                assert graphs.logits is not None
+                logits = graphs.logits[:B] if picked is None else graphs.logits[picked]
+                sampled = self.sampler.sample(logits, sample_seqs)
+                slots = to_device([s.future_slot for s in sample_seqs], torch.int64, self.device)
+                self.future_tokens[slots] = sampled.tokens
+        return _PendingRunnerStep(sampled, sample_rows, B)
+
     def _prepare(
         self, batch: StepBatch
     ) -> tuple[ForwardBatch, list[int], tuple[torch.Tensor | None, torch.Tensor] | None]:
-        """Write the slot lists into req_to_token and build the ForwardBatch (one H2D copy).
+        """Write the slot lists of checked SeqSteps into req_to_token and build the ForwardBatch (one H2D copy).
 
         Also returns the rows of the batch that sample and, when any of them names a future slot,
         (their indices among the sampled rows, or None for all of them; the slots) as device tensors.
@@ -166,14 +237,6 @@ class ModelRunner:
         for i, s in enumerate(batch.seqs):
             n, pre, start = len(s.input_ids), s.prefix_len, s.slots_start
             end = start + len(s.slots)
-            # step_io invariant: the row ends up valid on [0, prefix_len + n).
-            if n < 1 or start > pre or end != pre + n or end > self._max_context_len:
-                raise ValueError(
-                    f"bad SeqStep {s.rid!r}: {n} new tokens, prefix_len={pre}, slots [{start}, {end}) "
-                    f"(context {self._max_context_len})"
-                )
-            if not 0 <= s.req_pool_idx < self._max_req_slots:
-                raise ValueError(f"bad SeqStep {s.rid!r}: req_pool_idx {s.req_pool_idx} of {self._max_req_slots}")
             input_ids += s.input_ids
             has_placeholder = has_placeholder or min(s.input_ids) < 0
             positions += range(pre, pre + n)

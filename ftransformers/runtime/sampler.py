@@ -107,6 +107,15 @@ def apply_bans(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
     return logits
 
 
+def argmax_suffices(seqs: Sequence[SeqStep]) -> bool:
+    """True when `Sampler.sample` would return each row's first argmax of the raw logits and nothing
+    else (greedy, no penalty, no ban, no logprobs), so a token picked on the device stands for it."""
+    return all(
+        s.sampling.greedy and not s.sampling.has_penalties and not s.banned_token_ids and s.sampling.logprobs is None
+        for s in seqs
+    )
+
+
 def top_k_top_p_min_p_mask(
     logits: torch.Tensor,  # [S, V], already divided by the temperature
     top_k: torch.Tensor | None,  # [S] int64 in 1..V, or None (off for every row)
@@ -146,8 +155,8 @@ class SampleOutput:
             self._host.copy_(src, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = src
+        else:  # a copy: src may be a buffer the next step rewrites (the graph runner's tokens)
+            self._host = src.clone()
         self._packed = packed is not None
         self._logprobs_k = logprobs_k
 
