@@ -10,7 +10,7 @@ registered once with `prefix_len = context` and its slots, then timed steps re-d
 `context` (slots_start = context), so no prefill is needed.
 
 Engine rows (`engine_overlap_ms`, `engine_sync_ms`): the same batch served through the `Scheduler`
-loop (requests of `context` prompt tokens, greedy, ignore_eos, 64 new tokens), with overlap
+loop (requests of `context` prompt tokens, greedy or `--engine-sampling`, ignore_eos, 64 new tokens), with overlap
 scheduling on and off: the median wall time of the `Scheduler.step()` calls that launch a decode of
 all B sequences right after another one (steady decode; prefill steps excluded). This is the step
 time a server or `LLM.generate` user sees, host scheduling included.
@@ -65,6 +65,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-8b": 36, "deepseek-v3": 61}
 FULL_DENSE = {"deepseek-v3": 3}  # dense layers at full depth where the model mixes both kinds
 DEV = "cuda"
+ENGINE_SAMPLING: dict[str, float | int] = {}  # SamplingParams of the engine rows beyond greedy (--engine-sampling)
 # --dry-run (CPU smoke test of this script): every width divided by 16, torch_native kernels.
 SHRINK = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "q_lora_rank", "kv_lora_rank")
 SMALL_HEADS = {
@@ -237,7 +238,7 @@ def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool,
         times: list[float] = []
         for _ in range(2):  # the first run warms up
             sched = Scheduler(runner, runner.server_args, [], overlap=overlap)  # fresh: no prefix-cache hits
-            sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+            sp = SamplingParams(**{"temperature": 0.0, **ENGINE_SAMPLING}, max_tokens=new_tokens, ignore_eos=True)
             for i, p in enumerate(prompts):
                 sched.add_request(GenerateReq(rid=f"e{i}", input_ids=p, sampling_params=sp))
             launched.clear()
@@ -468,6 +469,8 @@ def main() -> None:
     p.add_argument("--hf", default="first", help="'first': HF peer for each model's first entry; 'none'")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: shapes shrunk 16x, torch_native")
+    p.add_argument("--engine-sampling", default="",
+                   help="sampling parameters of the engine rows, e.g. 'temperature=0.7,top_p=0.9' (default greedy)")
     p.add_argument("--separate-decode-rope", action="store_true",
                    help="decode q/k norm + rope + K/V store as their own launch (the pre-fusion path), for A/B")  # fmt: skip
     args = p.parse_args()
@@ -477,6 +480,9 @@ def main() -> None:
         TritonAttentionBackend.fuse_decode_rope = False
     global DEV
     DEV = "cpu" if args.dry_run else "cuda"
+    for item in filter(None, args.engine_sampling.split(",")):
+        key, _, value = item.partition("=")
+        ENGINE_SAMPLING[key.strip()] = int(value) if key.strip() == "top_k" else float(value)
     args.batches = [int(x) for x in args.batches.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.prefill = [int(x) for x in args.prefill.split(",") if x.strip()]  # "" = no prefill rows
