@@ -37,6 +37,7 @@ SHAPES = {  # name: (N, K) of the weight [N, K]
     "qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
     "qwen3-8b down": (4096, 12288), "dsv3 q_a+kv_a": (2112, 7168), "dsv3 q_b": (24576, 1536),
     "dsv3 o": (7168, 16384), "dsv3 shared gate_up": (4096, 7168), "dsv3 shared down": (7168, 2048),
+    "qwen3-30b lm_head": (151936, 2048), "qwen3-8b lm_head": (151936, 4096),
 }  # fmt: skip
 ROWS = [1, 2, 4, 8, 16]
 L2_BYTES = 50 << 20

@@ -81,3 +81,39 @@ def test_linear_layer_dispatches_one_row(monkeypatch: pytest.MonkeyPatch) -> Non
         ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(x.dtype)
         assert rel_err(out, ref) < tol(torch.bfloat16) and out.shape == (*shape[:-1], 640)
     assert calls == [(1, 2048), (1, 2048)]  # the 3-row input stays on cuBLAS
+
+
+def test_out_buffer() -> None:
+    """gemv writes into a given row slice of a wider buffer (the CUDA graph's logits) and returns it."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 96, generator=gen).to(DEV)
+    w = torch.randn(300, 96, generator=gen).to(DEV)
+    buf = torch.full((3, 300), 7.0, device=DEV)
+    y = gemv(x, w, out=buf[1:2])
+    assert y.data_ptr() == buf[1].data_ptr() and rel_err(buf[1:2], gemv_ref(x, w)) < 1e-5
+    assert (buf[0] == 7.0).all() and (buf[2] == 7.0).all()
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the LM head dispatches to the kernel on CUDA only")
+def test_lm_head_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row of logits (batch-1 decode, or a prefill's last token) from the kernel, float32 or into the
+    head's buffer; more rows from cuBLAS."""
+    import ftransformers.kernels.triton_gemv as mod
+    from ftransformers.layers.embedding import ParallelLMHead
+
+    calls: list[tuple[int, ...]] = []
+    real = mod.gemv
+    monkeypatch.setattr(mod, "gemv", lambda x, w, b=None, config=None, out=None: calls.append(tuple(x.shape))
+                        or real(x, w, b, out=out))  # fmt: skip
+    head = ParallelLMHead(5000, 256).to(DEV, torch.bfloat16)
+    torch.nn.init.normal_(head.weight, std=256**-0.5)
+    buf = head.logits_buffer(4)
+    for rows in (1, 3):
+        x = torch.randn(rows, 256, device=DEV, dtype=torch.bfloat16)
+        with torch.inference_mode():  # as the engine runs it (out= takes no autograd)
+            ref = gemv_ref(x, head.weight).float()
+            got = head.compute_logits(x)
+            into = head.compute_logits(x, out=buf[:rows])
+        assert got.dtype == torch.float32 and rel_err(got, ref) < tol(torch.bfloat16)
+        assert into.data_ptr() == buf.data_ptr() and torch.equal(into.float(), got)
+    assert calls == [(1, 256), (1, 256)]

@@ -91,13 +91,15 @@ def gemv(
     weight: torch.Tensor,  # [N, K], unit stride along K
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
+    out: torch.Tensor | None = None,  # [M, N] x.dtype, unit stride along N: written and returned
 ) -> torch.Tensor:  # [M, N], x.dtype
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
     assert 1 <= M <= GEMV_MAX_M, M
     cfg = dict(config or gemv_config(M, N, K))
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (M, N) and y.dtype == x.dtype and y.stride(1) == 1, (y.shape, y.dtype)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),

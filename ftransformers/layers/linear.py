@@ -26,6 +26,13 @@ from torch import nn
 from ftransformers.layers.weight_utils import WeightShapeError, check_shape, new_weight
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def one_row_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """x [..., K] @ w [N, K]^T goes to kernels.triton_gemv: one row (batch-1 decode) on CUDA in 16-bit, where
+    the weight-streaming kernel beats cuBLAS (benchmarks/results/gemv_sweep_h100.json, gemv_lm_head_h100.json)."""
+    return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in _GEMV_DTYPES and w.dtype == x.dtype
+            and x.stride(-1) == 1 and w.stride(-1) == 1)  # fmt: skip
 Shard = tuple[int, int]  # (offset, size) in output features
 
 
@@ -87,11 +94,8 @@ class LinearBase(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
         w = self.weight
-        if (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in _GEMV_DTYPES and w.dtype == x.dtype
-                and x.stride(-1) == 1 and w.stride(-1) == 1):  # fmt: skip
-            # One row (batch-1 decode): a weight-streaming Triton kernel beats cuBLAS (kernels.triton_gemv);
-            # imported here so CPU needs no triton.
-            from ftransformers.kernels.triton_gemv import gemv
+        if one_row_gemv(x, w):
+            from ftransformers.kernels.triton_gemv import gemv  # here: CPU needs no triton
 
             y = gemv(x.reshape(1, -1), w, self.bias)
             return y.view(*x.shape[:-1], w.shape[0])
