@@ -101,6 +101,30 @@ def test_graph_step_host_side(tmp_path: Path, mixed: bool) -> None:
             assert a.token_id == b.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_graph_step_without_future_slots(tmp_path: Path, temperature: float) -> None:
+    """A graph step whose rows name no future slot (a synchronous caller) writes no future slot, on the
+    graph's argmax path or the sampler's, and writes the earlier slots a row re-sends into req_to_token."""
+    from ftransformers import LLM, SamplingParams
+    from ftransformers.runtime.step_io import SeqStep, StepBatch
+
+    path = make_tiny_checkpoint("llama", tmp_path / "llama")
+    llm = LLM(str(path), skip_tokenizer_init=True, device=DEV, dtype="float32", attention_backend="triton",
+              max_total_tokens=512, max_running_requests=4)  # fmt: skip
+    runner = llm.runner
+    EagerGraphs.install(llm, 4)
+    runner.future_tokens.fill_(-9)
+    sp = SamplingParams(temperature=temperature, seed=1)
+    steps = [SeqStep(rid=f"r{i}", req_pool_idx=i, input_ids=[5 + i], prefix_len=3, slots_start=0,
+                     slots=[10 * i + j for j in range(1, 5)], sample=True, sampling=sp, prompt_ids=[1, 2, 3],
+                     output_ids=[]) for i in range(3)]  # fmt: skip
+    result = runner.forward_step(StepBatch(steps))
+    assert runner.graph_runner.replays == 1 and all(r is not None for r in result.results)
+    assert (runner.future_tokens == -9).all()
+    for i in range(3):
+        assert runner.req_to_token[i, :4].tolist() == [10 * i + j for j in range(1, 5)]
+
+
 # CUDA ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
 def tiny_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:

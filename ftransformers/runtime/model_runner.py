@@ -206,8 +206,10 @@ class ModelRunner:
                 assert graphs.logits is not None
                 logits = graphs.logits[:B] if picked is None else graphs.logits[picked]
                 sampled = self.sampler.sample(logits, sample_seqs)
-                slots = to_device([s.future_slot for s in sample_seqs], torch.int64, self.device)
-                self.future_tokens[slots] = sampled.tokens
+                fut_rows = [j for j, s in enumerate(sample_seqs) if s.future_slot >= 0]
+                if fut_rows:  # over the graph's argmax in those slots
+                    idx = to_device(fut_rows + [sample_seqs[j].future_slot for j in fut_rows], torch.int64, self.device)
+                    self.future_tokens[idx[len(fut_rows) :]] = sampled.tokens[idx[: len(fut_rows)]]
         return _PendingRunnerStep(sampled, sample_rows, B)
 
     def _prepare(
