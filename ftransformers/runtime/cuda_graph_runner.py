@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, forward_context
-from ftransformers.kernels.triton_greedy import decode_inputs, greedy_tokens
 from ftransformers.layers.moe.experts import FusedMoE
 
 if TYPE_CHECKING:
@@ -106,6 +105,8 @@ class CudaGraphRunner:
 
     def _step(self, fb: ForwardBatch) -> None:
         """The captured step: inputs[bs] -> logits[:bs], tokens[:bs] and the rows' future slots."""
+        from ftransformers.kernels.triton_greedy import decode_inputs, greedy_tokens  # here: CPU needs no triton
+
         r, bs, inputs = self.runner, fb.batch_size, self.inputs[fb.batch_size]
         assert self.logits is not None
         decode_inputs(inputs, FIELDS, r.future_tokens, r.req_to_token)
