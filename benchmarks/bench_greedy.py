@@ -19,11 +19,10 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_router
 from ceilings import copy_bandwidth
 
 from ftransformers.kernels.triton_greedy import decode_inputs, greedy_split, greedy_tokens
@@ -33,17 +32,9 @@ from ftransformers.runtime.sampler import resolve_future
 REPS = 20
 
 
-@triton.jit
-def _empty_kernel(x_ptr):
-    pass
-
-
-def per_call_us(fn, reps: int = REPS) -> float:
-    def run() -> None:
-        for _ in range(reps):
-            fn()
-
-    return do_bench_cudagraph(run, rep=200) * 1e3 / reps
+def per_call_us(fn) -> float:
+    """µs per call of fn(), from a CUDA graph of REPS calls (bench_router's timing)."""
+    return bench_router.per_call_us(lambda _i: fn(), REPS)
 
 
 def bench_greedy(S: int, V: int, copy_gbs: float) -> dict:
@@ -97,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     dummy = torch.empty(1, device="cuda")
     copy_gbs = copy_bandwidth()
-    empty = per_call_us(lambda: _empty_kernel[(1,)](dummy))
+    empty = per_call_us(lambda: bench_router._empty_kernel[(1,)](dummy))
     print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s, empty kernel node {empty:.2f} µs")
     rows: list[dict] = []
     for S in (int(s) for s in args.rows.split(",")):

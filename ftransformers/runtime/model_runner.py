@@ -139,9 +139,7 @@ class ModelRunner:
                 return DoneStep(StepResult(results=[None] * len(batch.seqs)))
             logits = self.model.compute_logits(hidden[fb.logits_indices])  # [S, V] float32
             sampled = self.sampler.sample(logits, [batch.seqs[i] for i in sample_rows])
-            if future_slots is not None:
-                rows, slots = future_slots
-                self.future_tokens[slots] = sampled.tokens if rows is None else sampled.tokens[rows]
+            self._store_futures(sampled.tokens, future_slots)
         return _PendingRunnerStep(sampled, sample_rows, len(batch.seqs))
 
     def reset_kv(self) -> None:
@@ -161,6 +159,13 @@ class ModelRunner:
             )
         if not 0 <= s.req_pool_idx < self._max_req_slots:
             raise ValueError(f"bad SeqStep {s.rid!r}: req_pool_idx {s.req_pool_idx} of {self._max_req_slots}")
+
+    def _store_futures(self, tokens: torch.Tensor, future: tuple[torch.Tensor | None, torch.Tensor] | None) -> None:
+        """future_tokens[slots] = tokens[rows] for future = (rows among the sampled ones, or None for all
+        of them; their slots), as `_prepare` returns it; nothing for None."""
+        if future is not None:
+            rows, slots = future
+            self.future_tokens[slots] = tokens if rows is None else tokens[rows]
 
     def _launch_graph_step(self, graphs: CudaGraphRunner, batch: StepBatch, pbs: int) -> PendingStep:
         """A decode batch (one new token per sequence) through the graph of `pbs` >= len(batch.seqs) rows."""
@@ -206,10 +211,10 @@ class ModelRunner:
                 assert graphs.logits is not None
                 logits = graphs.logits[:B] if picked is None else graphs.logits[picked]
                 sampled = self.sampler.sample(logits, sample_seqs)
-                fut_rows = [j for j, s in enumerate(sample_seqs) if s.future_slot >= 0]
-                if fut_rows:  # over the graph's argmax in those slots
-                    idx = to_device(fut_rows + [sample_seqs[j].future_slot for j in fut_rows], torch.int64, self.device)
-                    self.future_tokens[idx[len(fut_rows) :]] = sampled.tokens[idx[: len(fut_rows)]]
+                named = [(j, s.future_slot) for j, s in enumerate(sample_seqs) if s.future_slot >= 0]
+                if named:  # over the graph's argmax in those slots
+                    idx = to_device([j for j, _ in named] + [k for _, k in named], torch.int64, self.device).view(2, -1)
+                    self._store_futures(sampled.tokens, (None if len(named) == len(sample_seqs) else idx[0], idx[1]))
         return _PendingRunnerStep(sampled, sample_rows, B)
 
     def _prepare(

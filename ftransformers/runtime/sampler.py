@@ -18,12 +18,13 @@ Semantics (vLLM / OpenAI):
   prefix (by descending probability, renormalised after top-k) whose mass reaches top_p, always
   the top token; min-p keeps tokens with p >= min_p * max(p). The draw is exact categorical
   sampling from the renormalised kept set via argmax(p / E), E ~ Exp(1).
-Probabilities are taken unnormalised where only their ratios matter (exp(x - max x), no softmax: on a
-150K-token row torch's softmax runs one block a row, 38 us on an H100 against a few us for a reduction
-and an elementwise exp; benchmarks/results/sampler_h100.json).
 - seed: the noise of a seeded row comes from a generator seeded with (seed, len(output_ids)), so
   the same seed and history give the same token and no per-request state is kept. Unseeded rows
   share one engine generator seeded with `--random-seed`.
+
+Probabilities are taken unnormalised where only their ratios matter (exp(x - max x), no softmax: on a
+150K-token row torch's softmax runs one block a row, 38 us on an H100 against a few us for a reduction
+and an elementwise exp; benchmarks/results/sampler_h100.json).
 """
 
 from __future__ import annotations
