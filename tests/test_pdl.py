@@ -1,4 +1,4 @@
-"""Programmatic dependent launch: the contract of kernels/pdl.py, checked on every Triton kernel.
+"""Programmatic dependent launch: the contract of kernels/pdl.py, checked on every Triton and Gluon kernel.
 
 A kernel launched with PDL may start while the previous kernel still runs; it is correct only if every
 program waits (`pdl_enter`) before touching memory. So each launched kernel either takes part fully
@@ -21,7 +21,7 @@ def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     out = {}
     for node in tree.body:
         decorators = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in getattr(node, "decorator_list", [])]
-        if isinstance(node, ast.FunctionDef) and "triton.jit" in decorators:
+        if isinstance(node, ast.FunctionDef) and ("triton.jit" in decorators or "gluon.jit" in decorators):
             out[node.name] = node
     return out
 
@@ -42,6 +42,7 @@ READ_BEFORE_WAIT = {
     "_decode_stage1_kernel": "seq_lens, req_pool_indices, req_to_token; with ROPE positions, out_cache_loc, cos|sin",
     "_decode_stage2_kernel": "seq_lens",
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
+    "mla_decode_stage1_gluon": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
 }
 # Kernels that prefetch into L2 ahead of their wait (an `if PREFETCH:` block): what they prefetch, and
@@ -52,7 +53,8 @@ PREFETCH_BEFORE_WAIT = {
     "triton_router._fused_router_kernel": "its gate rows",
 }
 READ_ONLY_CALLS = {
-    "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len"
+    "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
+    "gl.load", "gl.program_id",
 }
 
 
@@ -77,7 +79,7 @@ def _first_statement(fn: ast.FunctionDef, key: str) -> str:
             ok = name in READ_ONLY_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr == "to")
             ok = ok or (prefetch and name == "l2_prefetch")
             assert ok, f"{fn.name}: {ast.unparse(node)} before the PDL wait"
-            if name == "tl.load" and not prefetch:
+            if name in ("tl.load", "gl.load") and not prefetch:
                 assert fn.name in READ_BEFORE_WAIT, f"{fn.name}: loads before the wait, not in READ_BEFORE_WAIT"
     return "pdl_enter(USE_PDL)"
 
@@ -114,7 +116,7 @@ def _pdl_names(tree: ast.Module) -> set[str]:
 def test_every_launched_kernel_keeps_the_pdl_contract() -> None:
     checked = 0
     opted_in = 0
-    for path in sorted(KERNELS.glob("triton_*.py")):
+    for path in sorted([*KERNELS.glob("triton_*.py"), *KERNELS.glob("gluon_*.py")]):
         tree = ast.parse(path.read_text())
         jit = _jit_functions(tree)
         pdl_names = _pdl_names(tree)

@@ -24,7 +24,13 @@ from ftransformers.kernels.triton_decode_attention import (
     decode_scratch,
 )
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd, extend_attention_ref
-from ftransformers.kernels.triton_mla_attention import latent_views, mla_attention_ref, mla_decode_fwd, mla_extend_fwd
+from ftransformers.kernels.triton_mla_attention import (
+    gluon_mla_unsupported,
+    latent_views,
+    mla_attention_ref,
+    mla_decode_fwd,
+    mla_extend_fwd,
+)
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -150,13 +156,17 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
                             [1] * real, scale)  # fmt: skip
     cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (16, 512)]
-    for splits, min_split_len in cases:
-        mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
-        out = torch.full_like(q_nope, float("nan"))
-        mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
-                       min_split_len=min_split_len)  # fmt: skip
-        assert rel_err(out[:real], ref) <= TOL, (splits, min_split_len, rel_err(out[:real], ref))
-        assert torch.equal(out[real], torch.zeros_like(out[real]))
+    # the Gluon kernel where it applies (Hopper, 128 heads), which "auto" must then pick
+    kernels = ["triton", "auto"] + (["gluon"] if gluon_mla_unsupported(q_nope, buf) is None else [])
+    for kernel in kernels:
+        for splits, min_split_len in cases:
+            mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
+            out = torch.full_like(q_nope, float("nan"))
+            mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
+                           min_split_len=min_split_len, kernel=kernel)  # fmt: skip
+            err = rel_err(out[:real], ref)
+            assert err <= TOL, (kernel, splits, min_split_len, err)
+            assert torch.equal(out[real], torch.zeros_like(out[real]))
     c_kv, k_pe = latent_views(buf, L)
     splits = 4 if not CUDA else 32
     mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
@@ -257,3 +267,15 @@ def test_llm_end_to_end_matches_torch_native(kind: str, tmp_path_factory: pytest
                 for (ta, la), (tb, lb) in zip(ea.top_logprobs, eb.top_logprobs):
                     assert ta == tb and abs(la - lb) <= 1e-3
     assert all(o.cached_tokens > 0 for o in results["triton"][1])
+
+
+def test_mla_decode_kernel_choice() -> None:
+    """A bad kernel name, and asking for the Gluon kernel where it cannot run, are errors that say why."""
+    q_nope, q_rope = torch.zeros(1, 16, 64), torch.zeros(1, 16, 16)
+    buf, out = torch.zeros(4, 80), torch.zeros(1, 16, 64)
+    args = (buf, out, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64), *decode_scratch(1, 16, 64, 1, "cpu"), 1, 0.1)  # fmt: skip
+    with pytest.raises(ValueError, match="kernel must be"):
+        mla_decode_fwd(q_nope, q_rope, *args, kernel="cuda")
+    with pytest.raises(ValueError, match="Gluon MLA decode kernel does not apply here: it needs a Hopper GPU"):
+        mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon")

@@ -7,6 +7,7 @@ Numerically the same function as `torch_native` (softmax in float32, output in t
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -25,6 +26,12 @@ MAX_KV_SPLITS = 64
 GQA_WAVES = 2  # H100: 2 waves of decode programs beat 4 by up to 9% from batch 32 (attention_h100.json)
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
+# MLA decode stage 1: "auto" takes the Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py,
+# 1.4-1.5x the Triton kernel's speed on an H100), "triton" / "gluon" force one (A/B runs; "gluon" fails
+# where it cannot run, saying why)
+MLA_DECODE_KERNEL = os.environ.get("FTRANSFORMERS_MLA_DECODE_KERNEL", "auto")
+if MLA_DECODE_KERNEL not in ("auto", "gluon", "triton"):
+    raise ValueError(f"FTRANSFORMERS_MLA_DECODE_KERNEL must be auto, gluon or triton, not {MLA_DECODE_KERNEL!r}")
 DEFAULT_MAX_BS = 256
 SDPA_MAX_SEQS = 8  # not measured: above it, per-sequence launches are assumed to outweigh flash's speed
 
@@ -230,7 +237,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES,
+                mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES, kernel=MLA_DECODE_KERNEL,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return mla_extend_fwd(

@@ -13,7 +13,10 @@ bounded by both (benchmarks/bench_attention.py prints both floors). Triton lays 
 warps along M, so with 64 heads both warpgroups compute the same scores (the QK product, half the
 FLOPs, runs twice, as m64n32 wgmmas); H100: ~37% of copy bandwidth at batch 64 x 32K. Splits follow
 `triton_decode_attention`'s rule (even share rounded up to BLOCK_N, at least `min_split_len`); a row
-of one split is written by its program, others go through `decode_combine` (stage 2).
+of one split is written by its program, others go through `decode_combine` (stage 2). On Hopper, for
+latent 512 + rope 64 and heads in multiples of 64, `mla_decode_fwd` runs stage 1 as the Gluon kernel of
+`gluon_mla_decode.py` instead (same contract, the warpgroups side by side: no duplicated QK; ~50% of
+copy bandwidth at batch 16-64 x 16K-32K on an H100).
 
 Extend hands strided views of the latent buffer to the generic extend kernel, so nothing is copied.
 """
@@ -117,6 +120,42 @@ def _mla_decode_stage1_kernel(
         tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
 
 
+def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> str | None:
+    """Why the Gluon decode kernel cannot run on these tensors, or None when it can."""
+    _, H, L = q_nope.shape
+    if not q_nope.is_cuda or torch.cuda.get_device_capability(q_nope.device)[0] != 9:
+        return "it needs a Hopper GPU (compute capability 9.x)"
+    if (L, latent_buf.shape[-1] - L) != (512, 64) or H % 64:
+        return f"it needs latent 512 + rope 64 and a multiple of 64 heads, not {L} + {latent_buf.shape[-1] - L}, {H} heads"
+    if q_nope.dtype not in (torch.bfloat16, torch.float16) or latent_buf.dtype != q_nope.dtype:
+        return f"it needs bf16 or fp16 queries and cache of one dtype, not {q_nope.dtype} / {latent_buf.dtype}"
+    if latent_buf.data_ptr() % 16 or latent_buf.stride(0) % 16:  # 16-byte cp.async of every row
+        return "the latent cache's base or row stride is not 16-element aligned"
+    if _gluon_stage1() is None:
+        return "this Triton has no Gluon"
+    return None
+
+
+def _gluon_stage1():  # the Gluon kernel, or None where this Triton cannot import it
+    global _GLUON_STAGE1
+    if _GLUON_STAGE1 is False:
+        try:
+            from ftransformers.kernels.gluon_mla_decode import mla_decode_stage1
+
+            _GLUON_STAGE1 = mla_decode_stage1
+        except (ImportError, AttributeError):
+            _GLUON_STAGE1 = None
+    return _GLUON_STAGE1
+
+
+_GLUON_STAGE1 = False  # not imported yet
+
+
+def gluon_mla_stage1(q_nope: torch.Tensor, latent_buf: torch.Tensor):
+    """The Gluon stage-1 launcher (`gluon_mla_decode.mla_decode_stage1`) where it applies, else None."""
+    return None if gluon_mla_unsupported(q_nope, latent_buf) else _gluon_stage1()
+
+
 def mla_decode_fwd(
     q_nope: torch.Tensor,  # [B, H, L], absorbed through W_UK
     q_rope: torch.Tensor,  # [B, H, R]
@@ -134,12 +173,27 @@ def mla_decode_fwd(
     num_warps: int | None = None,  # None: 8 for 64 heads, else 4
     num_stages: int = 3,
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
+    kernel: str = "auto",  # "gluon" (Hopper, see gluon_mla_decode.py), "triton", or "auto": gluon where it applies
 ) -> torch.Tensor:
     B, H, L = q_nope.shape
     R = q_rope.shape[-1]
     assert latent_buf.shape[-1] == L + R and latent_buf.stride(-1) == 1
     assert q_nope.stride(-1) == 1 and q_rope.stride(-1) == 1 and q_rope.dtype == q_nope.dtype
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
+    if kernel not in ("auto", "gluon", "triton"):
+        raise ValueError(f"kernel must be auto, gluon or triton, not {kernel!r}")
+    gluon_kernel = gluon_mla_stage1(q_nope, latent_buf) if kernel != "triton" else None
+    if kernel == "gluon" and gluon_kernel is None:
+        raise ValueError(f"the Gluon MLA decode kernel does not apply here: {gluon_mla_unsupported(q_nope, latent_buf)}")
+    if gluon_kernel is not None:
+        from ftransformers.kernels.gluon_mla_decode import BLOCK_N as GLUON_BLOCK_N
+
+        min_split_len = triton.cdiv(max(min_split_len, 1), GLUON_BLOCK_N) * GLUON_BLOCK_N
+        gluon_kernel(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+                     num_kv_splits, sm_scale, min_split_len)  # fmt: skip
+        if num_kv_splits > 1:
+            decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, GLUON_BLOCK_N)
+        return out
     cuda = q_nope.is_cuda
     block_h = block_h or (64 if cuda else 16)
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))

@@ -1,0 +1,227 @@
+"""MLA decode (absorbed weights) on Hopper, in Gluon: stage 1 without the duplicated QK product.
+
+Same contract as `triton_mla_attention._mla_decode_stage1_kernel` (one program per (64 heads, KV split,
+sequence); a row of one split is finished here, others leave a normalised partial output and its
+base-2 log-sum-exp for `decode_combine`). What Gluon lets us say that Triton does not:
+
+- Both dots keep their 8 warps as two warpgroups side by side along N (`warps_per_cta=[4, 2]`). The
+  scores S = q_nope c_kv^T + q_pe k_pe^T [64 heads, BLOCK_N tokens]: each warpgroup computes half the
+  tokens (Triton lays a chained dot's warps along M, so with 64 heads both warpgroups computed all of
+  S, and the 576-deep QK product ran twice). The output O += P c_kv [64, 512]: each warpgroup owns
+  256 latent columns, 128 float32 registers a thread.
+- P goes through shared memory (8 KB a tile) so both warpgroups read all of it as the A operand.
+- The latent tile is gathered row by row (the cache is paged per token: no TMA) with cp.async into a
+  two-stage ring of 128-byte-swizzled tiles; tile i+1's copies and tile i+2's slot indices are in
+  flight while tile i is computed. With PIPELINE, tile i's P V wgmma is not waited for at the end of
+  its iteration but together with tile i+1's scores, so the two run back to back; tile i+1's copies
+  are then issued once both warpgroups are past P V (i - 1), whose stage they overwrite.
+
+Where the time goes (H100, benchmarks/bench_attention.py's diag_* variants): at batch 64 x 32K the
+compute path alone runs at 72% of copy bandwidth and the copies alone at 93%; together ~50%. The
+scores bound the compute path: m64n32 wgmmas read 3 KB of shared memory per 64K FLOPs. Wider score
+tiles need 128 tokens in flight, which the 227 KB do not hold twice next to Q; FlashMLA's warp-
+specialised ping-pong of the two warpgroups over alternate tiles is the known way past that.
+
+Shared memory at the defaults (64 heads, 64 tokens, bf16): q 72 KB + 2 x 72 KB latent + 8 KB P =
+224 KB of the H100's 227 KB. Needs L = 512, R = 64 (DeepSeek-V2/V3, Kimi-K2), heads a multiple of 64,
+16-bit dtypes and compute capability 9.x; `mla_decode_fwd` takes the Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from ftransformers.kernels.pdl import pdl_launch
+
+# Triton 3.6 (the device image) names the cp.async builtin async_copy_global_to_shared; newer ones async_load
+# (and the CTA barrier thread_barrier, later barrier)
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+BLOCK_H = 64  # wgmma M: heads per program
+BLOCK_N = 64  # tokens per tile
+NUM_WARPS = 8  # two warpgroups
+DIAG = 0  # timing experiments only, wrong results: 1 = no copies after the first tile, 2 = no wgmma
+PIPELINE = True  # P V of tile i waited with the QK of tile i + 1 (False: each tile's P V waited at its end)
+
+
+@gluon.jit
+def pdl_enter(USE_PDL: gl.constexpr):
+    # kernels/pdl.py's pdl_enter in Gluon: wait for the previous grid, then let the next one queue up
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+
+@gluon.jit
+def _issue_tile(kvn, kvr, KV, s_kv, loc_n, loc_r, offs_l, offs_r, L: gl.constexpr):
+    # cp.async of one latent tile: rows loc_* (int64 slots), c_kv -> kvn [BLOCK_N, L], k_pe -> kvr [BLOCK_N, R]
+    _cp_async(kvn, KV + loc_n[:, None] * s_kv + offs_l[None, :])
+    _cp_async(kvr, KV + L + loc_r[:, None] * s_kv + offs_r[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _slots(r2t_row, pos, end):
+    # positions past the split re-read its last token (a real slot: the copies need no mask)
+    return gl.load(r2t_row + gl.minimum(pos, end - 1)).to(gl.int64)
+
+
+@gluon.jit
+def mla_decode_stage1_gluon(
+    Q_NOPE, Q_ROPE, KV, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+    sm_scale, num_kv_splits, min_split_len,
+    s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+    L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, PIPELINE: gl.constexpr,
+    USE_PDL: gl.constexpr = False, DIAG: gl.constexpr = 0,
+):  # fmt: skip
+    pid_h = gl.program_id(0)
+    split_id = gl.program_id(1)
+    b = gl.program_id(2)
+    # PDL: the batch metadata (written before the step) is read before the wait
+    seq_len = gl.load(seq_lens + b).to(gl.int32)
+    req = gl.load(req_pool_indices + b)
+    pdl_enter(USE_PDL)
+    dtype: gl.constexpr = KV.dtype.element_ty
+    # register layouts: the two dots (warpgroups side by side along N), and the gathers (16 B a thread)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+    )
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [rows, L] 16-byte vectors
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [rows, R]
+    sl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+    sl_r: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
+    sl_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+    split_len = gl.maximum(gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    start = split_id * split_len
+    end = gl.minimum(start + split_len, seq_len)
+
+    o_rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, L, layout=gl.SliceLayout(0, o_layout))
+    if end <= start:
+        if split_id == 0:  # seq_len 0 (a padded CUDA-graph row): zeros, not garbage
+            gl.store(O + b * s_o_b + o_rows[:, None] * s_o_h + o_cols[None, :],
+                     gl.zeros([BLOCK_H, L], O.dtype.element_ty, o_layout))  # fmt: skip
+        return
+
+    # the program's queries, once, into shared memory (the wgmma A operand of every tile)
+    heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
+    heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_r))
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_r))
+    q_nope = gl.allocate_shared_memory(
+        dtype, [BLOCK_H, L], sl_l, gl.load(Q_NOPE + b * s_qn_b + heads_l[:, None] * s_qn_h + offs_l[None, :])
+    )
+    q_rope = gl.allocate_shared_memory(
+        dtype, [BLOCK_H, R], sl_r, gl.load(Q_ROPE + b * s_qr_b + heads_r[:, None] * s_qr_h + offs_r[None, :])
+    )
+    kvn = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], sl_l)
+    kvr = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], sl_r)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sl_p)
+
+    r2t_row = req_to_token + req * s_r2t
+    rows_l = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_l))
+    rows_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+    cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    num_tiles = gl.cdiv(end - start, BLOCK_N)
+
+    _issue_tile(kvn.index(0), kvr.index(0), KV, s_kv, _slots(r2t_row, start + rows_l, end),
+                _slots(r2t_row, start + rows_r, end), offs_l, offs_r, L)  # fmt: skip
+    # tile 1's slots (clamped: a split of one tile reads its last token again and never uses them)
+    next_l = _slots(r2t_row, start + BLOCK_N + rows_l, end)
+    next_r = _slots(r2t_row, start + BLOCK_N + rows_r, end)
+    fence_async_shared()  # the queries' generic-proxy stores, before the first wgmma reads them
+
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
+    for it in range(num_tiles):
+        start_n = start + it * BLOCK_N
+        cur_n = kvn.index(it % 2)
+        cur_r = kvr.index(it % 2)
+        async_copy.wait_group(0)  # tile it, the only copies in flight
+        _cta_barrier()  # every thread's copies of tile it
+        fence_async_shared()  # cp.async writes are generic-proxy; wgmma reads through the async proxy
+        if DIAG == 2:
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+        else:
+            s = warpgroup_mma(q_nope, cur_n.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)  # fmt: skip
+            s = warpgroup_mma(q_rope, cur_r.permute((1, 0)), s, is_async=True)
+        if PIPELINE:
+            # P V of tile it - 1 ran behind this QK; both done here (wgmma groups retire in order)
+            s, acc = warpgroup_mma_wait(0, deps=[s, acc])
+            _cta_barrier()  # both warpgroups past P V (it - 1): P and stage (it + 1) % 2 are free
+        if it + 1 < num_tiles and DIAG != 1:  # tile it + 1 into the other stage while this one is computed
+            nxt = (it + 1) % 2
+            _issue_tile(kvn.index(nxt), kvr.index(nxt), KV, s_kv, next_l, next_r, offs_l, offs_r, L)
+            next_l = _slots(r2t_row, start_n + 2 * BLOCK_N + rows_l, end)
+            next_r = _slots(r2t_row, start_n + 2 * BLOCK_N + rows_r, end)
+        if not PIPELINE:
+            s = warpgroup_mma_wait(0, deps=[s])
+
+        qk = gl.where((start_n + cols_s < end)[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        _cta_barrier()  # all of P, from both warpgroups, before either reads it
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        if DIAG != 2:
+            acc = warpgroup_mma(p_smem, cur_n, acc, is_async=True)
+        if PIPELINE:
+            acc = warpgroup_mma_wait(1, deps=[acc])  # left in flight: waited behind the next QK
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _cta_barrier()  # both warpgroups done with P and this stage before they are overwritten
+    acc = warpgroup_mma_wait(0, deps=[acc])
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / l_o[:, None]
+    if gl.cdiv(seq_len, split_len) == 1:  # the row's only split: final output
+        gl.store(O + b * s_o_b + o_rows[:, None] * s_o_h + o_cols[None, :], out.to(O.dtype.element_ty))
+    else:
+        gl.store(mid_o + b * s_mo_b + o_rows[:, None] * s_mo_h + split_id * s_mo_s + o_cols[None, :], out)
+        # log-sum-exp in base 2 of this split's scores
+        heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i))
+
+
+def mla_decode_stage1(
+    q_nope: torch.Tensor,  # [B, H, L], H a multiple of BLOCK_H
+    q_rope: torch.Tensor,  # [B, H, R]
+    latent_buf: torch.Tensor,  # [N, L + R], rows 16-element aligned
+    out: torch.Tensor,  # [B, H, L]
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]
+    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, L] float32
+    mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits] float32
+    num_kv_splits: int,
+    sm_scale: float,
+    min_split_len: int,  # a multiple of BLOCK_N
+) -> None:
+    B, H, L = q_nope.shape
+    mla_decode_stage1_gluon[(H // BLOCK_H, num_kv_splits, B)](
+        q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale, num_kv_splits, min_split_len,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), latent_buf.stride(0),
+        req_to_token.stride(0), out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        PIPELINE=PIPELINE, DIAG=DIAG, num_warps=NUM_WARPS,
+        **pdl_launch(q_nope.device),
+    )  # fmt: skip

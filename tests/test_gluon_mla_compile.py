@@ -1,0 +1,98 @@
+"""The Gluon MLA decode kernel compiles for Hopper on any machine (no GPU needed: Triton lowers it to
+sm_90 PTX and cubin offline), so CI catches a Triton that no longer takes it. Its GPU results are
+checked in tests/test_triton_attention.py::test_mla_decode on an H100. The compile runs in a child
+process: the test session runs Triton's interpreter (conftest), which replaces the standard library's
+jit functions the compiler needs.
+
+What the compiled kernel must show: it fits the 227 KiB of shared memory a Hopper block may use; the
+scores are computed as m64n32 wgmmas, i.e. each of the two warpgroups takes half of a 64-token tile
+(the Triton kernel's duplicated QK product would be m64n64 in both), 36 of them for the 576-deep
+q . [c_kv | k_pe]; and P V as m64n256 (each warpgroup half of the 512 latent columns).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+
+SM90_MAX_SHARED = 227 * 1024
+
+
+def _compile(pipeline: bool) -> dict:  # in this process: {"shared": bytes, "ptx": text}
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from ftransformers.kernels import gluon_mla_decode as g
+
+    sig = {n: "*bf16" for n in ("Q_NOPE", "Q_ROPE", "KV", "O")}
+    sig |= {
+        "req_to_token": "*i32",
+        "req_pool_indices": "*i64",
+        "seq_lens": "*i64",
+        "mid_o": "*fp32",
+        "mid_lse": "*fp32",
+    }
+    sig |= {"sm_scale": "fp32", "num_kv_splits": "i32", "min_split_len": "i32"}
+    strides = [
+        "s_qn_b",
+        "s_qn_h",
+        "s_qr_b",
+        "s_qr_h",
+        "s_kv",
+        "s_r2t",
+        "s_o_b",
+        "s_o_h",
+        "s_mo_b",
+        "s_mo_h",
+        "s_mo_s",
+        "s_ml_b",
+        "s_ml_h",
+    ]
+    sig |= dict.fromkeys(strides, "i32")
+    consts = {
+        "L": 512,
+        "R": 64,
+        "BLOCK_H": g.BLOCK_H,
+        "BLOCK_N": g.BLOCK_N,
+        "PIPELINE": pipeline,
+        "USE_PDL": True,
+        "DIAG": 0,
+    }
+    sig |= dict.fromkeys(consts, "constexpr")
+    names = list(sig)
+    # what the JIT specialises at run time: 16-byte aligned pointers, strides divisible by 16 (576, ...)
+    aligned = [n for n in names if sig[n].startswith("*") or n in strides]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = gluon_runtime.GluonASTSource(g.mla_decode_stage1_gluon, sig, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": g.NUM_WARPS})
+    return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"]}
+
+
+def _compile_in_child(pipeline: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({pipeline})))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_gluon_mla_decode_compiles_for_hopper(pipeline: bool) -> None:
+    kernel = _compile_in_child(pipeline)
+    assert 0 < kernel["shared"] <= SM90_MAX_SHARED
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", kernel["ptx"])
+    assert sorted(set(shapes)) == ["m64n256k16", "m64n32k16"], shapes
+    assert shapes.count("m64n32k16") == (512 + 64) // 16  # one loop body: the scores
+    assert shapes.count("m64n256k16") == 64 // 16  # P V over a 64-token tile
+    assert "cp.async.cg.shared.global" in kernel["ptx"]  # the paged gather, 16 bytes a copy
