@@ -70,8 +70,14 @@ GQA_VARIANTS = {
 }
 MLA_VARIANTS = {
     "old": dict(block_h=32, block_n=32, num_warps=4),  # the generic GQA kernel on the latent views
-    "n64s3": dict(block_n=64, num_stages=3),  # the backend's default
-    "n64s2": dict(block_n=64, num_stages=2),
+    "n64s3": dict(block_n=64, num_stages=3, kernel="triton"),  # the Triton kernel as the backend launches it
+    "n64s2": dict(block_n=64, num_stages=2, kernel="triton"),
+    "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py: no duplicated QK (Hopper)
+    "gluon_seq": dict(kernel="gluon", gluon_attrs={"PIPELINE": False}),  # each tile's P V waited before the next
+    # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
+    # tile 0 (its compute path alone), no wgmma (its copies, softmax and barriers alone)
+    "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1}),
+    "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2}),
 }
 
 
@@ -134,8 +140,19 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
         decode_attention_fwd(q_nope, c_kv, c_kv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                              q_pe=q_rope, kpe_buf=k_pe, direct=False, **MLA_VARIANTS[var])  # fmt: skip
     else:
-        mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
-                       min_split_len=min_split_len, **MLA_VARIANTS[var])  # fmt: skip
+        kw = dict(MLA_VARIANTS[var])
+        attrs = kw.pop("gluon_attrs", {})  # module defaults of gluon_mla_decode, read at launch (graph capture)
+        from ftransformers.kernels import gluon_mla_decode
+
+        saved = {k: getattr(gluon_mla_decode, k) for k in attrs}
+        for k, v in attrs.items():
+            setattr(gluon_mla_decode, k, v)
+        try:
+            mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
+                           min_split_len=min_split_len, **kw)  # fmt: skip
+        finally:
+            for k, v in saved.items():
+                setattr(gluon_mla_decode, k, v)
 
 
 # correctness on the GPU -------------------------------------------------------------------------
@@ -303,7 +320,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--kernels", default="gqa,mla", help="groups: gqa, mla, extend")
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
-    ap.add_argument("--mla-variants", default=",".join(MLA_VARIANTS),
+    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith("diag_")),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
     ap.add_argument("--check-reps", type=int, default=4)
     args = ap.parse_args()
