@@ -23,6 +23,9 @@ Extend hands strided views of the latent buffer to the generic extend kernel, so
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -120,13 +123,20 @@ def _mla_decode_stage1_kernel(
         tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
 
 
+@functools.cache
+def _capability_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> str | None:
     """Why the Gluon decode kernel cannot run on these tensors, or None when it can."""
     _, H, L = q_nope.shape
-    if not q_nope.is_cuda or torch.cuda.get_device_capability(q_nope.device)[0] != 9:
+    if not q_nope.is_cuda or _capability_major(q_nope.device.index) != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
     if (L, latent_buf.shape[-1] - L) != (512, 64) or H % 64:
-        return f"it needs latent 512 + rope 64 and a multiple of 64 heads, not {L} + {latent_buf.shape[-1] - L}, {H} heads"
+        return (
+            f"it needs latent 512 + rope 64 and a multiple of 64 heads, not {L} + {latent_buf.shape[-1] - L}, {H} heads"
+        )
     if q_nope.dtype not in (torch.bfloat16, torch.float16) or latent_buf.dtype != q_nope.dtype:
         return f"it needs bf16 or fp16 queries and cache of one dtype, not {q_nope.dtype} / {latent_buf.dtype}"
     if latent_buf.data_ptr() % 16 or latent_buf.stride(0) % 16:  # 16-byte cp.async of every row
@@ -136,7 +146,7 @@ def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> str
     return None
 
 
-def _gluon_stage1():  # the Gluon kernel, or None where this Triton cannot import it
+def _gluon_stage1() -> Callable[..., None] | None:  # the Gluon launcher, or None where this Triton cannot import it
     global _GLUON_STAGE1
     if _GLUON_STAGE1 is False:
         try:
@@ -148,10 +158,10 @@ def _gluon_stage1():  # the Gluon kernel, or None where this Triton cannot impor
     return _GLUON_STAGE1
 
 
-_GLUON_STAGE1 = False  # not imported yet
+_GLUON_STAGE1: Callable[..., None] | None | bool = False  # False: not imported yet
 
 
-def gluon_mla_stage1(q_nope: torch.Tensor, latent_buf: torch.Tensor):
+def gluon_mla_stage1(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> Callable[..., None] | None:
     """The Gluon stage-1 launcher (`gluon_mla_decode.mla_decode_stage1`) where it applies, else None."""
     return None if gluon_mla_unsupported(q_nope, latent_buf) else _gluon_stage1()
 
@@ -184,7 +194,9 @@ def mla_decode_fwd(
         raise ValueError(f"kernel must be auto, gluon or triton, not {kernel!r}")
     gluon_kernel = gluon_mla_stage1(q_nope, latent_buf) if kernel != "triton" else None
     if kernel == "gluon" and gluon_kernel is None:
-        raise ValueError(f"the Gluon MLA decode kernel does not apply here: {gluon_mla_unsupported(q_nope, latent_buf)}")
+        raise ValueError(
+            f"the Gluon MLA decode kernel does not apply here: {gluon_mla_unsupported(q_nope, latent_buf)}"
+        )
     if gluon_kernel is not None:
         from ftransformers.kernels.gluon_mla_decode import BLOCK_N as GLUON_BLOCK_N
 
