@@ -19,11 +19,13 @@ varying per-row lengths (a padded row of length 0 must give zeros).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -141,18 +143,26 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
                              q_pe=q_rope, kpe_buf=k_pe, direct=False, **MLA_VARIANTS[var])  # fmt: skip
     else:
         kw = dict(MLA_VARIANTS[var])
-        attrs = kw.pop("gluon_attrs", {})  # module defaults of gluon_mla_decode, read at launch (graph capture)
-        from ftransformers.kernels import gluon_mla_decode
-
-        saved = {k: getattr(gluon_mla_decode, k) for k in attrs}
-        for k, v in attrs.items():
-            setattr(gluon_mla_decode, k, v)
-        try:
+        with gluon_defaults(kw.pop("gluon_attrs", {})):
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                            min_split_len=min_split_len, **kw)  # fmt: skip
-        finally:
-            for k, v in saved.items():
-                setattr(gluon_mla_decode, k, v)
+
+
+@contextlib.contextmanager
+def gluon_defaults(attrs: dict) -> Iterator[None]:
+    """Module defaults of gluon_mla_decode (PIPELINE, DIAG) set for the calls inside; read at launch, so
+    at graph capture too."""
+    if not attrs:
+        yield
+        return
+    from ftransformers.kernels import gluon_mla_decode
+
+    saved = {k: getattr(gluon_mla_decode, k) for k in attrs}
+    vars(gluon_mla_decode).update(attrs)
+    try:
+        yield
+    finally:
+        vars(gluon_mla_decode).update(saved)
 
 
 # correctness on the GPU -------------------------------------------------------------------------

@@ -30,12 +30,14 @@ Shared memory at the defaults (64 heads, 64 tokens, bf16): q 72 KB + 2 x 72 KB l
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.triton_decode_attention import decode_combine
 
 # Triton 3.6 (the device image) names the cp.async builtin async_copy_global_to_shared; newer ones async_load
 # (and the CTA barrier thread_barrier, later barrier)
@@ -200,7 +202,7 @@ def mla_decode_stage1_gluon(
         gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i))
 
 
-def mla_decode_stage1(
+def mla_decode(
     q_nope: torch.Tensor,  # [B, H, L], H a multiple of BLOCK_H
     q_rope: torch.Tensor,  # [B, H, R]
     latent_buf: torch.Tensor,  # [N, L + R], rows 16-element aligned
@@ -212,9 +214,12 @@ def mla_decode_stage1(
     mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits] float32
     num_kv_splits: int,
     sm_scale: float,
-    min_split_len: int,  # a multiple of BLOCK_N
-) -> None:
+    min_split_len: int,  # rounded up to BLOCK_N; 0 = BLOCK_N
+) -> torch.Tensor:
+    """Stage 1 here, then `decode_combine` for rows of several splits (as `mla_decode_fwd` does with the
+    Triton kernel); returns `out`."""
     B, H, L = q_nope.shape
+    min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     mla_decode_stage1_gluon[(H // BLOCK_H, num_kv_splits, B)](
         q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale, num_kv_splits, min_split_len,
@@ -225,3 +230,6 @@ def mla_decode_stage1(
         PIPELINE=PIPELINE, DIAG=DIAG, num_warps=NUM_WARPS,
         **pdl_launch(q_nope.device),
     )  # fmt: skip
+    if num_kv_splits > 1:
+        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, BLOCK_N)
+    return out

@@ -141,29 +141,18 @@ def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> str
         return f"it needs bf16 or fp16 queries and cache of one dtype, not {q_nope.dtype} / {latent_buf.dtype}"
     if latent_buf.data_ptr() % 16 or latent_buf.stride(0) % 16:  # 16-byte cp.async of every row
         return "the latent cache's base or row stride is not 16-element aligned"
-    if _gluon_stage1() is None:
+    if _gluon_decode() is None:
         return "this Triton has no Gluon"
     return None
 
 
-def _gluon_stage1() -> Callable[..., None] | None:  # the Gluon launcher, or None where this Triton cannot import it
-    global _GLUON_STAGE1
-    if _GLUON_STAGE1 is False:
-        try:
-            from ftransformers.kernels.gluon_mla_decode import mla_decode_stage1
-
-            _GLUON_STAGE1 = mla_decode_stage1
-        except (ImportError, AttributeError):
-            _GLUON_STAGE1 = None
-    return _GLUON_STAGE1
-
-
-_GLUON_STAGE1: Callable[..., None] | None | bool = False  # False: not imported yet
-
-
-def gluon_mla_stage1(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> Callable[..., None] | None:
-    """The Gluon stage-1 launcher (`gluon_mla_decode.mla_decode_stage1`) where it applies, else None."""
-    return None if gluon_mla_unsupported(q_nope, latent_buf) else _gluon_stage1()
+@functools.cache
+def _gluon_decode() -> Callable[..., torch.Tensor] | None:  # gluon_mla_decode.mla_decode, or None without Gluon
+    try:
+        from ftransformers.kernels.gluon_mla_decode import mla_decode
+    except (ImportError, AttributeError):
+        return None
+    return mla_decode
 
 
 def mla_decode_fwd(
@@ -192,20 +181,12 @@ def mla_decode_fwd(
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
     if kernel not in ("auto", "gluon", "triton"):
         raise ValueError(f"kernel must be auto, gluon or triton, not {kernel!r}")
-    gluon_kernel = gluon_mla_stage1(q_nope, latent_buf) if kernel != "triton" else None
-    if kernel == "gluon" and gluon_kernel is None:
-        raise ValueError(
-            f"the Gluon MLA decode kernel does not apply here: {gluon_mla_unsupported(q_nope, latent_buf)}"
-        )
-    if gluon_kernel is not None:
-        from ftransformers.kernels.gluon_mla_decode import BLOCK_N as GLUON_BLOCK_N
-
-        min_split_len = triton.cdiv(max(min_split_len, 1), GLUON_BLOCK_N) * GLUON_BLOCK_N
-        gluon_kernel(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-                     num_kv_splits, sm_scale, min_split_len)  # fmt: skip
-        if num_kv_splits > 1:
-            decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, GLUON_BLOCK_N)
-        return out
+    why_not_gluon = gluon_mla_unsupported(q_nope, latent_buf) if kernel != "triton" else "not asked for"
+    if kernel == "gluon" and why_not_gluon:
+        raise ValueError(f"the Gluon MLA decode kernel does not apply here: {why_not_gluon}")
+    if not why_not_gluon:
+        return _gluon_decode()(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
+                               mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     cuda = q_nope.is_cuda
     block_h = block_h or (64 if cuda else 16)
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
