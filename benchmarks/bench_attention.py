@@ -74,12 +74,22 @@ MLA_VARIANTS = {
     "old": dict(block_h=32, block_n=32, num_warps=4),  # the generic GQA kernel on the latent views
     "n64s3": dict(block_n=64, num_stages=3, kernel="triton"),  # the Triton kernel as the backend launches it
     "n64s2": dict(block_n=64, num_stages=2, kernel="triton"),
-    "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py: no duplicated QK (Hopper)
-    "gluon_seq": dict(kernel="gluon", gluon_attrs={"PIPELINE": False}),  # each tile's P V waited before the next
-    # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
+    "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py at its module defaults (what "auto" runs)
+    # its schedules: P V of tile i issued behind the QK of tile i + 1 (pipe) or waited in its own tile
+    # (seq); copies issued by the compute warpgroups or by a load partition (ws, warp specialised)
+    "gluon_pipe": dict(kernel="gluon", gluon_attrs={"PIPELINE": True, "WARP_SPECIALIZE": False}),
+    "gluon_seq": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": False}),
+    "gluon_ws": dict(kernel="gluon", gluon_attrs={"PIPELINE": True, "WARP_SPECIALIZE": True}),
+    "gluon_ws_seq": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True}),
+    # + the scores start on the first of READY_PARTS column parts of a tile while the rest streams in
+    "gluon_ws_seq_p2": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True, "READY_PARTS": 2}),
+    "gluon_ws_seq_p4": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True, "READY_PARTS": 4}),
+    "gluon_ws_seq_p4r16": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True, "READY_PARTS": 4,
+                                                            "LOAD_ROWS": 16}),  # fmt: skip
+    # timing-only diagnostics of the pipe schedule (wrong results; not run unless named): no copies after
     # tile 0 (its compute path alone), no wgmma (its copies, softmax and barriers alone)
-    "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1}),
-    "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2}),
+    "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1, "PIPELINE": True, "WARP_SPECIALIZE": False}),
+    "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2, "PIPELINE": True, "WARP_SPECIALIZE": False}),
 }
 
 
@@ -127,8 +137,7 @@ def gqa_call(var: str, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> No
                          block_n=64, **kw)  # fmt: skip
 
 
-def mla_splits(var: str, B: int, sms: int) -> int:
-    H = MLA_SHAPE[0]
+def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     if var == "old":
         return num_kv_splits(B, triton.cdiv(H, 32), sms)
     return mla_num_kv_splits(B, triton.cdiv(H, 64), sms)
@@ -255,8 +264,10 @@ def bench_gqa(name: str, B: int, ctx: int, sms: int, copy_gbps: float) -> list[d
     return res
 
 
-def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, variants: dict[str, int]) -> list[dict]:
-    H, L, R = MLA_SHAPE
+def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, variants: dict[str, int],
+              H: int = MLA_SHAPE[0]) -> list[dict]:  # fmt: skip
+    """H: heads on this GPU (DeepSeek-V3 has 128: 16 a GPU at tensor parallel 8; Kimi-K2 64, then 8)."""
+    _, L, R = MLA_SHAPE
     r2t, rows, n_slots = contiguous_table([ctx] * B)
     kv_bytes = B * ctx * (L + R) * 2
     flops = 2 * B * ctx * H * ((L + R) + L)
@@ -271,7 +282,9 @@ def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, va
     res = []
     for name, msl in variants.items():
         var = name.split("@")[0]
-        splits = mla_splits(var, B, sms)
+        if var.startswith(("gluon", "diag_")) and H % 64:
+            continue  # the Gluon kernel takes heads in multiples of 64
+        splits = mla_splits(var, B, sms, H)
         scratch = decode_scratch(B, H, L, splits, DEV)
 
         def run(var: str = var, splits: int = splits, scratch: tuple = scratch, msl: int = msl) -> None:
@@ -283,7 +296,7 @@ def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, va
         torch.cuda.synchronize()
         err = rel_err(out[:chk], ref)
         ms = graph_ms(run, layers)
-        res.append(dict(kernel="mla_decode", model="deepseek-v3", batch=B, context=ctx, splits=splits, variant=name,
+        res.append(dict(kernel="mla_decode", model="deepseek-v3", heads=H, batch=B, context=ctx, splits=splits, variant=name,
                         us=ms * 1e3, bytes=kv_bytes, gbps=kv_bytes / ms / 1e6, pct_copy=kv_bytes / ms / 1e6 / copy_gbps,
                         floor_us=kv_bytes / copy_gbps / 1e3, flops=flops, tflops=flops / ms / 1e9,
                         matmul_floor_us=flops / mm_tflops / 1e6, rel_err=err))  # fmt: skip
@@ -333,6 +346,8 @@ def main() -> None:
     ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith("diag_")),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
     ap.add_argument("--check-reps", type=int, default=4)
+    ap.add_argument("--mla-heads", default="128",
+                    help="heads a GPU, comma-separated: 128 (DeepSeek-V3), 64 (Kimi-K2), 16 / 8 (those at TP 8)")  # fmt: skip
     args = ap.parse_args()
     for k in [k for k in GQA_VARIANTS if k not in args.gqa_variants.split(",")]:
         del GQA_VARIANTS[k]
@@ -361,12 +376,13 @@ def main() -> None:
         lines.append(f"gqa B={B:<4d} ctx={ctx:<6d} floor {r[0]['floor_us']:6.1f} us | " + " ".join(
             f"{x['variant']}:{x['us']:7.1f}us {x['pct_copy']:4.0%}" for x in r))  # fmt: skip
         print(lines[-1], flush=True)
-    for B, ctx in MLA_CASES if "mla" in groups else ():
+    mla_heads = [int(h) for h in args.mla_heads.split(",")]
+    for H, (B, ctx) in [(h, c) for h in mla_heads for c in MLA_CASES] if "mla" in groups else ():
         variants = {k: v for k, v in mla_vars.items() if "@" not in k or (B == 1 and ctx == 4096)}
-        r = bench_mla(B, ctx, sms, copy_gbps, mm_tflops, variants)
+        r = bench_mla(B, ctx, sms, copy_gbps, mm_tflops, variants, H)
         results += r
         floors = f"floor {r[0]['floor_us']:6.1f} us (matmul {r[0]['matmul_floor_us']:6.1f})"
-        lines.append(f"mla B={B:<3d} ctx={ctx:<6d} {floors} | "
+        lines.append(f"mla H={H:<3d} B={B:<3d} ctx={ctx:<6d} {floors} | "
                      + " ".join(f"{x['variant']}:{x['us']:7.1f}us {x['pct_copy']:4.0%}" for x in r))  # fmt: skip
         print(lines[-1], flush=True)
     for kind in ("qwen3-8b", "mla") if "extend" in groups else ():
