@@ -74,22 +74,12 @@ MLA_VARIANTS = {
     "old": dict(block_h=32, block_n=32, num_warps=4),  # the generic GQA kernel on the latent views
     "n64s3": dict(block_n=64, num_stages=3, kernel="triton"),  # the Triton kernel as the backend launches it
     "n64s2": dict(block_n=64, num_stages=2, kernel="triton"),
-    "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py at its module defaults (what "auto" runs)
-    # its schedules: P V of tile i issued behind the QK of tile i + 1 (pipe) or waited in its own tile
-    # (seq); copies issued by the compute warpgroups or by a load partition (ws, warp specialised)
-    "gluon_pipe": dict(kernel="gluon", gluon_attrs={"PIPELINE": True, "WARP_SPECIALIZE": False}),
-    "gluon_seq": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": False}),
-    "gluon_ws": dict(kernel="gluon", gluon_attrs={"PIPELINE": True, "WARP_SPECIALIZE": True}),
-    "gluon_ws_seq": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True}),
-    # + the scores start on the first of READY_PARTS column parts of a tile while the rest streams in
-    "gluon_ws_seq_p2": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True, "READY_PARTS": 2}),
-    "gluon_ws_seq_p4": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True, "READY_PARTS": 4}),
-    "gluon_ws_seq_p4r16": dict(kernel="gluon", gluon_attrs={"PIPELINE": False, "WARP_SPECIALIZE": True, "READY_PARTS": 4,
-                                                            "LOAD_ROWS": 16}),  # fmt: skip
-    # timing-only diagnostics of the pipe schedule (wrong results; not run unless named): no copies after
-    # tile 0 (its compute path alone), no wgmma (its copies, softmax and barriers alone)
-    "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1, "PIPELINE": True, "WARP_SPECIALIZE": False}),
-    "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2, "PIPELINE": True, "WARP_SPECIALIZE": False}),
+    "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py: no duplicated QK, a load partition (Hopper)
+    # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
+    # the first two tiles (its compute path alone), no wgmma (its copies, softmax and barriers alone).
+    # The schedules it was chosen from (gluon_pipe, gluon_seq, gluon_ws_seq_p2, ...) are in commit dcbcafd.
+    "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1}),
+    "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2}),
 }
 
 
@@ -159,7 +149,7 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
 
 @contextlib.contextmanager
 def gluon_defaults(attrs: dict) -> Iterator[None]:
-    """Module defaults of gluon_mla_decode (PIPELINE, DIAG) set for the calls inside; read at launch, so
+    """Module defaults of gluon_mla_decode (DIAG, LOAD_ROWS, ...) set for the calls inside; read at launch, so
     at graph capture too."""
     if not attrs:
         yield
@@ -282,8 +272,6 @@ def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, va
     res = []
     for name, msl in variants.items():
         var = name.split("@")[0]
-        if var.startswith(("gluon", "diag_")) and H % 64:
-            continue  # the Gluon kernel takes heads in multiples of 64
         splits = mla_splits(var, B, sms, H)
         scratch = decode_scratch(B, H, L, splits, DEV)
 

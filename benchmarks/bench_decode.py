@@ -155,7 +155,7 @@ def write_config(name: str, layers: int, root: Path, dry_run: bool) -> dict[str,
     return cfg
 
 
-def make_runner(path: Path, max_bs: int, args: argparse.Namespace) -> Any:
+def make_runner(path: Path, max_bs: int, args: argparse.Namespace, context_length: int = 9216) -> Any:
     from ftransformers.config.model_config import ModelConfig
     from ftransformers.config.server_args import ServerArgs
     from ftransformers.runtime.model_runner import ModelRunner
@@ -163,7 +163,7 @@ def make_runner(path: Path, max_bs: int, args: argparse.Namespace) -> Any:
     kernels = "triton" if DEV == "cuda" else "torch_native"
     sa = ServerArgs(model_path=str(path), load_format="dummy", dtype="bfloat16", device=DEV,
                     attention_backend=kernels, moe_backend=kernels, max_running_requests=max_bs,
-                    cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, context_length=9216,
+                    cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, context_length=context_length,
                     disable_pdl=getattr(args, "disable_pdl", False))  # fmt: skip
     return ModelRunner(sa, ModelConfig.from_server_args(sa))
 
@@ -389,7 +389,7 @@ def run_model(
     root = Path(tempfile.mkdtemp()) / f"{name}-{layers}"
     cfg = write_config(name, layers, root, args.dry_run)
     t0 = time.perf_counter()
-    runner = make_runner(root, max(args.batches), args)
+    runner = make_runner(root, max(args.batches), args, max(9216, max(contexts) + 1024))  # + the engine's new tokens
     res: dict[str, Any] = {"model": name, "layers": layers, "full_depth": FULL_DEPTH[name]}
     res["init_s"] = time.perf_counter() - t0
     gr = runner.graph_runner

@@ -43,7 +43,6 @@ READ_BEFORE_WAIT = {
     "_decode_stage2_kernel": "seq_lens",
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
     "mla_decode_stage1_gluon": "seq_lens, req_pool_indices",
-    "mla_decode_stage1_gluon_ws": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
 }
 # Kernels that prefetch into L2 ahead of their wait (an `if PREFETCH:` block): what they prefetch, and

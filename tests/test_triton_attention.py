@@ -141,11 +141,11 @@ MLA_LENS = [1, 37, 5, 130, 64, 0] if not CUDA else [1, 17, 300, 4097, 1000, 64, 
 
 
 @pytest.mark.parametrize("shape", MLA_SHAPES)
-def test_mla_decode(shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mla_decode(shape: tuple[int, int, int]) -> None:
     """The MLA decode kernel (one latent tile per head block, split-K) against mla_attention_ref, at
     split counts and minimum split lengths that give rows of one split (written by stage 1) and of
-    several (merged by stage 2); the Gluon kernel's four schedules where it applies; and the generic
-    GQA kernel on the latent views (the old path)."""
+    several (merged by stage 2); the Gluon kernel where it applies; and the generic GQA kernel on the
+    latent views (the old path)."""
     H, L, R = shape
     gen = torch.Generator().manual_seed(H + L)
     B, N = len(MLA_LENS), sum(MLA_LENS) + 20
@@ -157,25 +157,16 @@ def test_mla_decode(shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
     ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
                             [1] * real, scale)  # fmt: skip
     cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (16, 512)]
-    # the Gluon kernel where it applies (Hopper, 128 heads), which "auto" must then pick, in each
-    # schedule: P V behind the next QK or not, copies from a load partition or from the warpgroups
-    kernels: list[tuple[str, dict[str, bool]]] = [("triton", {}), ("auto", {})]
-    if gluon_mla_unsupported(q_nope, buf) is None:
-        kernels += [("gluon", {"PIPELINE": p, "WARP_SPECIALIZE": w}) for p in (True, False) for w in (False, True)]
-        kernels += [("gluon", {"PIPELINE": p, "WARP_SPECIALIZE": True, "READY_PARTS": 4}) for p in (True, False)]
-    for kernel, schedule in kernels:
-        if schedule:
-            from ftransformers.kernels import gluon_mla_decode
-
-            for name, value in schedule.items():
-                monkeypatch.setattr(gluon_mla_decode, name, value)
+    # the Gluon kernel where it applies (Hopper, 128 heads), which "auto" must then pick
+    kernels = ["triton", "auto"] + (["gluon"] if gluon_mla_unsupported(q_nope, buf) is None else [])
+    for kernel in kernels:
         for splits, min_split_len in cases:
             mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
             out = torch.full_like(q_nope, float("nan"))
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                            min_split_len=min_split_len, kernel=kernel)  # fmt: skip
             err = rel_err(out[:real], ref)
-            assert err <= TOL, (kernel, schedule, splits, min_split_len, err)
+            assert err <= TOL, (kernel, splits, min_split_len, err)
             assert torch.equal(out[real], torch.zeros_like(out[real]))
     c_kv, k_pe = latent_views(buf, L)
     splits = 4 if not CUDA else 32
