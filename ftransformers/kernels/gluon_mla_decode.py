@@ -288,16 +288,14 @@ def mla_decode(
     Triton kernel); returns `out`."""
     B, H, L = q_nope.shape
     min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
-    args = (
+    mla_decode_stage1_gluon[(triton.cdiv(H, BLOCK_H), num_kv_splits, B)](
         q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale, num_kv_splits, min_split_len, H,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), latent_buf.stride(0),
         req_to_token.stride(0), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-    )  # fmt: skip
-    mla_decode_stage1_gluon[(triton.cdiv(H, BLOCK_H), num_kv_splits, B)](
-        *args, L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS,
-        LOAD_REGS=LOAD_REGS, LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, num_warps=NUM_WARPS, maxnreg=maxnreg(),
+        L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
+        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, num_warps=NUM_WARPS, maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),
     )  # fmt: skip
     if num_kv_splits > 1:
