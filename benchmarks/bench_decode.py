@@ -36,8 +36,9 @@ from ceilings import ceilings as shared_ceilings
 
 QWEN_COMMON = {
     "vocab_size": 151936, "num_attention_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-    "max_position_embeddings": 9216, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
 }  # fmt: skip
+RUN_CONTEXT = 9216  # positions a runner is sized for: the default contexts and the engine's new tokens
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": {
         **QWEN_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48,
@@ -155,7 +156,7 @@ def write_config(name: str, layers: int, root: Path, dry_run: bool) -> dict[str,
     return cfg
 
 
-def make_runner(path: Path, max_bs: int, args: argparse.Namespace, context_length: int = 9216) -> Any:
+def make_runner(path: Path, max_bs: int, args: argparse.Namespace, context_length: int = RUN_CONTEXT) -> Any:
     from ftransformers.config.model_config import ModelConfig
     from ftransformers.config.server_args import ServerArgs
     from ftransformers.runtime.model_runner import ModelRunner
@@ -389,7 +390,7 @@ def run_model(
     root = Path(tempfile.mkdtemp()) / f"{name}-{layers}"
     cfg = write_config(name, layers, root, args.dry_run)
     t0 = time.perf_counter()
-    runner = make_runner(root, max(args.batches), args, max(9216, max(contexts) + 1024))  # + the engine's new tokens
+    runner = make_runner(root, max(args.batches), args, max(RUN_CONTEXT, max(contexts) + 1024))  # + new tokens
     res: dict[str, Any] = {"model": name, "layers": layers, "full_depth": FULL_DEPTH[name]}
     res["init_s"] = time.perf_counter() - t0
     gr = runner.graph_runner

@@ -26,9 +26,9 @@ MAX_KV_SPLITS = 64
 GQA_WAVES = 2  # H100: 2 waves of decode programs beat 4 by up to 9% from batch 32 (attention_h100.json)
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
-# MLA decode stage 1: "auto" takes the Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py,
-# 1.4-1.5x the Triton kernel's speed on an H100), "triton" / "gluon" force one (A/B runs; "gluon" fails
-# where it cannot run, saying why)
+# MLA decode stage 1: "auto" takes the Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
+# on an H100 1.5-1.6x the Triton kernel's speed at 128 heads, 1.1-2.2x at 64 and fewer from batch 4 x 32K),
+# "triton" / "gluon" force one (A/B runs; "gluon" fails where it cannot run, saying why)
 MLA_DECODE_KERNEL = os.environ.get("FTRANSFORMERS_MLA_DECODE_KERNEL", "auto")
 if MLA_DECODE_KERNEL not in ("auto", "gluon", "triton"):
     raise ValueError(f"FTRANSFORMERS_MLA_DECODE_KERNEL must be auto, gluon or triton, not {MLA_DECODE_KERNEL!r}")
