@@ -17,6 +17,7 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA, torch_native on CPU
 MOE_BACKEND_CHOICES = ("auto", "torch_native", "triton")
+SAMPLING_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA
 REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
 # auto: the checkpoint's quantization_config; a checkpoint method must match it; fp8 / w8a8_int8 / int4 /
 # mxfp4 / nvfp4 on a float checkpoint quantize it at load time (quant/online.py)
@@ -64,6 +65,11 @@ class ServerArgs:
     )
     moe_backend: str = field(
         default="auto", metadata=_opt("MoE expert kernels (auto: triton on CUDA)", MOE_BACKEND_CHOICES)
+    )
+    sampling_backend: str = field(
+        default="auto",
+        metadata=_opt("Token sampling (auto: triton on CUDA, a sort-free kernel; torch_native sorts the vocabulary)",
+                      SAMPLING_BACKEND_CHOICES),
     )
     cuda_graph_max_bs: int = field(default=64, metadata=_opt("Largest decode batch captured in a CUDA graph"))
     disable_cuda_graph: bool = field(default=False, metadata=_opt("Run decode eagerly, without CUDA graphs"))

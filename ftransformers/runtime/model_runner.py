@@ -92,7 +92,9 @@ class ModelRunner:
         self.kv_pool: KVPool = make_kv_pool(kv_spec, size, self.dtype, self.device)
         # future_tokens[k]: the token last sampled into future slot k (step_io)
         self.future_tokens = torch.zeros(num_future_slots(self._max_req_slots), dtype=torch.int64, device=self.device)
-        self.sampler = Sampler(self.device, seed=server_args.random_seed, future=self.future_tokens)
+        self.sampler = Sampler(
+            self.device, seed=server_args.random_seed, future=self.future_tokens, backend=server_args.sampling_backend
+        )
         logger.info(
             "model %s on %s (%s): KV pool %d tokens (%.2f GiB), %d request slots, context %d",
             model_config.architecture, self.device, self.dtype, size,

@@ -22,6 +22,14 @@ Semantics (vLLM / OpenAI):
   the same seed and history give the same token and no per-request state is kept. Unseeded rows
   share one engine generator seeded with `--random-seed`.
 
+Two backends draw from that distribution (`--sampling-backend`):
+- "triton" (the default on CUDA): `kernels/triton_sampling.py`, one launch, no sort; ties at a top-k or
+  top-p boundary go to the lower token id. Its uniforms come from Philox keyed by (seed, step) for a
+  seeded row and by a host generator seeded with `--random-seed` otherwise.
+- "torch_native" (the default elsewhere, and the reference): a full-vocabulary sort for top-k / top-p
+  and exponential noise, argmax(p / E).
+The two take different random streams, so one seed gives a reproducible token within a backend.
+
 Probabilities are taken unnormalised where only their ratios matter (exp(x - max x), no softmax: on a
 150K-token row torch's softmax runs one block a row, 38 us on an H100 against a few us for a reduction
 and an elementwise exp; benchmarks/results/sampler_h100.json).
@@ -29,6 +37,7 @@ and an elementwise exp; benchmarks/results/sampler_h100.json).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import torch
@@ -181,11 +190,27 @@ class SampleOutput:
         return results
 
 
+def resolve_sampling_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    if name not in ("triton", "torch_native"):
+        raise ValueError(f"sampling backend must be auto, triton or torch_native, not {name!r}")
+    return name
+
+
 class Sampler:
-    def __init__(self, device: torch.device | str, seed: int = 0, future: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        seed: int = 0,
+        future: torch.Tensor | None = None,
+        backend: str = "auto",  # "triton", "torch_native" or "auto" (triton on CUDA)
+    ) -> None:
         self.device = torch.device(device)
+        self.backend = resolve_sampling_backend(backend, self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.host_rng = random.Random(seed)  # the triton backend's seeds of unseeded rows
         self.future = future  # [F] int64 future table (step_io) that output ids may point into
 
     def _noise(self, seqs: Sequence[SeqStep], S: int, V: int) -> torch.Tensor:
@@ -199,6 +224,24 @@ class Sampler:
                 q[i].exponential_(generator=g)
         return q.clamp_min_(torch.finfo(torch.float32).tiny)
 
+    def _sample_triton(self, logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
+        from ftransformers.kernels.triton_sampling import sample_tokens
+
+        V = logits.shape[1]
+        params = [s.sampling for s in seqs]
+        seeds = [
+            _mix_seed(p.seed, len(s.output_ids)) if p.seed is not None else self.host_rng.getrandbits(63)
+            for s, p in zip(seqs, params)
+        ]
+        return sample_tokens(
+            logits,
+            to_device([0.0 if p.greedy else p.temperature for p in params], torch.float32, self.device),
+            to_device([p.top_k if 0 < p.top_k < V else 0 for p in params], torch.int32, self.device),
+            to_device([p.top_p for p in params], torch.float32, self.device),
+            to_device([p.min_p for p in params], torch.float32, self.device),
+            to_device(seeds, torch.int64, self.device),
+        )
+
     def __call__(self, logits: torch.Tensor, seqs: Sequence[SeqStep]) -> list[SeqResult]:
         return self.sample(logits, seqs).results()
 
@@ -207,18 +250,21 @@ class Sampler:
         S, V = logits.shape
         if S == 0:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None, [])
-        raw = logits.float()
-        dev = raw.device
+        dev = logits.device
         params = [s.sampling for s in seqs]
         want_logprobs = [p.logprobs is not None for p in params]
-        logprobs = raw.log_softmax(dim=-1) if any(want_logprobs) else None  # [S, V]
+        logprobs = logits.float().log_softmax(dim=-1) if any(want_logprobs) else None  # [S, V]
 
-        # both copy before changing anything: raw (the CUDA graph's logits buffer) stays as it is, and a
-        # plain greedy step reads it without a [S, V] copy
-        logits = apply_bans(apply_penalties(raw, seqs, self.future), seqs)
+        # both copy before changing anything: the CUDA graph's logits buffer stays as it is, and a plain
+        # greedy step (or the triton backend, which reads bfloat16) reads it without a [S, V] copy
+        edited = any(p.has_penalties for p in params) or any(s.banned_token_ids for s in seqs)
+        if edited or self.backend == "torch_native":
+            logits = apply_bans(apply_penalties(logits.float(), seqs, self.future), seqs)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)  # [S]
+        elif self.backend == "triton":
+            tokens = self._sample_triton(logits, seqs)
         else:
             temps = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32, dev)
             scaled = logits / temps[:, None]
