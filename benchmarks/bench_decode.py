@@ -165,7 +165,8 @@ def make_runner(path: Path, max_bs: int, args: argparse.Namespace, context_lengt
     sa = ServerArgs(model_path=str(path), load_format="dummy", dtype="bfloat16", device=DEV,
                     attention_backend=kernels, moe_backend=kernels, max_running_requests=max_bs,
                     cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, context_length=context_length,
-                    disable_pdl=getattr(args, "disable_pdl", False))  # fmt: skip
+                    disable_pdl=getattr(args, "disable_pdl", False),
+                    sampling_backend=getattr(args, "sampling_backend", "auto"))  # fmt: skip
     return ModelRunner(sa, ModelConfig.from_server_args(sa))
 
 
@@ -472,6 +473,8 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: shapes shrunk 16x, torch_native")
     p.add_argument("--engine-sampling", default="",
                    help="sampling parameters of the engine rows, e.g. 'temperature=0.7,top_p=0.9' (default greedy)")
+    p.add_argument("--sampling-backend", default="auto", choices=("auto", "torch_native", "triton"),
+                   help="the engine's sampler for --engine-sampling rows (auto: triton on CUDA)")
     p.add_argument("--separate-decode-rope", action="store_true",
                    help="decode q/k norm + rope + K/V store as their own launch (the pre-fusion path), for A/B")  # fmt: skip
     args = p.parse_args()
