@@ -177,15 +177,24 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
 
 
 @pytest.mark.parametrize(
+    "backend",
+    [
+        "torch_native",
+        # 30000 draws are too slow in Triton's interpreter; tests/test_triton_sampling.py replays its draws
+        pytest.param("triton", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+    ],
+)
+@pytest.mark.parametrize(
     "params",
     [
         SamplingParams(temperature=0.7),
         SamplingParams(temperature=1.3, top_k=3),
         SamplingParams(temperature=1.0, top_p=0.8),
         SamplingParams(temperature=1.0, min_p=0.3),
+        SamplingParams(temperature=0.9, top_k=4, top_p=0.7, min_p=0.05),
     ],
 )
-def test_sampled_distribution_matches_softmax(params: SamplingParams) -> None:
+def test_sampled_distribution_matches_softmax(params: SamplingParams, backend: str) -> None:
     gen = torch.Generator().manual_seed(6)
     V, N = 6, 30000
     logits = torch.randn(1, V, generator=gen)
@@ -194,7 +203,8 @@ def test_sampled_distribution_matches_softmax(params: SamplingParams) -> None:
     probs = torch.zeros(V, dtype=torch.float64)
     idx = torch.tensor(sorted(keep))
     probs[idx] = torch.softmax(scaled[idx], dim=0)
-    toks = [r.token_id for r in Sampler("cpu", seed=7)(logits.repeat(N, 1), [seq(params)] * N)]
+    dev = "cuda" if backend == "triton" else "cpu"
+    toks = [r.token_id for r in Sampler(dev, seed=7, backend=backend)(logits.to(dev).repeat(N, 1), [seq(params)] * N)]
     freq = torch.bincount(torch.tensor(toks), minlength=V).double() / N
     # ~6 standard errors at worst: fails on a wrong temperature or a wrong kept set.
     assert (freq - probs).abs().max().item() < 6 * math.sqrt(0.25 / N)

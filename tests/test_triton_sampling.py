@@ -167,30 +167,3 @@ def test_sampler_triton_backend_rows() -> None:
     assert again[3:] == out[3:]  # seeded rows: the engine seed does not matter
     single = [Sampler(DEV, seed=1, backend="triton")(logits[i : i + 1], [s])[0].token_id for i, s in enumerate(seqs)]
     assert single[3:] == out[3:]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="30000 draws: too slow in Triton's interpreter")
-@pytest.mark.parametrize(
-    "params",
-    [
-        SamplingParams(temperature=0.7),
-        SamplingParams(temperature=1.3, top_k=3),
-        SamplingParams(temperature=1.0, top_p=0.8),
-        SamplingParams(temperature=1.0, min_p=0.3),
-        SamplingParams(temperature=0.9, top_k=4, top_p=0.7, min_p=0.05),
-    ],
-)
-def test_distribution_matches_softmax_on_gpu(params: SamplingParams) -> None:
-    gen = torch.Generator().manual_seed(6)
-    V, N = 6, 30000
-    logits = torch.randn(1, V, generator=gen)
-    x = logits[0].double().tolist()
-    _, _, keep = kept_sets(x, params.temperature, params.top_k, params.top_p, params.min_p)
-    scaled = logits[0].double() / params.temperature
-    probs = torch.zeros(V, dtype=torch.float64)
-    idx = torch.tensor(sorted(keep))
-    probs[idx] = torch.softmax(scaled[idx], dim=0)
-    toks = [r.token_id for r in Sampler("cuda", seed=7, backend="triton")(logits.cuda().repeat(N, 1), [seq(params)] * N)]
-    freq = torch.bincount(torch.tensor(toks), minlength=V).double() / N
-    assert (freq - probs).abs().max().item() < 6 * math.sqrt(0.25 / N)
-    assert (freq[probs == 0] == 0).all()
