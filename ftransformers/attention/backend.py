@@ -112,12 +112,6 @@ def register_attention_backend(name: str) -> Callable[[Callable[[], AttentionBac
     return wrap
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch_native"
-    return name
-
-
 def create_attention_backend(name: str) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS and name in _BACKEND_MODULES:
         importlib.import_module(_BACKEND_MODULES[name])

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -18,6 +21,13 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA, torch_native on CPU
 MOE_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 SAMPLING_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """An attention / MoE / sampling backend name with "auto" resolved: triton on CUDA, else torch_native."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch_native"
+    return name
 REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
 # auto: the checkpoint's quantization_config; a checkpoint method must match it; fp8 / w8a8_int8 / int4 /
 # mxfp4 / nvfp4 on a float checkpoint quantize it at load time (quant/online.py)

@@ -20,12 +20,11 @@ import logging
 
 import torch
 
-from ftransformers.attention.backend import create_attention_backend, resolve_attention_backend
+from ftransformers.attention.backend import create_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, forward_context
 from ftransformers.cache.kv_pool import KVPool, make_kv_pool
 from ftransformers.config.model_config import ModelConfig
-from ftransformers.config.server_args import ServerArgs
-from ftransformers.layers.moe.experts import resolve_moe_backend
+from ftransformers.config.server_args import ServerArgs, resolve_backend
 from ftransformers.models.loader import load_model
 from ftransformers.runtime.cuda_graph_runner import FIELDS, CudaGraphRunner, make_cuda_graph_runner
 from ftransformers.runtime.memory import kv_pool_tokens
@@ -75,9 +74,9 @@ class ModelRunner:
             model_config, self.device, self.dtype, server_args.load_format, seed=server_args.random_seed,
             quantization=server_args.quantization, quantization_ignore=tuple(server_args.quantization_ignore),
         )
-        self.attn_backend_name = resolve_attention_backend(server_args.attention_backend, self.device)
+        self.attn_backend_name = resolve_backend(server_args.attention_backend, self.device)
         self.attn_backend = create_attention_backend(self.attn_backend_name)
-        self.moe_backend = resolve_moe_backend(server_args.moe_backend, self.device)
+        self.moe_backend = resolve_backend(server_args.moe_backend, self.device)
         self._max_context_len = int(model_config.context_len)
         self._max_req_slots = server_args.max_running_requests or DEFAULT_MAX_REQ_SLOTS.get(self.device.type, 64)
         # req_to_token[r, p]: KV slot of position p of the sequence in request slot r (0 = unset/pad);

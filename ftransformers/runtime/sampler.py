@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ftransformers.config.server_args import resolve_backend
 from ftransformers.runtime.step_io import SeqResult, SeqStep
 
 _MASK64 = (1 << 64) - 1
@@ -190,14 +191,6 @@ class SampleOutput:
         return results
 
 
-def resolve_sampling_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch_native"
-    if name not in ("triton", "torch_native"):
-        raise ValueError(f"sampling backend must be auto, triton or torch_native, not {name!r}")
-    return name
-
-
 class Sampler:
     def __init__(
         self,
@@ -207,7 +200,9 @@ class Sampler:
         backend: str = "auto",  # "triton", "torch_native" or "auto" (triton on CUDA)
     ) -> None:
         self.device = torch.device(device)
-        self.backend = resolve_sampling_backend(backend, self.device)
+        self.backend = resolve_backend(backend, self.device)
+        if self.backend not in ("triton", "torch_native"):
+            raise ValueError(f"sampling backend must be auto, triton or torch_native, not {backend!r}")
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.host_rng = random.Random(seed)  # the triton backend's seeds of unseeded rows

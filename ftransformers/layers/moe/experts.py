@@ -62,12 +62,6 @@ def register_quant_moe_backend(name: str) -> Callable[[QuantMoEBackendFn], Quant
     return wrap
 
 
-def resolve_moe_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch_native"
-    return name
-
-
 def register_moe_backend(name: str) -> Callable[[MoEBackendFn], MoEBackendFn]:
     def wrap(fn: MoEBackendFn) -> MoEBackendFn:
         MOE_BACKENDS[name] = fn
