@@ -36,6 +36,8 @@ row's program sweeps the whole row in each phase and meets no barrier.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -82,11 +84,16 @@ def _row_barrier(counter, programs, passed):
 
 
 @triton.jit
+def _top_k_kept(key, cols, tk_key, tk_col):
+    """At or above (tk_key, tk_col) in the order: what top-k keeps."""
+    return (key > tk_key) | ((key == tk_key) & (cols <= tk_col))
+
+
+@triton.jit
 def _allowed(key, cols, ok, w, tk_key, tk_col, min_p, lo_key, lo_col):
     """Tokens a draw may take: top-k kept, min-p kept, strictly above (lo_key, lo_col) in the order."""
-    top_k = (key > tk_key) | ((key == tk_key) & (cols <= tk_col))
     above = (key > lo_key) | ((key == lo_key) & (cols < lo_col))
-    return ok & top_k & (w >= min_p) & above
+    return ok & _top_k_kept(key, cols, tk_key, tk_col) & (w >= min_p) & above
 
 
 @triton.jit
@@ -102,8 +109,7 @@ def _tile_masses(
     for t in range(tl.cdiv(hi - lo, BLOCK)):
         cols, ok, x, key = _tile(row_ptr, lo + t * BLOCK, hi, BLOCK, KEY_BITS)
         w = tl.exp2((x - m) * scale)
-        top_k = ok & ((key > tk_key) | ((key == tk_key) & (cols <= tk_col)))
-        top_k_mass += tl.sum(tl.where(top_k, w, 0.0), axis=0)
+        top_k_mass += tl.sum(tl.where(ok & _top_k_kept(key, cols, tk_key, tk_col), w, 0.0), axis=0)
         keep = _allowed(key, cols, ok, w, tk_key, tk_col, min_p, lo_key, lo_col)
         part = tl.where(tix == t, tl.sum(tl.where(keep, w, 0.0), axis=0), part)
     return part, top_k_mass
@@ -334,8 +340,12 @@ def sample_split(rows: int, vocab: int, block: int, device: torch.device) -> int
     row barrier needs); 1 on the CPU (Triton's interpreter runs programs one after another)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(vocab, block), sms // max(rows, 1)))
+    return max(1, min(triton.cdiv(vocab, block), _num_sms(device.index) // max(rows, 1)))
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sample_tokens(
