@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -153,17 +152,11 @@ def bench_pair(out: dict[str, Any], bw_gbs: float, log) -> None:
 
 
 def bench_parts(out: dict[str, Any], bw_gbs: float, log) -> None:
-    """The pair path's two kernels timed alone and together (one token), with and without the gate-up
-    kernel pulling the down weights into L2 (prefetch_down, with register caps): how the MoE time
-    splits between gate-up (2/3 of the bytes) and down (1/3), and what the prefetch moves."""
+    """The pair path's two kernels timed alone and together (one token, default config): how the MoE
+    time splits between gate-up (2/3 of the bytes) and down (1/3). Commit 838f607 also timed two
+    variants that overlap the down kernel with gate-up (prefetch_down, down_preload); neither paid."""
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
-    base = w4.default_w4_pair_config(1, d, "int4")
-    pre = replace(base, down_preload=True)
-    variants = {"default": base, "prefetch": replace(base, prefetch_down=True), "preload": pre,
-                "preload_up16": replace(pre, up_n=16), "preload_up16w8": replace(pre, up_n=16, up_warps=8),
-                "preload_up32w8": replace(pre, up_n=32, up_warps=8), "preload_up16_d32": replace(pre, up_n=16, down_n=32),
-                "preload_up16_d8w1": replace(pre, up_n=16, down_n=8, down_warps=1),
-                "preload_up16_d32w4": replace(pre, up_n=16, down_n=32, down_warps=4)}  # fmt: skip
+    cfg = w4.default_w4_pair_config(1, d, "int4")
     for fname in FORMATS.values():
         fmt, group, zeros = bm.FORMATS[fname]
         w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
@@ -172,28 +165,24 @@ def bench_parts(out: dict[str, Any], bw_gbs: float, log) -> None:
         hiddens = [torch.randn(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(reps)]
         routes = bm.routings(1, e, k, reps)
         ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
-        acts = [w4.pair_gate_up(hiddens[i], w13, routes[i][1], base) for i in range(reps)]
+        err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
+        if not err < 1e-2:
+            log(f"part {fname} FAILED rel err {err:.3g}")
+            continue
+        acts = [w4.pair_gate_up(hiddens[i], w13, routes[i][1], cfg) for i in range(reps)]
         up_bytes, down_bytes = k * w13.nbytes() / e, k * w2.nbytes() / e
-        for vname, cfg in variants.items():
-            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
-            if not err < 1e-2:
-                log(f"part {fname} {vname} FAILED rel err {err:.3g}")
-                continue
-            h, r = hiddens, routes
-            parts = {  # called within this iteration only
-                "gate_up": (lambda i: w4.pair_gate_up(h[i], w13, r[i][1], cfg, w2), up_bytes),  # noqa: B023
-                "down": (lambda i: w4.pair_down(acts[i], h[i], w2, *r[i], cfg), down_bytes),  # noqa: B023
-                "pair": (lambda i: w4.fused_moe_w4(h[i], w13, w2, *r[i], cfg), up_bytes + down_bytes),  # noqa: B023
-            }
-            if vname not in ("default", "preload"):
-                del parts["down"]
-            for name, (call, nbytes) in parts.items():
-                us = bm.graph_ms(call, reps) * 1e3
-                row = {"kind": "pair_part", "format": fname, "variant": vname, "part": name, "T": 1, "bytes": nbytes,
-                       "us": us, "floor_us": nbytes / bw_gbs / 1e3, "rel_err": err}  # fmt: skip
-                out["rows"].append(row)
-                log(f"part {fname:15s} {vname:18s} {name:8s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% "
-                    f"floor {row['floor_us']:.2f}")  # fmt: skip
+        parts = {  # called within this iteration only
+            "gate_up": (lambda i: w4.pair_gate_up(hiddens[i], w13, routes[i][1], cfg), up_bytes),  # noqa: B023
+            "down": (lambda i: w4.pair_down(acts[i], hiddens[i], w2, *routes[i], cfg), down_bytes),  # noqa: B023
+            "pair": (lambda i: w4.fused_moe_w4(hiddens[i], w13, w2, *routes[i], cfg), up_bytes + down_bytes),  # noqa: B023
+        }
+        for name, (call, nbytes) in parts.items():
+            us = bm.graph_ms(call, reps) * 1e3
+            row = {"kind": "pair_part", "format": fname, "part": name, "T": 1, "bytes": nbytes, "us": us,
+                   "floor_us": nbytes / bw_gbs / 1e3, "rel_err": err}  # fmt: skip
+            out["rows"].append(row)
+            log(f"part {fname:15s} {name:8s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% "
+                f"floor {row['floor_us']:.2f}")  # fmt: skip
         torch.cuda.empty_cache()
 
 

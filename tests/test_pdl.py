@@ -52,7 +52,6 @@ READ_BEFORE_WAIT = {
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
     "mla_decode_stage1_gluon": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
-    "_pair_down_sum_w4_kernel": "with PRELOAD the router's ids and weights (two kernels back) and the constant w2",
 }
 # Kernels that prefetch into L2 ahead of their wait (an `if PREFETCH:` block): what they prefetch, and
 # what they load there only to form addresses (a hint: any value is safe while the address is in bounds).

@@ -148,22 +148,6 @@ def test_pair_down_split_over_slots(split: int) -> None:
     assert not ticket_counters(torch.device(DEV), "moe_w4_down", 9).any()
 
 
-@pytest.mark.parametrize("f", [0, 1, 4, 5], ids=["int4", "int4-asym", "mxfp4", "nvfp4"])
-@pytest.mark.parametrize("t", [1, 2])
-def test_pair_down_preload_and_prefetch(f: int, t: int) -> None:
-    # down_preload: each down program (one slot, the whole contracted size as one tile, here I = 96 of a
-    # 128 tile: masked words and groups) loads its tile before the PDL wait and computes from registers;
-    # prefetch_down: the gate-up kernel pulls the down weights into L2 (a hint, CUDA only). Same function,
-    # tickets back at zero. 2 D blocks of 64 + a masked one (D = 160), top-4 over 8 experts.
-    from ftransformers.kernels.tickets import ticket_counters
-
-    fmt, qkw = FORMATS[f]
-    cfg = w4.W4PairConfig(up_n=64, up_k=64, down_n=64, down_k=64, down_split=4, down_preload=True, prefetch_down=True)
-    err = run_case(fmt, t, 8, 4, 160, 96, torch.bfloat16, seed=11 * t + f, config=cfg, **{**qkw, "group": 32})
-    assert err <= TOL, (fmt, t, err)
-    assert not ticket_counters(torch.device(DEV), "moe_w4_down", 3 * t).any()
-
-
 def test_rejects_bad_layouts() -> None:
     gen = torch.Generator(DEV).manual_seed(0)
     w13 = random_qw("int4", 4, 128, 64, gen, group=32)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
@@ -73,8 +73,6 @@ class W4PairConfig:
     down_split: int = 1  # programs per (token, D block), each over TOP_K / down_split slots (a divisor)
     up_maxnreg: int = 0  # register cap per thread for each kernel (ptxas maxnreg); 0 = the compiler's choice
     down_maxnreg: int = 0
-    prefetch_down: bool = False  # the gate-up kernel pulls the down weights of its experts into L2 (CUDA)
-    down_preload: bool = False  # down_split == top-k: each down program loads its tile before the PDL wait
 
 
 def default_w4_pair_config(num_tokens: int, hidden_size: int, fmt: str = "int4") -> W4PairConfig:
@@ -126,24 +124,15 @@ def _nibble(q, J: tl.constexpr, magic, FMT: tl.constexpr):
 @triton.jit
 def _group_scale(s_ptrs, z_ptrs, gs, mask, FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr):
     # Per (row, group): int4 (16 * scale, 1 + zero/16); E2M1 (scale * 2^63, unused).
-    s = _load(s_ptrs, mask, EVEN)
-    z = s
-    if HAS_ZERO:
-        z = _load(z_ptrs, mask, EVEN)
-    return _scale_of(s, z, gs, FMT, HAS_ZERO)
-
-
-@triton.jit
-def _scale_of(s, z, gs, FMT: tl.constexpr, HAS_ZERO: tl.constexpr):
-    # _group_scale from the loaded scales `s` and zeros `z` (ignored without HAS_ZERO)
     if FMT == 0:
-        scale = s.to(tl.float32) * 16.0
+        scale = _load(s_ptrs, mask, EVEN).to(tl.float32) * 16.0
         if HAS_ZERO:
-            zz = ((z.to(tl.uint32) << 19) | 0x3F800000).to(tl.float32, bitcast=True)
+            z = _load(z_ptrs, mask, EVEN).to(tl.uint32)
+            zz = ((z << 19) | 0x3F800000).to(tl.float32, bitcast=True)
         else:
             zz = tl.full(scale.shape, 1.5, tl.float32)
         return scale, zz
-    e = s.to(tl.uint32)
+    e = _load(s_ptrs, mask, EVEN).to(tl.uint32)
     if FMT == 1:  # E8M0: 2^(e - 127); e = 0 is the subnormal 2^-127
         scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True) * _P63
     else:  # E4M3 bits -> value * 2^-120, then * 2^120 in two exact steps
@@ -217,50 +206,28 @@ def _gemv_tile(q_ptrs, q_mask, s_ptrs, z_ptrs, s_mask, gs, xs, sxg, magic,
                NG: tl.constexpr, WPG: tl.constexpr):  # fmt: skip
     # q_ptrs [BN, BKW] words, xs the 8 [BKW] activations of each word, sxg [BN, NG] sums of x per group
     # -> [BN, NG] float32 contributions of the tile.
-    q = _load(q_ptrs, q_mask, EVEN)
-    scale, zz = _group_scale(s_ptrs, z_ptrs, gs, s_mask, FMT, HAS_ZERO, EVEN)
-    return _gemv_words(q, scale, zz, xs, sxg, magic, FMT, BLOCK_N, NG, WPG)
-
-
-@triton.jit
-def _gemv_words(q, scale, zz, xs, sxg, magic, FMT: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr,
-                WPG: tl.constexpr):  # fmt: skip
-    # _gemv_tile on a loaded tile: q [BN, BKW] int32 words, (scale, zz) [BN, NG] from _scale_of
-    q = q.to(tl.uint32, bitcast=True)
+    q = _load(q_ptrs, q_mask, EVEN).to(tl.uint32, bitcast=True)
     p = _nibble(q, 0, magic, FMT) * xs[0][None, :]
     for j in tl.static_range(1, 8):
         p += _nibble(q, j, magic, FMT) * xs[j][None, :]
     pg = tl.sum(tl.reshape(p, [BLOCK_N, NG, WPG]), axis=2)  # [BN, NG]
+    scale, zz = _group_scale(s_ptrs, z_ptrs, gs, s_mask, FMT, HAS_ZERO, EVEN)
     if FMT == 0:
         return scale * (pg - zz * sxg)
     return scale * pg
 
 
 @triton.jit
-def _prefetch_share(base, span, share, shares, LINES: tl.constexpr):
-    # pull share `share` of `shares` equal parts of the `span` elements at `base` into L2 (up to LINES
-    # 128-byte lines; addresses clamped into the span)
-    per_line: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
-    total = tl.cdiv(span, per_line)
-    line = tl.minimum(share * tl.cdiv(total, shares) + tl.arange(0, LINES), total - 1)
-    l2_prefetch(base + line.to(tl.int64) * per_line, True)
-
-
-@triton.jit
 def _pair_gate_up_w4_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, act_ptr, ids_ptr, N, K, num_pairs,
     stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ge,
-    pf_q, pf_s, pf_z, pf_qe, pf_se, pf_ze, pf_q_span, pf_s_span, pf_z_span,
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, X_F16: tl.constexpr, ACT_BF16: tl.constexpr, EVEN: tl.constexpr,
     GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    PF_Q: tl.constexpr = 0, PF_S: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]), t = pair // TOP_K, e = ids[pair],
     # rounded to hidden's dtype. x_ptr: the int32 view of hidden (stride_xm in int32s). act_ptr: float32
     # [num_pairs, 8, N/8], element (j, w) = act[8w + j] (E2M1: times 2^63), the down kernel's planes.
-    # PF_Q > 0: each program first pulls its share (1 / the pair's N blocks) of expert e's down weight
-    # into L2 (pf_q / pf_s / pf_z: w2's codes, scales, zeros; pf_*e their expert strides, pf_*_span the
-    # elements an expert spans), so that the down kernel after this one reads it from L2.
     pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP
@@ -269,12 +236,6 @@ def _pair_gate_up_w4_kernel(
     pair = pid % num_pairs
     pid_n = pid // num_pairs
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if PF_Q > 0:
-        shares = tl.cdiv(N, BLOCK_N)
-        _prefetch_share(pf_q + expert * pf_qe, pf_q_span, pid_n, shares, PF_Q)
-        _prefetch_share(pf_s + expert * pf_se, pf_s_span, pid_n, shares, PF_S)
-        if HAS_ZERO:
-            _prefetch_share(pf_z + expert * pf_ze, pf_z_span, pid_n, shares, PF_S)
     magic = magic.to(tl.uint32, bitcast=True)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -321,7 +282,7 @@ def _pair_down_sum_w4_kernel(
     num_tokens, plane, stride_qe, stride_qn, stride_se, stride_sn, stride_ge, stride_om,
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    PRELOAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[t, n] = sum_k tw[t, k] * (act[t*TOP_K + k] @ w2[e_k, n]), float32 across the slots; act_ptr:
     # the gate-up kernel's float32 planes [T*TOP_K, 8, K/8]; plane = K / 8 (an argument, so that its
@@ -329,9 +290,7 @@ def _pair_down_sum_w4_kernel(
     # SPLIT > 1 (few tokens: more programs in flight): program (t, s, n-block) sums slots
     # [s*TOP_K/SPLIT, (s+1)*TOP_K/SPLIT) into part[s, t, n-block] (float32); the last of the SPLIT
     # programs of (t, n-block) to take a ticket adds the SPLIT partials in order and writes out.
-    # PRELOAD (one slot and one K tile a program): the program loads its expert id, routing weight and
-    # weight tile before the PDL wait. The router wrote ids and tw two kernels back (complete once this
-    # program runs, kernels/pdl.py); the weights are constant. Only the gate-up's act waits.
+    pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP
     WPG: tl.constexpr = GROUP // 8
@@ -340,48 +299,32 @@ def _pair_down_sum_w4_kernel(
     t = pid % num_tokens
     pid_s = (pid // num_tokens) % SPLIT
     pid_n = pid // (num_tokens * SPLIT)
+    magic = magic.to(tl.uint32, bitcast=True)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w = tl.arange(0, BKW)
     g = tl.arange(0, NG)
     q_rows = offs_n[:, None].to(tl.int64) * stride_qn + w[None, :]  # [BN, BKW]
     s_rows = offs_n[:, None].to(tl.int64) * stride_sn + g[None, :]  # [BN, NG]
-    if PRELOAD:
-        pre_e = tl.load(ids_ptr + t * TOP_K + pid_s).to(tl.int64)
-        pre_tw = tl.load(tw_ptr + t * TOP_K + pid_s)
-        pre_qm = n_ok[:, None] & (w < K // 8)[None, :]
-        pre_sm = n_ok[:, None] & (g < K // GROUP)[None, :]
-        pre_q = tl.load(q_ptr + pre_e * stride_qe + q_rows, mask=pre_qm, other=0)
-        pre_s = tl.load(s_ptr + pre_e * stride_se + s_rows, mask=pre_sm, other=0)
-        pre_z = tl.load(z_ptr + pre_e * stride_se + s_rows, mask=pre_sm & HAS_ZERO, other=0)
-        pre_gs = tl.load(gs_ptr + pre_e * stride_ge + offs_n, mask=n_ok & (FMT == 2), other=0.0)[:, None]
-    pdl_enter(USE_PDL)
-    magic = magic.to(tl.uint32, bitcast=True)
     a_ptrs = act_ptr + (t * TOP_K).to(tl.int64) * K + w  # [BKW]
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if PRELOAD:
-        xs, sx = _x_planes(a_ptrs + pid_s * K, plane, w < K // 8, False)
-        scale, zz = _scale_of(pre_s, pre_z, pre_gs, FMT, HAS_ZERO)
-        part = _gemv_words(pre_q, scale, zz, xs, _group_sums(sx, FMT, BLOCK_N, NG, WPG), magic, FMT, BLOCK_N, NG, WPG)
-        acc += pre_tw * tl.sum(part, axis=1)
-    else:
-        for j in tl.static_range(SLOTS):
-            slot = pid_s * SLOTS + j
-            expert = tl.load(ids_ptr + t * TOP_K + slot).to(tl.int64)
-            gs = 0.0
-            if FMT == 2:
-                gs = _load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
-            part = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
-            for kt in range(K_TILES):
-                w_ok = kt * BKW + w < K // 8
-                g_ok = kt * NG + g < K // GROUP
-                xs, sx = _x_planes(a_ptrs + slot * K + kt * BKW, plane, w_ok, EVEN)
-                sxg = _group_sums(sx, FMT, BLOCK_N, NG, WPG)
-                so = expert * stride_se + s_rows + kt * NG
-                part += _gemv_tile(q_ptr + expert * stride_qe + q_rows + kt * BKW, n_ok[:, None] & w_ok[None, :],
-                                   s_ptr + so, z_ptr + so, n_ok[:, None] & g_ok[None, :], gs, xs, sxg, magic,
-                                   FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
-            acc += tl.load(tw_ptr + t * TOP_K + slot) * tl.sum(part, axis=1)
+    for j in tl.static_range(SLOTS):
+        slot = pid_s * SLOTS + j
+        expert = tl.load(ids_ptr + t * TOP_K + slot).to(tl.int64)
+        gs = 0.0
+        if FMT == 2:
+            gs = _load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
+        part = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+        for kt in range(K_TILES):
+            w_ok = kt * BKW + w < K // 8
+            g_ok = kt * NG + g < K // GROUP
+            xs, sx = _x_planes(a_ptrs + slot * K + kt * BKW, plane, w_ok, EVEN)
+            sxg = _group_sums(sx, FMT, BLOCK_N, NG, WPG)
+            so = expert * stride_se + s_rows + kt * NG
+            part += _gemv_tile(q_ptr + expert * stride_qe + q_rows + kt * BKW, n_ok[:, None] & w_ok[None, :],
+                               s_ptr + so, z_ptr + so, n_ok[:, None] & g_ok[None, :], gs, xs, sxg, magic,
+                               FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
+        acc += tl.load(tw_ptr + t * TOP_K + slot) * tl.sum(part, axis=1)
     if SPLIT > 1:
         part_row = part_ptr + t.to(tl.int64) * N + offs_n  # part [SPLIT, T, N]
         counter = ticket_ptr + t * tl.cdiv(N, BLOCK_N) + pid_n
@@ -523,37 +466,22 @@ def _maxnreg(cap: int) -> dict[str, int]:
 
 
 def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
-    return pair_down(pair_gate_up(hidden, w13, ids, cfg, w2), hidden, w2, weights, ids, cfg)
+    return pair_down(pair_gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
 
 
-def _down_prefetch(w2: QuantizedWeight | None, shares: int, cfg: W4PairConfig, device: torch.device) -> tuple:
-    """The gate-up kernel's pf_* arguments and PF_Q / PF_S: w2's codes, scales and zeros per expert,
-    split in `shares` parts (off: PF_Q = 0)."""
-    if w2 is None or not cfg.prefetch_down or device.type != "cuda" or _INTERPRET:
-        return (0,) * 9, {}
-    q, s, z = _weight_args(w2)[:3]
-    spans = [w2.out_features * t.stride(1) for t in (q, s, z)]
-    lines = [triton.next_power_of_2(triton.cdiv(triton.cdiv(n * t.element_size(), 128), shares))
-             for n, t in zip(spans, (q, s, z), strict=True)]  # fmt: skip
-    strides = [t.stride(0) for t in (q, s, z)]
-    return (q, s, z, *strides, *spans), {"PF_Q": lines[0], "PF_S": max(lines[1:])}
-
-
-def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig, w2: QuantizedWeight | None = None) -> torch.Tensor:
-    """The pair path's first kernel: float32 planes [T*K, I] of silu(gate) * up (see the module doc).
-    `w2`: the down weight, for cfg.prefetch_down."""
+def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig) -> torch.Tensor:
+    """The pair path's first kernel: float32 planes [T*K, I] of silu(gate) * up (see the module doc)."""
     d = hidden.shape[1]
     num_pairs, top_k, inter = ids.numel(), ids.shape[1], w13.out_features // 2
     act = torch.empty(num_pairs, inter, dtype=torch.float32, device=hidden.device)  # planes [T*K, 8, I/8]
     x = (hidden if hidden.stride(0) % 2 == 0 else hidden.contiguous()).view(torch.int32)  # [T, D/2] pairs
     bk = _block_k(cfg.up_k, d, w13.group_size)
-    pf_args, pf_meta = _down_prefetch(w2, triton.cdiv(inter, cfg.up_n), cfg, hidden.device)
     _pair_gate_up_w4_kernel[(num_pairs * triton.cdiv(inter, cfg.up_n),)](
-        x, *_weight_args(w13)[:5], act, ids, inter, d, num_pairs, x.stride(0), *_weight_args(w13)[5:], *pf_args,
+        x, *_weight_args(w13)[:5], act, ids, inter, d, num_pairs, x.stride(0), *_weight_args(w13)[5:],
         FMT=_FMT_ID[w13.fmt], HAS_ZERO=w13.zeros is not None, X_F16=hidden.dtype == torch.float16,
         ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
         GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=triton.cdiv(d, bk),
-        num_warps=cfg.up_warps, num_stages=cfg.stages, **_maxnreg(cfg.up_maxnreg), **pf_meta,
+        num_warps=cfg.up_warps, num_stages=cfg.stages, **_maxnreg(cfg.up_maxnreg),
         **pdl_launch(x.device),
     )  # fmt: skip
     return act
@@ -568,15 +496,12 @@ def pair_down(act, hidden, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
     n_blocks = triton.cdiv(d, cfg.down_n)
     split = cfg.down_split if top_k % cfg.down_split == 0 else 1
     split, tickets, part = split_scratch(hidden.device, "moe_w4_down", t * n_blocks, split, t, d)
-    preload = cfg.down_preload and split == top_k
-    if preload:  # one K tile: the whole contracted size
-        bk = max(bk, triton.next_power_of_2(inter))
     _pair_down_sum_w4_kernel[(t * split * n_blocks,)](
         act, *_weight_args(w2)[:5], out, ids, weights, act if part is None else part,
         ids if tickets is None else tickets, d, inter, t,
         inter // 8, *_weight_args(w2)[5:], out.stride(0), FMT=_FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
         EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, SPLIT=split,
-        BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), PRELOAD=preload, num_warps=cfg.down_warps,
+        BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps,
         num_stages=cfg.stages, **_maxnreg(cfg.down_maxnreg),
         **pdl_launch(act.device),
     )  # fmt: skip
