@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import copy_bandwidth, matmul_rate
 
-from ftransformers.attention.triton_backend import mla_num_kv_splits, num_kv_splits
+from ftransformers.attention.triton_backend import mla_max_kv_splits, mla_num_kv_splits, num_kv_splits
 from ftransformers.kernels.triton_decode_attention import (
     decode_attention_fwd,
     decode_attention_ref,
@@ -75,6 +75,11 @@ MLA_VARIANTS = {
     "n64s3": dict(block_n=64, num_stages=3, kernel="triton"),  # the Triton kernel as the backend launches it
     "n64s2": dict(block_n=64, num_stages=2, kernel="triton"),
     "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py: no duplicated QK, a load partition (Hopper)
+    # the same with the split count capped at N instead of the backend's mla_max_kv_splits (batch 1: how many
+    # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14)
+    "gluon_s64": dict(kernel="gluon", max_splits=64),
+    "gluon_s96": dict(kernel="gluon", max_splits=96),
+    "gluon_s132": dict(kernel="gluon", max_splits=132),
     # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
     # the first two tiles (its compute path alone), no wgmma (its copies, softmax and barriers alone).
     # The schedules it was chosen from (gluon_pipe, gluon_seq, gluon_ws_seq_p2, ...) are in commit dcbcafd.
@@ -130,7 +135,8 @@ def gqa_call(var: str, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> No
 def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     if var == "old":
         return num_kv_splits(B, triton.cdiv(H, 32), sms)
-    return mla_num_kv_splits(B, triton.cdiv(H, 64), sms)
+    cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H))
+    return mla_num_kv_splits(B, triton.cdiv(H, 64), sms, cap)
 
 
 def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, min_split_len=0) -> None:
@@ -142,6 +148,7 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
                              q_pe=q_rope, kpe_buf=k_pe, direct=False, **MLA_VARIANTS[var])  # fmt: skip
     else:
         kw = dict(MLA_VARIANTS[var])
+        kw.pop("max_splits", None)
         with gluon_defaults(kw.pop("gluon_attrs", {})):
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                            min_split_len=min_split_len, **kw)  # fmt: skip
@@ -331,8 +338,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--kernels", default="gqa,mla", help="groups: gqa, mla, extend")
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
-    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith("diag_")),
+    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s"))),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
+    ap.add_argument("--mla-batches", default="1,4,16,64", help="batch sizes of the MLA cases (each at 4K, 16K, 32K)")
     ap.add_argument("--check-reps", type=int, default=4)
     ap.add_argument("--mla-heads", default="128",
                     help="heads a GPU, comma-separated: 128 (DeepSeek-V3), 64 (Kimi-K2), 16 / 8 (those at TP 8)")  # fmt: skip
@@ -365,7 +373,9 @@ def main() -> None:
             f"{x['variant']}:{x['us']:7.1f}us {x['pct_copy']:4.0%}" for x in r))  # fmt: skip
         print(lines[-1], flush=True)
     mla_heads = [int(h) for h in args.mla_heads.split(",")]
-    for H, (B, ctx) in [(h, c) for h in mla_heads for c in MLA_CASES] if "mla" in groups else ():
+    mla_batches = {int(b) for b in args.mla_batches.split(",")}
+    cases = [(h, (b, c)) for h in mla_heads for b, c in MLA_CASES if b in mla_batches]
+    for H, (B, ctx) in cases if "mla" in groups else ():
         variants = {k: v for k, v in mla_vars.items() if "@" not in k or (B == 1 and ctx == 4096)}
         r = bench_mla(B, ctx, sms, copy_gbps, mm_tflops, variants, H)
         results += r

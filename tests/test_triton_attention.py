@@ -156,7 +156,7 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     real = B - 1
     ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
                             [1] * real, scale)  # fmt: skip
-    cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (16, 512)]
+    cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (128, 0), (16, 512)]
     # the Gluon kernel where it applies (Hopper, 128 heads), which "auto" must then pick
     kernels = ["triton", "auto"] + (["gluon"] if gluon_mla_unsupported(q_nope, buf) is None else [])
     for kernel in kernels:
@@ -175,6 +175,23 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     decode_attention_fwd(q_nope, c_kv, c_kv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                          q_pe=q_rope, kpe_buf=k_pe, block_n=16 if not CUDA else 32)  # fmt: skip
     assert rel_err(out[:real], ref) <= TOL
+
+
+def test_mla_split_rule() -> None:
+    # one wave of (batch x head-block x split) programs on 132 SMs, at most the cap for the head count
+    # (128 up to MLA_FEW_HEADS heads, else 64), a power of two above 64
+    from ftransformers.attention.triton_backend import MLA_FEW_HEADS, mla_max_kv_splits, mla_num_kv_splits
+
+    assert [mla_max_kv_splits(8), mla_max_kv_splits(MLA_FEW_HEADS), mla_max_kv_splits(64)] == [128, 128, 64]
+    assert [mla_num_kv_splits(1, 1, 132, 128), mla_num_kv_splits(1, 1, 132, 64), mla_num_kv_splits(1, 2, 132, 64)] == [
+        128, 64, 64]  # fmt: skip
+    assert [mla_num_kv_splits(2, 1, 132, 128), mla_num_kv_splits(3, 1, 132, 128), mla_num_kv_splits(64, 2, 132)] == [
+        64, 44, 1]  # fmt: skip
+    for b in range(1, 300):
+        for hb, cap in ((1, 128), (1, 64), (2, 64)):
+            n = mla_num_kv_splits(b, hb, 132, cap)
+            assert 1 <= n <= cap and (b * hb * n <= 132 or n == 1)
+            assert n <= 64 or n & (n - 1) == 0
 
 
 @pytest.mark.parametrize("shape", MLA_SHAPES[:1])

@@ -24,6 +24,13 @@ from ftransformers.kernels.triton_rope_store import rope_store
 
 MAX_KV_SPLITS = 64
 GQA_WAVES = 2  # H100: 2 waves of decode programs beat 4 by up to 9% from batch 32 (attention_h100.json)
+MLA_MAX_KV_SPLITS = 64
+# MLA decode with at most this many heads a GPU (DeepSeek-V3 / Kimi-K2 at tensor parallel 8): up to 128 splits,
+# so that batch 1 puts a program on nearly every SM (H100, batch 1 x 32K, 8 / 16 heads: 27.0 / 27.9 -> 23.8 /
+# 24.8 us, the same at 4K and 16K). At 64 heads 128 splits were slower at 4K and 16K (15.3 -> 17.5, 22.6 ->
+# 25.2 us: their float32 partials are 4x larger), so larger head counts keep 64. 32 was not measured.
+# benchmarks/results/attention_mla_b1_rule_h100.log
+MLA_FEW_HEADS = 16
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 # MLA decode stage 1: "auto" takes the Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
@@ -44,11 +51,19 @@ def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, waves: int = 
     return max(1, min(MAX_KV_SPLITS, triton.next_power_of_2(want)))
 
 
-def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int) -> int:
+def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_splits: int = MLA_MAX_KV_SPLITS) -> int:
     """Split count for the MLA decode kernel (one 8-warp program per SM, compute- and
     bandwidth-bound): one wave of (batch x head-block x split) programs, rounded down so that a
-    second, mostly idle wave is not started; 1 from batch >= num_sms / head_blocks."""
-    return max(1, min(MAX_KV_SPLITS, num_sms // max(1, batch_size * head_blocks)))
+    second, mostly idle wave is not started; 1 from batch >= num_sms / head_blocks. Above 64 a power
+    of two: stage 2's split block is the next one up (66 splits of 32K ran ~1 us slower than 64 at
+    128 heads, for the same 64 non-empty splits)."""
+    n = max(1, min(max_splits, num_sms // max(1, batch_size * head_blocks)))
+    return n if n <= 64 else 1 << (n.bit_length() - 1)
+
+
+def mla_max_kv_splits(num_heads: int) -> int:
+    """mla_num_kv_splits's cap for this many heads a GPU (see MLA_FEW_HEADS)."""
+    return 128 if num_heads <= MLA_FEW_HEADS else MLA_MAX_KV_SPLITS
 
 
 @register_attention_backend("triton")
@@ -233,7 +248,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_h = MLA_BLOCK_H if q_nope.is_cuda else 16
             head_blocks, sms = triton.cdiv(H, block_h), self._sms(q_nope.device)
             mid_o, mid_lse, splits = self._decode_scratch(
-                T, H, L, lambda b: mla_num_kv_splits(b, head_blocks, sms), q_nope.device
+                T, H, L, lambda b: mla_num_kv_splits(b, head_blocks, sms, mla_max_kv_splits(H)), q_nope.device
             )
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
