@@ -111,19 +111,27 @@ def bench_gemv(out: dict[str, Any], bw_gbs: float, log) -> None:
             del qws, probe
 
 
+REPS = 8  # routings per CUDA graph of pair-path calls
+
+
+def pair_inputs(fname: str, reps: int) -> tuple[Any, Any, list[torch.Tensor], list[Any], torch.Tensor]:
+    """Qwen3-30B-A3B experts in bench_moe_w4 format `fname`, `reps` one-token hiddens and routings (each
+    avoiding the previous one's experts), and the reference output of the first."""
+    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    fmt, group, zeros = bm.FORMATS[fname]
+    w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
+    w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
+    hiddens = [torch.randn(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(reps)]
+    routes = bm.routings(1, e, k, reps)
+    return w13, w2, hiddens, routes, quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+
+
 def bench_pair(out: dict[str, Any], bw_gbs: float, log) -> None:
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
     fns = [w4._pair_gate_up_w4_kernel, w4._pair_down_sum_w4_kernel]
     for fname in FORMATS.values():
-        fmt, group, zeros = bm.FORMATS[fname]
-        w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
-        w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
-        expert_bytes = (w13.nbytes() + w2.nbytes()) / e
-        reps = 8
-        hiddens = [torch.randn(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(reps)]
-        routes = bm.routings(1, e, k, reps)
-        nbytes = k * expert_bytes + 4 * d
-        ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+        w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
+        nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
         for cfg in pair_configs():
             before = [set(compiled(f)) for f in fns]
             err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
@@ -132,7 +140,7 @@ def bench_pair(out: dict[str, Any], bw_gbs: float, log) -> None:
                 log(f"pair {fname} FAILED rel err {err:.3g} {cfg}")
                 continue
             call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
-            us = bm.graph_ms(call, reps) * 1e3
+            us = bm.graph_ms(call, REPS) * 1e3
             occ = []
             for kern in ks:
                 up = kern.name if hasattr(kern, "name") else kern.metadata.name
@@ -158,18 +166,12 @@ def bench_parts(out: dict[str, Any], bw_gbs: float, log) -> None:
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
     cfg = w4.default_w4_pair_config(1, d, "int4")
     for fname in FORMATS.values():
-        fmt, group, zeros = bm.FORMATS[fname]
-        w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
-        w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
-        reps = 8
-        hiddens = [torch.randn(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(reps)]
-        routes = bm.routings(1, e, k, reps)
-        ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+        w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
         if not err < 1e-2:
             log(f"part {fname} FAILED rel err {err:.3g}")
             continue
-        acts = [w4.pair_gate_up(hiddens[i], w13, routes[i][1], cfg) for i in range(reps)]
+        acts = [w4.pair_gate_up(hiddens[i], w13, routes[i][1], cfg) for i in range(REPS)]
         up_bytes, down_bytes = k * w13.nbytes() / e, k * w2.nbytes() / e
         parts = {  # called within this iteration only
             "gate_up": (lambda i: w4.pair_gate_up(hiddens[i], w13, routes[i][1], cfg), up_bytes),  # noqa: B023
@@ -177,7 +179,7 @@ def bench_parts(out: dict[str, Any], bw_gbs: float, log) -> None:
             "pair": (lambda i: w4.fused_moe_w4(hiddens[i], w13, w2, *routes[i], cfg), up_bytes + down_bytes),  # noqa: B023
         }
         for name, (call, nbytes) in parts.items():
-            us = bm.graph_ms(call, reps) * 1e3
+            us = bm.graph_ms(call, REPS) * 1e3
             row = {"kind": "pair_part", "format": fname, "part": name, "T": 1, "bytes": nbytes, "us": us,
                    "floor_us": nbytes / bw_gbs / 1e3, "rel_err": err}  # fmt: skip
             out["rows"].append(row)

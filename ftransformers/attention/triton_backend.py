@@ -31,6 +31,7 @@ MLA_MAX_KV_SPLITS = 64
 # 25.2 us: their float32 partials are 4x larger), so larger head counts keep 64. 32 was not measured.
 # benchmarks/results/attention_mla_b1_rule_h100.log
 MLA_FEW_HEADS = 16
+MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 # MLA decode stage 1: "auto" takes the Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
@@ -63,7 +64,7 @@ def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_split
 
 def mla_max_kv_splits(num_heads: int) -> int:
     """mla_num_kv_splits's cap for this many heads a GPU (see MLA_FEW_HEADS)."""
-    return 128 if num_heads <= MLA_FEW_HEADS else MLA_MAX_KV_SPLITS
+    return MLA_FEW_HEADS_MAX_KV_SPLITS if num_heads <= MLA_FEW_HEADS else MLA_MAX_KV_SPLITS
 
 
 @register_attention_backend("triton")

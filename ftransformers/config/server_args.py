@@ -22,16 +22,17 @@ ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton o
 MOE_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 SAMPLING_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA
 
+REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
+# auto: the checkpoint's quantization_config; a checkpoint method must match it; fp8 / w8a8_int8 / int4 /
+# mxfp4 / nvfp4 on a float checkpoint quantize it at load time (quant/online.py)
+QUANTIZATION_CHOICES = ("auto", "none", "awq", "gptq", "compressed-tensors", "fp8", "w8a8_int8", "int4", "mxfp4", "nvfp4")
+
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """An attention / MoE / sampling backend name with "auto" resolved: triton on CUDA, else torch_native."""
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch_native"
     return name
-REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
-# auto: the checkpoint's quantization_config; a checkpoint method must match it; fp8 / w8a8_int8 / int4 /
-# mxfp4 / nvfp4 on a float checkpoint quantize it at load time (quant/online.py)
-QUANTIZATION_CHOICES = ("auto", "none", "awq", "gptq", "compressed-tensors", "fp8", "w8a8_int8", "int4", "mxfp4", "nvfp4")
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
