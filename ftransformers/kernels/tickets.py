@@ -1,4 +1,5 @@
-"""Zeroed int32 ticket counters for kernels whose last program finishes the work ("last one out").
+"""Zeroed int32 ticket counters for kernels whose last program finishes the work ("last one out"), and
+the grid barrier of cooperative launches (all programs resident) built on them.
 
 A program publishes its partial result, then takes a ticket (an acq_rel atomic add on a counter); the
 program holding the last ticket reduces the partials and puts the counter back to 0. So a counter
@@ -76,3 +77,32 @@ def publish_and_sum(acc, part_row, pid_s, split_stride, mask, counter, SPLIT: tl
         for s in tl.static_range(SPLIT):
             total += tl.load(part_row + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
     return last, total
+
+
+@triton.jit
+def grid_barrier(counter, programs, passed):
+    """Every one of `programs` programs arrives here before any leaves; they must all be resident (a
+    cooperative launch). The CTA's stores before it are visible to the others after it, through L2:
+    read them with .cg. `passed`: barriers met so far in this launch, the same in every program.
+    `counter` = [arrivals, exit tickets], zero at launch; the launch ends in exit_ticket. Returns
+    passed + 1."""
+    tl.debug_barrier()
+    if programs > 1:
+        tl.atomic_add(counter, 1, sem="release")
+        target = programs * (passed + 1)
+        seen = tl.atomic_add(counter, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(counter, 0, sem="acquire")
+    tl.debug_barrier()
+    return passed + 1
+
+
+@triton.jit
+def exit_ticket(counter, programs):
+    """The end of a launch with grid_barrier: the last program out puts both counters back to 0
+    (every program is past every barrier by then)."""
+    if programs > 1:
+        tl.debug_barrier()
+        if tl.atomic_add(counter + 1, 1, sem="acq_rel") == programs - 1:
+            tl.store(counter, 0)
+            tl.store(counter + 1, 0)

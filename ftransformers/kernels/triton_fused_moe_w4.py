@@ -16,16 +16,7 @@ Aligned path: `moe_align` of the bf16 module, then grouped GEMMs whose B tiles [
 dequantized to hidden.dtype in registers (the 8 nibbles joined in-thread, then reshaped) before
 tl.dot (gate-up with fused SiLU*up; down with the routing weight), and the bf16 module's `moe_sum`.
 
-Decoding, a shift and one or two logic ops per weight, no int->float conversion:
-  int4   bits (1.0f | code << 19) = 1 + code/16, so (code - zero) * s = (f - (1 + zero/16)) * 16 s;
-         with x: sum_j (c_j - z) s x_j = 16 s * (sum_j f_j x_j - (1 + z/16) * sum_j x_j).
-  E2M1   magnitude bits to 22..24 (the exponent's two low bits and the top mantissa bit), sign to 31:
-         an fp32 equal to value * 2^-126 exactly (code 1 is the subnormal 2^-127). It only ever meets
-         operands pre-scaled by 2^63 (x in the GEMVs, the scale in both), so no product is subnormal.
-  scales mxfp4 E8M0 e -> bits e << 23 = 2^(e-127); nvfp4 E4M3 bits -> fp32 bits (b & 0x7F) << 20 with
-         the sign at 31 = value * 2^-120 (subnormals included), times global_scale.
-The constant OR-ed in (`magic`) is a kernel argument: in a register, ptxas fuses mask-and-or into one
-LOP3, which it does not for two immediates.
+Decoding and the GEMV tiles: kernels/w4_tiles.py.
 """
 
 from __future__ import annotations
@@ -43,6 +34,19 @@ from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
 from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm_codes, to_16bit
+from ftransformers.kernels.triton_moe_w4_one import W4OneConfig, fused_moe_w4_one
+from ftransformers.kernels.w4_tiles import (
+    FMT_ID,
+    P63,
+    gemv_tile,
+    group_scale,
+    group_sums,
+    masked_load,
+    nibble,
+    weight_args,
+    x_planes,
+    x_words,
+)
 
 # Up to this many (token, slot) pairs fused_moe_w4 takes the pair path: on the H100 it beat the aligned
 # path at every T <= 16 with top-8 for both Qwen3-30B-A3B and DeepSeek-V3 shapes and every format
@@ -52,10 +56,20 @@ W4_PAIR_MAX_PAIRS = 128
 # sizes, where it was measured); prefill-sized blocks keep the dequantizing kernel.
 CODES_MAX_BLOCK_M = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
-_MAGIC = {"int4": 0x3F800000, "mxfp4": -(2**31), "nvfp4": -(2**31)}  # 1.0f; the sign bit
-_P63 = tl.constexpr(9.223372036854775808e18)  # 2^63
-_P60 = tl.constexpr(1.152921504606846976e18)  # 2^60
+# One token without a config takes the one-launch kernel where it applies only when set (set_one_launch,
+# FTRANSFORMERS_W4_ONE_LAUNCH=1): measured slower than the pair path (benchmarks/results/w4_b1_one_h100.log).
+_one_launch = os.environ.get("FTRANSFORMERS_W4_ONE_LAUNCH", "0") not in ("", "0")
+
+
+def set_one_launch(enabled: bool) -> None:
+    """Whether fused_moe_w4 at one token without a config runs kernels/triton_moe_w4_one.py (where it
+    applies) instead of the pair path, for calls from now on (a captured CUDA graph keeps its kernels)."""
+    global _one_launch
+    _one_launch = bool(enabled)
+
+
+def one_launch_enabled() -> bool:
+    return _one_launch
 
 
 @dataclass(frozen=True)
@@ -103,121 +117,6 @@ def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size:
 
 
 @triton.jit
-def _nibble(q, J: tl.constexpr, magic, FMT: tl.constexpr):
-    # q uint32 words -> nibble J as float32: int4 1 + code/16 (magic = 1.0f); E2M1 value * 2^-126
-    # (magic = the sign bit).
-    if FMT == 0:
-        if J <= 4:
-            m = q << (19 - 4 * J)
-        else:
-            m = q >> (4 * J - 19)
-        bits = (m & 0x00780000) | magic
-    else:
-        if J <= 5:
-            m = q << (22 - 4 * J)
-        else:
-            m = q >> (4 * J - 22)
-        bits = (m & 0x01C00000) | ((q << (28 - 4 * J)) & magic)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _group_scale(s_ptrs, z_ptrs, gs, mask, FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr):
-    # Per (row, group): int4 (16 * scale, 1 + zero/16); E2M1 (scale * 2^63, unused).
-    if FMT == 0:
-        scale = _load(s_ptrs, mask, EVEN).to(tl.float32) * 16.0
-        if HAS_ZERO:
-            z = _load(z_ptrs, mask, EVEN).to(tl.uint32)
-            zz = ((z << 19) | 0x3F800000).to(tl.float32, bitcast=True)
-        else:
-            zz = tl.full(scale.shape, 1.5, tl.float32)
-        return scale, zz
-    e = _load(s_ptrs, mask, EVEN).to(tl.uint32)
-    if FMT == 1:  # E8M0: 2^(e - 127); e = 0 is the subnormal 2^-127
-        scale = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True) * _P63
-    else:  # E4M3 bits -> value * 2^-120, then * 2^120 in two exact steps
-        bits = ((e & 0x7F) << 20) | ((e >> 7) << 31)
-        scale = bits.to(tl.float32, bitcast=True) * _P60 * _P60 * gs * _P63
-    return scale, scale
-
-
-@triton.jit
-def _load(ptrs, mask, EVEN: tl.constexpr):
-    if EVEN:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask, other=0)
-
-
-@triton.jit
-def _x_pair(ptrs, mask, FMT: tl.constexpr, X_F16: tl.constexpr, EVEN: tl.constexpr):
-    # int32 words holding two 16-bit activations -> (low, high) in float32, E2M1: times 2^63
-    v = _load(ptrs, mask, EVEN).to(tl.uint32, bitcast=True)
-    if X_F16:
-        lo = (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (v >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        lo = (v << 16).to(tl.float32, bitcast=True)
-        hi = (v & 0xFFFF0000).to(tl.float32, bitcast=True)
-    if FMT != 0:
-        lo = lo * _P63
-        hi = hi * _P63
-    return lo, hi
-
-
-@triton.jit
-def _x_words(ptrs, mask, FMT: tl.constexpr, X_F16: tl.constexpr, EVEN: tl.constexpr):
-    # ptrs [BKW]: int32 pair 0 of each word's 8 activations -> (x_0..x_7 [BKW] float32, sum_j x_j)
-    x0, x1 = _x_pair(ptrs, mask, FMT, X_F16, EVEN)
-    x2, x3 = _x_pair(ptrs + 1, mask, FMT, X_F16, EVEN)
-    x4, x5 = _x_pair(ptrs + 2, mask, FMT, X_F16, EVEN)
-    x6, x7 = _x_pair(ptrs + 3, mask, FMT, X_F16, EVEN)
-    return (x0, x1, x2, x3, x4, x5, x6, x7), ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-
-
-@triton.jit
-def _x_planes(ptrs, plane, mask, EVEN: tl.constexpr):
-    # ptrs [BKW] into a [8, K/8] float32 act row (plane j = x[8w + j]) -> (x_0..x_7, sum_j x_j)
-    x0 = _load(ptrs, mask, EVEN)
-    x1 = _load(ptrs + plane, mask, EVEN)
-    x2 = _load(ptrs + 2 * plane, mask, EVEN)
-    x3 = _load(ptrs + 3 * plane, mask, EVEN)
-    x4 = _load(ptrs + 4 * plane, mask, EVEN)
-    x5 = _load(ptrs + 5 * plane, mask, EVEN)
-    x6 = _load(ptrs + 6 * plane, mask, EVEN)
-    x7 = _load(ptrs + 7 * plane, mask, EVEN)
-    return (x0, x1, x2, x3, x4, x5, x6, x7), ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-
-
-@triton.jit
-def _group_sums(sx, FMT: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr):
-    # sx [BKW] -> [BN, NG] sums per group, reduced like the products (same layout, no second x load);
-    # only int4 needs them.
-    bkw: tl.constexpr = NG * WPG
-    if FMT == 0:
-        sums = tl.sum(tl.reshape(tl.broadcast_to(sx[None, :], [BLOCK_N, bkw]), [BLOCK_N, NG, WPG]), axis=2)
-    else:
-        sums = tl.zeros([BLOCK_N, NG], tl.float32)
-    return sums
-
-
-@triton.jit
-def _gemv_tile(q_ptrs, q_mask, s_ptrs, z_ptrs, s_mask, gs, xs, sxg, magic,
-               FMT: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-               NG: tl.constexpr, WPG: tl.constexpr):  # fmt: skip
-    # q_ptrs [BN, BKW] words, xs the 8 [BKW] activations of each word, sxg [BN, NG] sums of x per group
-    # -> [BN, NG] float32 contributions of the tile.
-    q = _load(q_ptrs, q_mask, EVEN).to(tl.uint32, bitcast=True)
-    p = _nibble(q, 0, magic, FMT) * xs[0][None, :]
-    for j in tl.static_range(1, 8):
-        p += _nibble(q, j, magic, FMT) * xs[j][None, :]
-    pg = tl.sum(tl.reshape(p, [BLOCK_N, NG, WPG]), axis=2)  # [BN, NG]
-    scale, zz = _group_scale(s_ptrs, z_ptrs, gs, s_mask, FMT, HAS_ZERO, EVEN)
-    if FMT == 0:
-        return scale * (pg - zz * sxg)
-    return scale * pg
-
-
-@triton.jit
 def _pair_gate_up_w4_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, act_ptr, ids_ptr, N, K, num_pairs,
     stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ge,
@@ -247,8 +146,8 @@ def _pair_gate_up_w4_kernel(
     gs_g = 0.0
     gs_u = 0.0
     if FMT == 2:
-        gs_g = _load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
-        gs_u = _load(gs_ptr + expert * stride_ge + N + offs_n, n_ok, EVEN)[:, None]
+        gs_g = masked_load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
+        gs_u = masked_load(gs_ptr + expert * stride_ge + N + offs_n, n_ok, EVEN)[:, None]
     up_q = N * stride_qn
     up_s = N * stride_sn
     acc_g = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
@@ -256,22 +155,22 @@ def _pair_gate_up_w4_kernel(
     for kt in range(K_TILES):
         w_ok = kt * BKW + w < K // 8
         g_ok = kt * NG + g < K // GROUP
-        xs, sx = _x_words(x_ptrs + kt * (BLOCK_K // 2), w_ok, FMT, X_F16, EVEN)
-        sxg = _group_sums(sx, FMT, BLOCK_N, NG, WPG)
+        xs, sx = x_words(x_ptrs + kt * (BLOCK_K // 2), w_ok, FMT, X_F16, EVEN)
+        sxg = group_sums(sx, FMT, BLOCK_N, NG, WPG)
         q_mask = n_ok[:, None] & w_ok[None, :]
         s_mask = n_ok[:, None] & g_ok[None, :]
         qp = q_ptrs + kt * BKW
         so = s_off + kt * NG
-        acc_g += _gemv_tile(qp, q_mask, s_ptr + so, z_ptr + so, s_mask, gs_g, xs, sxg, magic,
+        acc_g += gemv_tile(qp, q_mask, s_ptr + so, z_ptr + so, s_mask, gs_g, xs, sxg, magic,
                             FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
-        acc_u += _gemv_tile(qp + up_q, q_mask, s_ptr + so + up_s, z_ptr + so + up_s, s_mask, gs_u, xs, sxg, magic,
+        acc_u += gemv_tile(qp + up_q, q_mask, s_ptr + so + up_s, z_ptr + so + up_s, s_mask, gs_u, xs, sxg, magic,
                             FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
     act = to_16bit(act, tl.bfloat16 if ACT_BF16 else tl.float16).to(tl.float32)
     if FMT != 0:
-        act = act * _P63
+        act = act * P63
     plane = N // 8
     tl.store(act_ptr + pair.to(tl.int64) * N + (offs_n % 8) * plane + offs_n // 8, act, mask=n_ok)
 
@@ -313,15 +212,15 @@ def _pair_down_sum_w4_kernel(
         expert = tl.load(ids_ptr + t * TOP_K + slot).to(tl.int64)
         gs = 0.0
         if FMT == 2:
-            gs = _load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
+            gs = masked_load(gs_ptr + expert * stride_ge + offs_n, n_ok, EVEN)[:, None]
         part = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
         for kt in range(K_TILES):
             w_ok = kt * BKW + w < K // 8
             g_ok = kt * NG + g < K // GROUP
-            xs, sx = _x_planes(a_ptrs + slot * K + kt * BKW, plane, w_ok, EVEN)
-            sxg = _group_sums(sx, FMT, BLOCK_N, NG, WPG)
+            xs, sx = x_planes(a_ptrs + slot * K + kt * BKW, plane, w_ok, EVEN)
+            sxg = group_sums(sx, FMT, BLOCK_N, NG, WPG)
             so = expert * stride_se + s_rows + kt * NG
-            part += _gemv_tile(q_ptr + expert * stride_qe + q_rows + kt * BKW, n_ok[:, None] & w_ok[None, :],
+            part += gemv_tile(q_ptr + expert * stride_qe + q_rows + kt * BKW, n_ok[:, None] & w_ok[None, :],
                                s_ptr + so, z_ptr + so, n_ok[:, None] & g_ok[None, :], gs, xs, sxg, magic,
                                FMT, HAS_ZERO, EVEN, BLOCK_N, NG, WPG)  # fmt: skip
         acc += tl.load(tw_ptr + t * TOP_K + slot) * tl.sum(part, axis=1)
@@ -340,10 +239,10 @@ def _pair_down_sum_w4_kernel(
 
 @triton.jit
 def _dequant(q, J: tl.constexpr, magic, scale, zz, FMT: tl.constexpr):
-    # Nibble J of q as its float32 weight (scale, zz from _group_scale; E2M1 in two exact 2^63 steps).
+    # Nibble J of q as its float32 weight (scale, zz from group_scale; E2M1 in two exact 2^63 steps).
     if FMT == 0:
-        return (_nibble(q, J, magic, FMT) - zz) * scale
-    return (_nibble(q, J, magic, FMT) * _P63) * scale
+        return (nibble(q, J, magic, FMT) - zz) * scale
+    return (nibble(q, J, magic, FMT) * P63) * scale
 
 
 @triton.jit
@@ -353,7 +252,7 @@ def _dequant_tile(q_ptrs, q_mask, s_ptrs, z_ptrs, s_mask, gs, magic, FMT: tl.con
     # k = 8 * w + j. The 8 nibbles are joined in-thread, highest index bit first, so that the
     # reshape of [BKW, 2, 2, 2] puts nibble j at 8 * w + j.
     q = tl.load(q_ptrs, mask=q_mask, other=0).to(tl.uint32, bitcast=True)
-    scale, zz = _group_scale(s_ptrs, z_ptrs, gs, s_mask, FMT, HAS_ZERO, False)
+    scale, zz = group_scale(s_ptrs, z_ptrs, gs, s_mask, FMT, HAS_ZERO, False)
     e0 = tl.join(_dequant(q, 0, magic, scale, zz, FMT), _dequant(q, 4, magic, scale, zz, FMT))
     e1 = tl.join(_dequant(q, 2, magic, scale, zz, FMT), _dequant(q, 6, magic, scale, zz, FMT))
     o0 = tl.join(_dequant(q, 1, magic, scale, zz, FMT), _dequant(q, 5, magic, scale, zz, FMT))
@@ -430,16 +329,6 @@ def _moe_gemm_w4_kernel(
     tl.store(c_ptrs, c, mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _weight_args(qw: QuantizedWeight) -> tuple:
-    """qweight, scales, zeros, global_scale, magic and the strides, as the kernels take them. Absent
-    tensors alias the scales; FP8 scales travel as their uint8 bits (decoded in-kernel)."""
-    s = qw.scales.view(torch.uint8) if qw.scales.dtype == torch.float8_e4m3fn else qw.scales
-    z = qw.zeros if qw.zeros is not None else s
-    gs, ge = (qw.global_scale, qw.global_scale.stride(0)) if qw.global_scale is not None else (s, 0)
-    q = qw.qweight
-    return q, s, z, gs, _MAGIC[qw.fmt], q.stride(0), q.stride(1), s.stride(0), s.stride(1), ge
-
-
 def _check(qw: QuantizedWeight, name: str, n: int, k: int) -> None:
     if qw.fmt not in FOUR_BIT_FORMATS:
         raise ValueError(f"fused_moe_w4: {name} has format {qw.fmt!r}; valid: {', '.join(FOUR_BIT_FORMATS)}")
@@ -477,8 +366,8 @@ def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig) -> torch.Tensor:
     x = (hidden if hidden.stride(0) % 2 == 0 else hidden.contiguous()).view(torch.int32)  # [T, D/2] pairs
     bk = _block_k(cfg.up_k, d, w13.group_size)
     _pair_gate_up_w4_kernel[(num_pairs * triton.cdiv(inter, cfg.up_n),)](
-        x, *_weight_args(w13)[:5], act, ids, inter, d, num_pairs, x.stride(0), *_weight_args(w13)[5:],
-        FMT=_FMT_ID[w13.fmt], HAS_ZERO=w13.zeros is not None, X_F16=hidden.dtype == torch.float16,
+        x, *weight_args(w13)[:5], act, ids, inter, d, num_pairs, x.stride(0), *weight_args(w13)[5:],
+        FMT=FMT_ID[w13.fmt], HAS_ZERO=w13.zeros is not None, X_F16=hidden.dtype == torch.float16,
         ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
         GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=triton.cdiv(d, bk),
         num_warps=cfg.up_warps, num_stages=cfg.stages, **_maxnreg(cfg.up_maxnreg),
@@ -497,9 +386,9 @@ def pair_down(act, hidden, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
     split = cfg.down_split if top_k % cfg.down_split == 0 else 1
     split, tickets, part = split_scratch(hidden.device, "moe_w4_down", t * n_blocks, split, t, d)
     _pair_down_sum_w4_kernel[(t * split * n_blocks,)](
-        act, *_weight_args(w2)[:5], out, ids, weights, act if part is None else part,
+        act, *weight_args(w2)[:5], out, ids, weights, act if part is None else part,
         ids if tickets is None else tickets, d, inter, t,
-        inter // 8, *_weight_args(w2)[5:], out.stride(0), FMT=_FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
+        inter // 8, *weight_args(w2)[5:], out.stride(0), FMT=FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
         EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, SPLIT=split,
         BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps,
         num_stages=cfg.stages, **_maxnreg(cfg.down_maxnreg),
@@ -532,10 +421,10 @@ def _moe_gemm_w4(
     bk = _block_k(block_k, k, qw.group_size)
     max_padded = align[0].numel()
     _moe_gemm_w4_kernel[((max_padded // cfg.block_m) * triton.cdiv(n, block_n),)](
-        a, *_weight_args(qw)[:5], out, weights if weights is not None else out, *align,
-        n, k, out.shape[0], max_padded, a.stride(0), *_weight_args(qw)[5:], out.stride(0),
+        a, *weight_args(qw)[:5], out, weights if weights is not None else out, *align,
+        n, k, out.shape[0], max_padded, a.stride(0), *weight_args(qw)[5:], out.stride(0),
         A_DIV=a_div, FUSE_SILU=weights is None, MUL_WEIGHT=weights is not None, IEEE=_INTERPRET,
-        FMT=_FMT_ID[qw.fmt], HAS_ZERO=qw.zeros is not None, GROUP=qw.group_size, BLOCK_M=cfg.block_m,
+        FMT=FMT_ID[qw.fmt], HAS_ZERO=qw.zeros is not None, GROUP=qw.group_size, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, K_TILES=triton.cdiv(k, bk),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
@@ -548,10 +437,11 @@ def fused_moe_w4(
     w2: QuantizedWeight,  # [E, D, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int
-    config: MoEConfig | W4PairConfig | None = None,
+    config: MoEConfig | W4PairConfig | W4OneConfig | None = None,
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """quant_moe_ref's function: the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
+    """quant_moe_ref's function: one launch at one token for a W4OneConfig where it applies
+    (kernels/triton_moe_w4_one.py), the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
     the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
     decode-shaped blocks where the group holds whole K tiles, unless `codes` is False (the dequantizing
     kernel and its tiles, for comparison)."""
@@ -564,6 +454,13 @@ def fused_moe_w4(
     if t == 0:
         return hidden.new_empty(0, d)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
+    one = config if isinstance(config, W4OneConfig) else W4OneConfig() if config is None and _one_launch else None
+    if one is not None and t == 1 and w13.fmt == w2.fmt:
+        out = fused_moe_w4_one(hidden, w13, w2, weights, topk_ids.contiguous(), one)
+        if out is not None:
+            return out
+    if isinstance(config, W4OneConfig):
+        config = None
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.tickets import ticket_counters
+from ftransformers.kernels.tickets import exit_ticket, grid_barrier, ticket_counters
 
 # (columns per tile, warps) below and from LARGE_ROWS rows: measured best on an H100
 # (benchmarks/results/sampler_split_h100.json: 2048 x 8 at 1-8 rows, 4096 x 16 at 32-128 rows)
@@ -65,22 +65,6 @@ def _tile(row_ptr, start, hi, BLOCK: tl.constexpr, KEY_BITS: tl.constexpr):
     if KEY_BITS == 16:  # bfloat16 upcast: the low 16 bits carry nothing
         key = key >> 16
     return cols, ok, x, key
-
-
-@triton.jit
-def _row_barrier(counter, programs, passed):
-    """Every program of the row arrives here before any leaves (the CTA's stores before it are visible
-    to the row's programs after it, through L2: read them with .cg). `passed`: barriers met so far in
-    this launch, the same in every program of the row. Returns passed + 1."""
-    tl.debug_barrier()
-    if programs > 1:
-        tl.atomic_add(counter, 1, sem="release")
-        target = programs * (passed + 1)
-        seen = tl.atomic_add(counter, 0, sem="acquire")
-        while seen < target:
-            seen = tl.atomic_add(counter, 0, sem="acquire")
-    tl.debug_barrier()
-    return passed + 1
 
 
 @triton.jit
@@ -160,7 +144,7 @@ def _row_draw(
         )  # fmt: skip
         tl.store(slot_ptr, col.to(tl.int64))
         tl.store(slot_ptr + 1, col_key)
-    passed = _row_barrier(counter, programs, passed)
+    passed = grid_barrier(counter, programs, passed)
     col = tl.load(slot_ptr, cache_modifier=".cg").to(tl.int32)
     col_key = tl.load(slot_ptr + 1, cache_modifier=".cg")
     nothing = (c < 0) | (col < 0)
@@ -181,7 +165,7 @@ def _masses_phase(
     )
     tl.store(ws_f + pc * 3 + 1, top_k_mass)
     tl.store(ws_f + pc * 3 + 2, tl.sum(part, axis=0))
-    passed = _row_barrier(counter, programs, passed)
+    passed = grid_barrier(counter, programs, passed)
     pix = tl.arange(0, P_P2)
     chunk_top_k = tl.load(ws_f + pix * 3 + 1, mask=pix < programs, other=0.0, cache_modifier=".cg")
     chunk_mass = tl.load(ws_f + pix * 3 + 2, mask=pix < programs, other=0.0, cache_modifier=".cg")
@@ -207,7 +191,7 @@ def _top_k_threshold(
             match = ok & ((key >> (shift + 8)) == prefix)
             hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
         tl.atomic_add(hist_ptr + byte * 256 + bins, hist, sem="relaxed")
-        passed = _row_barrier(counter, programs, passed)
+        passed = grid_barrier(counter, programs, passed)
         hist = tl.load(hist_ptr + byte * 256 + bins, cache_modifier=".cg")
         at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [256] count in bins >= b
         b = tl.max(tl.where(at_or_above >= rest, bins, -1), axis=0)
@@ -219,7 +203,7 @@ def _top_k_threshold(
         cols, ok, _x, key = _tile(row_ptr, lo + t * BLOCK, hi, BLOCK, KEY_BITS)
         ties += tl.sum((ok & (key == prefix)).to(tl.int32), axis=0)
     tl.store(ws_i + pc * 2 + 1, ties)
-    passed = _row_barrier(counter, programs, passed)
+    passed = grid_barrier(counter, programs, passed)
     pix = tl.arange(0, P_P2)
     counts = tl.load(ws_i + pix * 2 + 1, mask=pix < programs, other=0, cache_modifier=".cg")
     upto = tl.cumsum(counts, axis=0)
@@ -234,7 +218,7 @@ def _top_k_threshold(
             last = tl.maximum(last, tl.max(tl.where((tie > 0) & (nth == rest), cols, -1), axis=0))
             seen += tl.sum(tie, axis=0)
         tl.store(tk_slot, last.to(tl.int64))
-    passed = _row_barrier(counter, programs, passed)
+    passed = grid_barrier(counter, programs, passed)
     return prefix, tl.load(tk_slot, cache_modifier=".cg").to(tl.int32), passed
 
 
@@ -276,7 +260,7 @@ def _sample_kernel(
     chunk_max = tl.max(best, axis=0)
     tl.store(ws_f + pc * 3, chunk_max)
     tl.store(ws_i + pc * 2, tl.min(tl.where(best == chunk_max, best_col, _INT_MAX), axis=0))
-    passed = _row_barrier(counter, programs, passed)
+    passed = grid_barrier(counter, programs, passed)
     maxima = tl.load(ws_f + pix * 3, mask=pix < programs, other=float("-inf"), cache_modifier=".cg")
     firsts = tl.load(ws_i + pix * 2, mask=pix < programs, other=_INT_MAX, cache_modifier=".cg")
     m = tl.max(maxima, axis=0)
@@ -328,11 +312,7 @@ def _sample_kernel(
                 )  # fmt: skip
     if pc == 0:
         tl.store(out_ptr + row, token.to(tl.int64))
-    if programs > 1:  # the last program out puts the row's counters back to 0 (every barrier is behind all)
-        tl.debug_barrier()
-        if tl.atomic_add(counter + 1, 1, sem="acq_rel") == programs - 1:
-            tl.store(counter, 0)
-            tl.store(counter + 1, 0)
+    exit_ticket(counter, programs)
 
 
 def sample_split(rows: int, vocab: int, block: int, device: torch.device) -> int:
