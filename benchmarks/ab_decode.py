@@ -11,8 +11,6 @@ Variants (comma-separated `--variants`):
                         ftransformers/kernels/triton_router.py, e.g. the previous commit's
   no-pdl                programmatic dependent launch off (kernels/pdl.py)
   no-prefetch           PDL on, but no L2 prefetch ahead of the wait (kernels/pdl.py, l2_prefetch)
-  no-one-launch         4-bit MoE at one token on the pair path's two kernels, not the one-launch kernel
-                        (kernels/triton_moe_w4_one.py)
   prefetch=F/G          L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES); the families
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
@@ -89,14 +87,6 @@ def _prefetch(spec: str) -> Callable[[], Callable[[], None]]:
     return apply
 
 
-def _no_one_launch() -> Callable[[], None]:
-    from ftransformers.kernels.triton_fused_moe_w4 import one_launch_enabled, set_one_launch
-
-    was = one_launch_enabled()
-    set_one_launch(False)
-    return lambda: set_one_launch(was)
-
-
 def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
     """name (parts joined by '+') -> a function that applies the variant and returns its undo."""
     if "+" in name:
@@ -115,13 +105,11 @@ def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
         return _no_pdl
     if name == "no-prefetch":
         return _prefetch("")
-    if name == "no-one-launch":
-        return _no_one_launch
     if name.startswith("prefetch="):
         return _prefetch(name.partition("=")[2])
     if name.startswith("router="):
         return _router_from(name.partition("=")[2])
-    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, no-one-launch, prefetch=F/G, router=PATH)")
+    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, prefetch=F/G, router=PATH)")
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ and waves. Every config is checked against the plain-PyTorch reference first.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4_b1.py --out $OUT/w4_b1_h100.json
 
-The "one" section times the one-launch MoE kernel (kernels/triton_moe_w4_one.py) beside the pair path.
+The "codes" section runs the MoE at one token on the aligned path's int4 codes kernels (tensor cores)
+beside the pair path, and times their four kernels alone.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import bench_moe_w4 as bm
 import bench_w4a16 as bw
 
 from ftransformers.kernels import triton_fused_moe_w4 as w4
-from ftransformers.kernels import triton_moe_w4_one as one
 from ftransformers.kernels import triton_w4a16 as tw
 from ftransformers.kernels.quant_formats import quant_moe_ref
 from ftransformers.kernels.triton_fused_moe import moe_align, moe_sum
@@ -192,45 +192,36 @@ def bench_parts(out: dict[str, Any], bw_gbs: float, log) -> None:
         torch.cuda.empty_cache()
 
 
-ONE_CONFIGS = [w4.W4OneConfig(), w4.W4OneConfig(up_n=4), w4.W4OneConfig(up_n=16), w4.W4OneConfig(num_warps=16),
-               w4.W4OneConfig(programs_per_sm=2), w4.W4OneConfig(programs_per_sm=2, num_warps=4),
-               w4.W4OneConfig(programs_per_sm=2, num_warps=4, up_n=4), w4.W4OneConfig(programs_per_sm=4, num_warps=4)]  # fmt: skip
-
-
-def bench_one(out: dict[str, Any], bw_gbs: float, log) -> None:
-    """The one-launch kernel (kernels/triton_moe_w4_one.py) beside the pair path's two kernels, one token,
-    in one process: each config checked against the reference, then timed as the pair rows are."""
-    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
-    fns = [one._one_token_w4_kernel]
-    for fname in FORMATS.values():
-        w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
-        nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
-        for cfg in [w4.default_w4_pair_config(1, d, "int4"), *ONE_CONFIGS, *CODES_CONFIGS]:
-            before = [set(compiled(f)) for f in fns]
-            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
-            ks = new_kernels(fns, before)
-            name = "pair" if isinstance(cfg, w4.W4PairConfig) else "one" if isinstance(cfg, w4.W4OneConfig) else "codes"
-            if not err < 1e-2:
-                log(f"one {fname} {name} FAILED rel err {err:.3g} {cfg}")
-                continue
-            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
-            us = bm.graph_ms(call, REPS) * 1e3
-            occ = [occupancy(kern, one.one_token_programs(torch.device("cuda"), cfg)) for kern in ks if name == "one"]
-            row = {"kind": "moe_one", "format": fname, "path": name, "T": 1, "config": cfg.__dict__, "bytes": nbytes,
-                   "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err, "kernels": occ}  # fmt: skip
-            out["rows"].append(row)
-            log(f"one {fname:15s} {name:4s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor "
-                f"{row['floor_us']:.2f} err {err:.1e} | {[(o['regs'], o['spills'], o['programs_per_sm']) for o in occ]} | "
-                f"{cfg}")  # fmt: skip
-        codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log)
-        del w13, w2
-        torch.cuda.empty_cache()
-
-
 # The aligned path's int4 codes kernels (tensor cores on raw codes, kernels/triton_fused_moe_codes.py) forced
 # at one token: one expert block of 16 rows (1 used) per slot.
 CODES_CONFIGS = [w4.MoEConfig(16, 64, 128, 128, 128, 1, 4, 3), w4.MoEConfig(16, 128, 128, 128, 128, 1, 4, 3),
                  w4.MoEConfig(16, 64, 128, 64, 128, 1, 4, 3), w4.MoEConfig(16, 64, 128, 128, 128, 1, 4, 4)]  # fmt: skip
+
+
+def bench_codes(out: dict[str, Any], bw_gbs: float, log) -> None:
+    """The aligned path's int4 codes kernels (tensor cores on raw codes) forced at one token, beside the pair
+    path in one process, each config checked against the reference, timed as the pair rows are; then the
+    codes path's four kernels alone. Commit 21f304d also timed a one-launch kernel here (slower)."""
+    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    for fname in FORMATS.values():
+        w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
+        nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
+        for cfg in [w4.default_w4_pair_config(1, d, "int4"), *CODES_CONFIGS]:
+            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
+            name = "pair" if isinstance(cfg, w4.W4PairConfig) else "codes"
+            if not err < 1e-2:
+                log(f"t1 {fname} {name} FAILED rel err {err:.3g} {cfg}")
+                continue
+            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
+            us = bm.graph_ms(call, REPS) * 1e3
+            row = {"kind": "moe_t1_path", "format": fname, "path": name, "T": 1, "config": cfg.__dict__,
+                   "bytes": nbytes, "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err}  # fmt: skip
+            out["rows"].append(row)
+            log(f"t1 {fname:15s} {name:5s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor "
+                f"{row['floor_us']:.2f} err {err:.1e} | {cfg}")  # fmt: skip
+        codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log)
+        del w13, w2
+        torch.cuda.empty_cache()
 
 
 def codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
@@ -257,28 +248,10 @@ def codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
         log(f"codes-part {fname:15s} {name:8s} {us:6.2f} us {pct}")
 
 
-DIAGS = {0: "full", 1: "no gate-up", 2: "no barrier", 4: "no down", 8: "down loaded late", 5: "launch, ids, x only",
-         7: "no gate-up, barrier, down"}  # fmt: skip
-
-
-def bench_one_diag(out: dict[str, Any], bw_gbs: float, log) -> None:
-    """Where the one-launch kernel's time goes: the same launch with phases left out (results wrong, not
-    checked; `diag` bits of fused_moe_w4_one), int4 g128 asym, two configs."""
-    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
-    w13, w2, hiddens, routes, ref = pair_inputs("int4-g128-asym", REPS)
-    for cfg in (w4.W4OneConfig(num_warps=16), w4.W4OneConfig(programs_per_sm=2, num_warps=4)):
-        for diag, what in DIAGS.items():
-            call = lambda i, c=cfg, g=diag: one.fused_moe_w4_one(  # noqa: E731
-                hiddens[i], w13, w2, routes[i][0].reshape(-1).float(), routes[i][1], c, diag=g)
-            us = bm.graph_ms(call, REPS) * 1e3
-            out["rows"].append({"kind": "moe_one_diag", "config": cfg.__dict__, "diag": diag, "what": what, "us": us})
-            log(f"one-diag {what:26s} {us:6.2f} us | {cfg}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, parts, pair, one, one_diag")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, parts, pair, codes")
     args = p.parse_args()
     bw_gbs = bw.copy_bandwidth()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -298,10 +271,8 @@ def main() -> None:
         bench_parts(out, bw_gbs, log)
     if "pair" not in skip:
         bench_pair(out, bw_gbs, log)
-    if "one" not in skip:
-        bench_one(out, bw_gbs, log)
-    if "one_diag" not in skip:
-        bench_one_diag(out, bw_gbs, log)
+    if "codes" not in skip:
+        bench_codes(out, bw_gbs, log)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")
 

@@ -1,8 +1,8 @@
 """Fused MoE over 4-bit experts (kernels/triton_fused_moe_w4.py) vs quant_moe_ref, fresh random inputs.
 
 Formats int4 (group 32 and 128, zeros absent and present, bf16 / fp16 / fp32 scales), mxfp4, nvfp4;
-hidden bf16 and fp16; T in {1, 2, 5, 33}, top-k 2 and 8 (one token: the one-launch kernel where it
-applies; pair path at T*K <= W4_PAIR_MAX_PAIRS, else aligned), each path also forced. Expert ids: random, repeated across tokens, never all
+hidden bf16 and fp16; T in {1, 2, 5, 33}, top-k 2 and 8 (pair path at T*K <= W4_PAIR_MAX_PAIRS, else
+aligned), both paths also forced with small tiles. Expert ids: random, repeated across tokens, never all
 one expert. CPU: TRITON_INTERPRET=1, tiny shapes (D=128, I=128: one int4 group of 128; E 8..16) and a
 covering subset of the matrix. CUDA: E=128, D=2048, I=768, the full matrix, and a CUDA-graph replay on
 refilled inputs.
@@ -148,55 +148,6 @@ def test_pair_down_split_over_slots(split: int) -> None:
     assert not ticket_counters(torch.device(DEV), "moe_w4_down", 9).any()
 
 
-# One-launch kernel at one token (kernels/triton_moe_w4_one.py): (FORMATS index, D, I, top-k, programs).
-# The interpreter runs one program (no barrier can be met there), so its down tile is all of D; on CUDA
-# the default P (one program per SM) and other counts, with down tiles left idle (P > D / DOWN_N).
-ONE_CPU = [(0, 128, 128, 8, None), (1, 128, 384, 2, None), (2, 128, 768, 1, None), (3, 128, 256, 4, None),
-           (4, 128, 384, 2, None), (5, 128, 128, 4, None)]  # fmt: skip
-ONE_CUDA = [(f, 2048, 768, 8, None) for f in range(len(FORMATS))] + [
-    (1, 2048, 768, 8, 128), (0, 512, 256, 8, 33), (5, 512, 256, 8, 100), (3, 1024, 1536, 4, 64)]  # fmt: skip
-
-
-@pytest.mark.parametrize("case", ONE_CUDA if CUDA else ONE_CPU, ids=str)
-def test_one_launch_matches_reference(case: tuple) -> None:
-    from ftransformers.kernels.tickets import ticket_counters
-    from ftransformers.kernels.triton_moe_w4_one import W4OneConfig, fused_moe_w4_one
-
-    f, d, inter, k, programs = case
-    fmt, qkw = FORMATS[f]
-    gen = torch.Generator(DEV).manual_seed(100 + f + d + k)
-    dtype = torch.float16 if f == 3 else torch.bfloat16
-    hidden = torch.randn(1, d, generator=gen, device=DEV).to(dtype)
-    w13 = random_qw(fmt, 16, 2 * inter, d, gen, **qkw)
-    w2 = random_qw(fmt, 16, d, inter, gen, **qkw)
-    weights, ids = make_routing(1, 16, k, gen)
-    cfg = W4OneConfig(up_n=4 if CUDA else 8)
-    out = fused_moe_w4_one(hidden, w13, w2, weights.reshape(-1).contiguous(), ids.contiguous(), cfg, programs)
-    assert out is not None, "the one-launch kernel should apply here"
-    assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
-    if CUDA:  # the barrier's and the exit tickets' counters are back at zero for the next launch
-        assert not ticket_counters(torch.device(DEV), "moe_w4_one", 2).any()
-    # the default dispatch at one token takes it too, and the pair path agrees
-    assert torch.equal(w4.fused_moe_w4(hidden, w13, w2, weights, ids, cfg) if programs is None else out, out)
-    pair = w4.fused_moe_w4(hidden, w13, w2, weights, ids, w4.default_w4_pair_config(1, d, fmt))
-    assert rel_err(pair, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
-
-
-def test_one_token_plan() -> None:
-    from ftransformers.kernels.triton_moe_w4_one import W4OneConfig, one_token_plan
-
-    base = W4OneConfig()
-    plan = one_token_plan(2048, 768, 8, 128, 132, base)  # Qwen3-30B-A3B on an H100
-    assert plan is not None and (plan.down_n, plan.down_bkw, plan.down_kt, plan.maxnreg) == (16, 32, 3, 0)
-    plan = one_token_plan(2048, 768, 8, 128, 264, W4OneConfig(programs_per_sm=2))
-    assert plan is not None and (plan.down_n, plan.maxnreg) == (8, 128)  # two programs an SM: half the registers
-    assert one_token_plan(2048, 768, 8, 32, 132, base).down_bkw == 32  # groups of 32: same pieces
-    assert one_token_plan(7168, 2048, 8, 128, 132, base) is None  # DeepSeek-V3: a down tile past the budget
-    assert one_token_plan(2048, 768, 6, 128, 132, base) is None  # top-k not a power of two
-    assert one_token_plan(2048, 1408, 6, 128, 132, base) is None  # I/8 = 176 = 11 x 16: no <= 4 pieces
-    assert one_token_plan(2048, 768, 8, 128, 1, base) is None  # one program cannot hold all of D
-
-
 def test_rejects_bad_layouts() -> None:
     gen = torch.Generator(DEV).manual_seed(0)
     w13 = random_qw("int4", 4, 128, 64, gen, group=32)
@@ -213,11 +164,8 @@ def test_rejects_bad_layouts() -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("t,one", [(1, True), (1, False), (16, False)], ids=str)
-def test_cuda_graph_replay(t: int, one: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # one: the one-launch kernel at one token (cooperative, its counters reset by each launch's last
-    # program), else the pair path (or the aligned one at 16 tokens)
-    monkeypatch.setattr(w4, "_one_launch", one)
+@pytest.mark.parametrize("t", [1, 16])
+def test_cuda_graph_replay(t: int) -> None:
     gen = torch.Generator(DEV).manual_seed(t)
     e, k, (d, inter) = 128, 8, SHAPE
     w13, w2 = random_qw("int4", e, 2 * inter, d, gen, zeros=True), random_qw("int4", e, d, inter, gen, zeros=True)

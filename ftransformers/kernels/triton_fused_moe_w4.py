@@ -34,7 +34,6 @@ from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
 from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm_codes, to_16bit
-from ftransformers.kernels.triton_moe_w4_one import W4OneConfig, fused_moe_w4_one
 from ftransformers.kernels.w4_tiles import (
     FMT_ID,
     P63,
@@ -56,20 +55,6 @@ W4_PAIR_MAX_PAIRS = 128
 # sizes, where it was measured); prefill-sized blocks keep the dequantizing kernel.
 CODES_MAX_BLOCK_M = 16
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# One token without a config takes the one-launch kernel where it applies only when set (set_one_launch,
-# FTRANSFORMERS_W4_ONE_LAUNCH=1): measured slower than the pair path (benchmarks/results/w4_b1_one_h100.log).
-_one_launch = os.environ.get("FTRANSFORMERS_W4_ONE_LAUNCH", "0") not in ("", "0")
-
-
-def set_one_launch(enabled: bool) -> None:
-    """Whether fused_moe_w4 at one token without a config runs kernels/triton_moe_w4_one.py (where it
-    applies) instead of the pair path, for calls from now on (a captured CUDA graph keeps its kernels)."""
-    global _one_launch
-    _one_launch = bool(enabled)
-
-
-def one_launch_enabled() -> bool:
-    return _one_launch
 
 
 @dataclass(frozen=True)
@@ -437,11 +422,10 @@ def fused_moe_w4(
     w2: QuantizedWeight,  # [E, D, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int
-    config: MoEConfig | W4PairConfig | W4OneConfig | None = None,
+    config: MoEConfig | W4PairConfig | None = None,
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """quant_moe_ref's function: one launch at one token for a W4OneConfig where it applies
-    (kernels/triton_moe_w4_one.py), the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
+    """quant_moe_ref's function: the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
     the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
     decode-shaped blocks where the group holds whole K tiles, unless `codes` is False (the dequantizing
     kernel and its tiles, for comparison)."""
@@ -454,13 +438,6 @@ def fused_moe_w4(
     if t == 0:
         return hidden.new_empty(0, d)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
-    one = config if isinstance(config, W4OneConfig) else W4OneConfig() if config is None and _one_launch else None
-    if one is not None and t == 1 and w13.fmt == w2.fmt:
-        out = fused_moe_w4_one(hidden, w13, w2, weights, topk_ids.contiguous(), one)
-        if out is not None:
-            return out
-    if isinstance(config, W4OneConfig):
-        config = None
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)
