@@ -1,6 +1,7 @@
-"""Shared pieces of the CUDA-core 4-bit GEMV kernels (the MoE pair path of kernels/triton_fused_moe_w4.py
-and the one-launch kernel of kernels/triton_moe_w4_one.py): nibble decoding, group scales, activation
-loads and one [BLOCK_N, BLOCK_K / 8] tile of 32-bit words against its activations.
+"""The pieces of the CUDA-core 4-bit GEMV kernels (the MoE pair path of kernels/triton_fused_moe_w4.py):
+nibble decoding, group scales, activation loads and one [BLOCK_N, BLOCK_K / 8] tile of 32-bit words
+against its activations. Loads and arithmetic are separate functions (decode_scale, tile_dot), so that
+a kernel may issue a tile's loads ahead of its arithmetic (the one-launch kernel of commit 21f304d did).
 
 Decoding, a shift and one or two logic ops per weight, no int->float conversion:
   int4   bits (1.0f | code << 19) = 1 + code/16, so (code - zero) * s = (f - (1 + zero/16)) * 16 s;
@@ -57,8 +58,7 @@ def group_scale(s_ptrs, z_ptrs, gs, mask, FMT: tl.constexpr, HAS_ZERO: tl.conste
 
 @triton.jit
 def decode_scale(s, z, gs, FMT: tl.constexpr, HAS_ZERO: tl.constexpr):
-    # Loaded scales (and zeros) -> group_scale's pair; split from the loads so that a kernel can issue
-    # them early and decode later.
+    # Loaded scales (and zeros) -> group_scale's pair.
     if FMT == 0:
         scale = s.to(tl.float32) * 16.0
         if HAS_ZERO:
