@@ -55,11 +55,11 @@ def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, waves: int = 
 def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_splits: int = MLA_MAX_KV_SPLITS) -> int:
     """Split count for the MLA decode kernel (one 8-warp program per SM, compute- and
     bandwidth-bound): one wave of (batch x head-block x split) programs, rounded down so that a
-    second, mostly idle wave is not started; 1 from batch >= num_sms / head_blocks. Above 64 a power
-    of two: stage 2's split block is the next one up (66 splits of 32K ran ~1 us slower than 64 at
+    second, mostly idle wave is not started; 1 from batch >= num_sms / head_blocks. Above
+    MLA_MAX_KV_SPLITS (64) a power of two: stage 2's split block is the next one up (66 splits of 32K ran ~1 us slower than 64 at
     128 heads, for the same 64 non-empty splits)."""
     n = max(1, min(max_splits, num_sms // max(1, batch_size * head_blocks)))
-    return n if n <= 64 else 1 << (n.bit_length() - 1)
+    return n if n <= MLA_MAX_KV_SPLITS else 1 << (n.bit_length() - 1)
 
 
 def mla_max_kv_splits(num_heads: int) -> int:

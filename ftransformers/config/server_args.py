@@ -21,7 +21,6 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 ATTENTION_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA, torch_native on CPU
 MOE_BACKEND_CHOICES = ("auto", "torch_native", "triton")
 SAMPLING_BACKEND_CHOICES = ("auto", "torch_native", "triton")  # auto: triton on CUDA
-
 REASONING_PARSER_CHOICES = ("none", "deepseek-r1", "qwen3")
 # auto: the checkpoint's quantization_config; a checkpoint method must match it; fp8 / w8a8_int8 / int4 /
 # mxfp4 / nvfp4 on a float checkpoint quantize it at load time (quant/online.py)
