@@ -17,6 +17,10 @@ dequantized to hidden.dtype in registers (the 8 nibbles joined in-thread, then r
 tl.dot (gate-up with fused SiLU*up; down with the routing weight), and the bf16 module's `moe_sum`.
 
 Decoding and the GEMV tiles: kernels/w4_tiles.py.
+
+Int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py instead (the pair path's contract on
+mma.sync) wherever its `takes` says: from 2 tokens up to the pair-path limit, and on D > 4096 from one
+token to 256 pairs (measured faster there on the H100; benchmarks/results/moe_w4_mma_h100.log).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels import gluon_moe_w4_mma as mma_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
@@ -422,10 +427,12 @@ def fused_moe_w4(
     w2: QuantizedWeight,  # [E, D, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int
-    config: MoEConfig | W4PairConfig | None = None,
+    config: MoEConfig | W4PairConfig | mma_path.MmaMoEConfig | None = None,
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """quant_moe_ref's function: the pair path for a W4PairConfig (or T*K <= W4_PAIR_MAX_PAIRS), else
+    """quant_moe_ref's function: the int4 mma kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes`
+    the call (or for an MmaMoEConfig); else for T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
+    else
     the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
     decode-shaped blocks where the group holds whole K tiles, unless `codes` is False (the dequantizing
     kernel and its tiles, for comparison)."""
@@ -438,6 +445,10 @@ def fused_moe_w4(
     if t == 0:
         return hidden.new_empty(0, d)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
+    if isinstance(config, mma_path.MmaMoEConfig):
+        return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids, config)
+    if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
+        return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids)
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)

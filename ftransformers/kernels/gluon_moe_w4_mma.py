@@ -1,0 +1,446 @@
+"""The int4 MoE pair path on the tensor cores, in Gluon: mma.sync with the weights decoded straight into
+the A operand's registers (no shared memory, no layout conversion).
+
+Same contract as the pair path of kernels/triton_fused_moe_w4.py (gate-up with SiLU*up, then down with
+the routing weights summed over the slots), for int4 experts, 16-bit activations and TOP_K a power of
+two (`supported` lists the shapes).
+
+Why: at one token the CUDA-core pair kernels spend ~4-5 instructions a weight (shift, mask, FFMA and
+the group reductions; docs/performance.md, session 15). Here one LOP3 makes two bf16 operands,
+(q >> 4i) & 0x000F000F | 0x43004300 = (128 + nibble i, 128 + nibble i + 4) (fp16: 0x64006400, 1024 +
+code), and one m16n8k16 mma takes eight weights a thread. Products (128 + c) x are exact in float32;
+the code offset and zero leave through scale * (acc - (128 + zero) * sum(x)) per group (the codes
+kernel's identity, kernels/triton_w4a16_codes.py; its float32 cancellation leaves ~1e-5 of the result).
+
+A pair has one token, so the mma's 8 B columns are free: column c holds x only on the c-th eighth of a
+chunk of KC = 8 GC K (GC divides the group), zero elsewhere, so C[n, c] is the partial sum over that
+span alone and the scales apply after the chunk's whole chain of mmas, 8 spans at a time.
+
+Register layouts (mma_v2, batched: warps_per_cta = [W, 1, 1], each warp its own A, B and C):
+  A [W, 16, KC] with k_width 8: a thread holds 8 consecutive (logical) k of rows r and r + 8; lanes
+  t = 0..3 of a quad hold k 8t.., and registers repeat every 32 k. Logical k is not memory order:
+  logical k = 8 (4 r + t) + 2 i + h holds memory k = 8 (RW t + r) + i + 4 h (RW = KC / 32 words a thread
+  a row), so a thread's RW words of a row are adjacent in memory (16-byte loads), the LOP3 pair (nibble
+  i, nibble i + 4) is one 32-bit A register (logical k 2i, 2i + 1), and lane t's span is memory
+  [t KC / 4, (t + 1) KC / 4) = columns 2t (its first RW / 2 words) and 2t + 1: C's own columns.
+  x, the B operand, is loaded 16 bytes a word and permuted in registers to the same logical order.
+  C [W, 16, 8]: lane t holds columns 2t, 2t + 1 of rows r and r + 8.
+
+Gate-up (`_gate_up_kernel`): program (pair, 8 rows of I), W warps each over D / W of K in chunks; rows
+0..7 of a warp's A are gate rows, 8..15 the matching up rows (so one thread holds both); the warps'
+float32 sums are added in shared memory (gl.sum over axis 0); act = silu(gate) * up, rounded to x's
+dtype, is stored [pairs, I].
+Down (`_down_kernel`): program (token, 16 rows of D), warp w = slot w (W = TOP_K), over all of I in
+chunks; out = sum_w weight_w * y_w, rounded once.
+Each loop has the words and x of chunks c + 1 and c + 2 requested before its mmas on chunk c.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from ftransformers.kernels.gluon_mla_decode import pdl_enter
+from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.quant_formats import QuantizedWeight
+
+MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
+
+
+def _log2(n: int) -> int:
+    assert n > 0 and n & (n - 1) == 0, n
+    return n.bit_length() - 1
+
+
+def layouts(warps: int, rows: int, kc: int) -> dict:
+    """The kernels' layouts for W = warps, ROWS = rows a warp (16 or 32) and chunks of KC = kc (>= 128, a
+    power of two), RW = KC / 32: words [W, ROWS, 4 (t), RW (r)] int32 = memory word RW t + r of a row's chunk; x [W, 4 (t), RW (r), 2 (h),
+    4 (i)] = memory element 8 (RW t + r) + 4 h + i; xc [W, 8, GC] x again, 4 lanes a column (the
+    column sums)."""
+    rw = kc // 32
+    lw = _log2(warps)
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1 << i] for i in range(_log2(rw))] + [[0, 8 << i, 0, 0] for i in range(_log2(rows // 8))],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+        warp_bases=[[1 << i, 0, 0, 0] for i in range(lw)],
+        block_bases=[],
+        shape=[warps, rows, 4, rw],
+    )
+    x = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]] + [[0, 0, 1 << i, 0, 0] for i in range(_log2(rw))],
+        lane_bases=[[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]],
+        warp_bases=[[1 << i, 0, 0, 0, 0] for i in range(lw)],
+        block_bases=[],
+        shape=[warps, 4, rw, 2, 4],
+    )
+    xc = gl.BlockedLayout([1, 1, kc // 32], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
+    return {
+        "mma": mma,
+        "a_l": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
+        "b_l": gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8),
+        "w_l": words,
+        "x_l": x,
+        "xc_l": xc,
+    }
+
+
+@gluon.jit
+def _pair(q2, magic2, i: gl.constexpr, DT: gl.constexpr):
+    # q2 [..., 2] int32 words joined with themselves -> [..., 2] DT (offset + nibble i, offset + nibble i + 4):
+    # one shift and one LOP3 give both halves of a 32-bit register (pack = 2: element 0 the low half)
+    if i == 0:
+        asm: gl.constexpr = "lop3.b32 $0, $1, 0x000F000F, $3, 0xEA;"
+    elif i == 1:
+        asm: gl.constexpr = "{ .reg .b32 t; shr.u32 t, $1, 4; lop3.b32 $0, t, 0x000F000F, $3, 0xEA; }"
+    elif i == 2:
+        asm: gl.constexpr = "{ .reg .b32 t; shr.u32 t, $1, 8; lop3.b32 $0, t, 0x000F000F, $3, 0xEA; }"
+    else:
+        asm: gl.constexpr = "{ .reg .b32 t; shr.u32 t, $1, 12; lop3.b32 $0, t, 0x000F000F, $3, 0xEA; }"
+    return gl.inline_asm_elementwise(asm, "=r,r,r,r,r", [q2, magic2], dtype=DT.value, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _a_tile(q, magic, DT: gl.constexpr, a_l: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr, RW: gl.constexpr):
+    # q [W, ROWS, 4, RW] words -> [W, ROWS, 32 RW] DT A operand, logical k = 8 (4r + t) + 2i + h
+    qw = gl.reshape(gl.permute(q, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
+    q2 = gl.join(qw, qw)
+    # the magic through an opaque mov: left as a kernel argument, ptxas re-reads it from the constant bank
+    # before each use (~15% more instructions) instead of keeping one register
+    m2 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q2 * 0 + magic], dtype=gl.int32, is_pure=True, pack=1)
+    c = gl.join(gl.join(_pair(q2, m2, 0, DT), _pair(q2, m2, 1, DT)),
+                gl.join(_pair(q2, m2, 2, DT), _pair(q2, m2, 3, DT)))  # [W, ROWS, 4 RW, h, i bit 0, i bit 1]
+    c = gl.permute(c, (0, 1, 2, 5, 4, 3))  # fmt: skip
+    return gl.convert_layout(gl.reshape(c, [W, ROWS, 32 * RW]), a_l, assert_trivial=True)
+
+
+@gluon.jit
+def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, RW: gl.constexpr):
+    # x [W, 4, RW, 2, 4] -> [W, 32 RW, 8] B operand: column c = x on memory span c (lane t's first RW / 2
+    # words are span 2t, the rest 2t + 1), zero elsewhere; logical k order
+    xs = gl.reshape(gl.permute(x, (0, 2, 1, 4, 3)), [W, 32 * RW])  # logical k = 8 (4r + t) + 2i + h
+    xs = gl.convert_layout(xs, gl.SliceLayout(2, b_l), assert_trivial=True)
+    k = gl.arange(0, 32 * RW, layout=gl.SliceLayout(1, gl.SliceLayout(0, b_l)))
+    span = 2 * ((k // 8) % 4) + (k // 32) // (RW // 2)  # 2t + (r >= RW / 2)
+    col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, b_l)))
+    hit = gl.expand_dims(gl.expand_dims(span, 1) == gl.expand_dims(col, 0), 0)  # [1, 32 RW, 8]
+    return gl.where(hit, gl.expand_dims(xs, 2), 0.0).to(xs.dtype)
+
+
+@gluon.jit
+def _span_sums(xc_ptrs, mma: gl.constexpr):
+    # [W, 8, GC] x pointers -> [W, 1, 8] float32 sums of the 8 spans, in C's layout
+    s = gl.sum(gl.load(xc_ptrs).to(gl.float32), axis=2)  # [W, 8]
+    return gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(1, mma)), 1)
+
+
+@gluon.jit
+def _chunk(q, x, xc_ptrs, s_ptrs, z_ptrs, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr,
+           W: gl.constexpr, ROWS: gl.constexpr, RW: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+           b_l: gl.constexpr):  # fmt: skip
+    # tot [W, ROWS, 8] += scale * (A.B - (offset + zero) * span sums) over one chunk; s_ptrs / z_ptrs
+    # [W, ROWS, 8] the scale and zero of each (row, span)
+    acc = mma_v2(_a_tile(q, magic, DT, a_l, W, ROWS, RW), _b_tile(x, b_l, W, RW), gl.zeros([W, ROWS, 8], gl.float32, mma))
+    scale = gl.load(s_ptrs).to(gl.float32)
+    if HAS_ZERO:
+        zz = gl.load(z_ptrs).to(gl.float32) + offset
+    else:
+        zz = offset + 8.0
+    return tot + scale * (acc - zz * _span_sums(xc_ptrs, mma))
+
+
+@gluon.jit
+def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, xc_l: gl.constexpr, mma: gl.constexpr, W: gl.constexpr,
+             ROWS: gl.constexpr, RW: gl.constexpr):  # fmt: skip
+    # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W,4,RW,2,4]
+    # element 8 (RW t + r) + 4h + i and warp [W,1,1,1,1], xc [W,8,GC] element and warp, C-side ([W,1,1]
+    # warp, [1,ROWS,1] row, [1,1,8] span)
+    l3: gl.constexpr = gl.SliceLayout(3, w_l)
+    l2: gl.constexpr = gl.SliceLayout(2, l3)
+    ww = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, l2)), 1), 2), 3)
+    wrow = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, l2)), 0), 2), 3)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
+    r = gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, w_l))))
+    word = gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 3) * RW
+    word = word + gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 0), 0), 0)
+
+    x4: gl.constexpr = gl.SliceLayout(4, x_l)
+    x3: gl.constexpr = gl.SliceLayout(3, x4)
+    x2: gl.constexpr = gl.SliceLayout(2, x3)
+    xw = gl.arange(0, W, layout=gl.SliceLayout(1, x2))
+    xt = gl.arange(0, 4, layout=gl.SliceLayout(0, x2))
+    xr = gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, x3)))
+    xh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, x4))))
+    xi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, x_l)))))
+    e = gl.expand_dims(gl.expand_dims(xw, 1) * 0 + gl.expand_dims(xt, 0) * (8 * RW), 2)
+    e = gl.expand_dims(e + gl.expand_dims(gl.expand_dims(xr, 0), 0) * 8, 3)
+    e = gl.expand_dims(e + gl.expand_dims(gl.expand_dims(gl.expand_dims(xh, 0), 0), 0) * 4, 4)
+    xel = e + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xi, 0), 0), 0), 0)
+    xwarp = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xw, 1), 2), 3), 4)
+
+    c2: gl.constexpr = gl.SliceLayout(2, xc_l)
+    cw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, c2)), 1), 2)
+    cs = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, c2)), 0), 2)
+    ck = gl.arange(0, 4 * RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, xc_l)))
+    cel = cs * (4 * RW) + gl.expand_dims(gl.expand_dims(ck, 0), 0)
+
+    m2: gl.constexpr = gl.SliceLayout(2, mma)
+    mw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, m2)), 1), 2)
+    mrow = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, m2)), 0), 2)
+    mspan = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma))), 0), 0)
+    return ww, wrow, word, xel, xwarp, cel, cw, mw, mrow, mspan
+
+
+@gluon.jit
+def _first_chunks(q_ptrs, x_ptrs, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr):
+    # words and x of chunk 0, and of chunk 1 when AHEAD = 2 (else chunk 0's again, unused)
+    q = gl.load(q_ptrs)
+    x = gl.load(x_ptrs)
+    if CHUNKS > 1 and AHEAD == 2:
+        q1 = gl.load(q_ptrs + KC // 8)
+        x1 = gl.load(x_ptrs + KC)
+    else:
+        q1 = q
+        x1 = x
+    return q, x, q1, x1
+
+
+@gluon.jit
+def _gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, magic, offset, N, num_pairs,
+    stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
+    HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+    AHEAD: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
+    x_l: gl.constexpr, xc_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]) in x's dtype, t = pair // TOP_K,
+    # e = ids[pair]; program (pair, rows n0..n0+ROWS/2-1), warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
+    pdl_enter(USE_PDL)
+    RW: gl.constexpr = KC // 32
+    KS: gl.constexpr = CHUNKS * KC
+    GC: gl.constexpr = KC // 8
+    HALF: gl.constexpr = ROWS // 2
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid = gl.program_id(0)
+    pair = pid % num_pairs
+    n0 = (pid // num_pairs) * HALF
+    expert = gl.load(ids_ptr + pair).to(gl.int64)
+    ww, wrow, word, xel, xwarp, cel, cw, mw, mrow, mspan = _offsets(w_l, x_l, xc_l, mma, W, ROWS, RW)
+    q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
+    q_ptrs = q_ptr + expert * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
+    x_row = x_ptr + (pair // TOP_K).to(gl.int64) * stride_xm
+    x_ptrs = x_row + xwarp * KS + xel
+    xc_ptrs = x_row + cw * KS + cel
+    s_rows = expert * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
+    tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
+    q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, KC, CHUNKS, AHEAD)
+    for c in range(CHUNKS):  # chunks c + 1 .. c + AHEAD requested before chunk c's mmas (the last reloads)
+        q_c, x_c = q, x
+        if AHEAD == 2:
+            q, x = q1, x1
+            if CHUNKS > 2:
+                q1 = gl.load(q_ptrs + gl.minimum(c + 2, CHUNKS - 1) * (KC // 8))
+                x1 = gl.load(x_ptrs + gl.minimum(c + 2, CHUNKS - 1) * KC)
+        elif CHUNKS > 1:
+            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+        g = (mw * KS + c * KC + mspan * GC) // GROUP  # [W, 1, 8] each span's group
+        tot = _chunk(q_c, x_c, xc_ptrs + c * KC, s_ptr + s_rows + g, z_ptr + s_rows + g, magic, offset, tot,
+                     HAS_ZERO, DT, W, ROWS, RW, mma, a_l, b_l)  # fmt: skip
+    y = gl.sum(gl.sum(tot, axis=2), axis=0)  # [ROWS]: gate rows, then up rows
+    gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF]), (1, 0)))
+    act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)
+    rows = gl.arange(0, HALF, layout=act.type.layout)
+    gl.store(act_ptr + pair.to(gl.int64) * N + n0 + rows, act)
+
+
+@gluon.jit
+def _down_kernel(
+    act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, tw_ptr, magic, offset, num_tokens,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_om,
+    HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr,
+    ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
+    x_l: gl.constexpr, xc_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    # out[t, n] = sum_w tw[t, w] * (act[t W + w] @ w2[e_w, n]), e_w = ids[t, w], W = TOP_K slots, one a
+    # warp, each over all of K = CHUNKS * KC; program (token, ROWS rows from n0)
+    pdl_enter(USE_PDL)
+    RW: gl.constexpr = KC // 32
+    K: gl.constexpr = CHUNKS * KC
+    GC: gl.constexpr = KC // 8
+    DT: gl.constexpr = act_ptr.dtype.element_ty
+    pid = gl.program_id(0)
+    t = pid % num_tokens
+    n0 = (pid // num_tokens) * ROWS
+    ww, wrow, word, xel, xwarp, cel, cw, mw, mrow, mspan = _offsets(w_l, x_l, xc_l, mma, W, ROWS, RW)
+    e4 = gl.load(ids_ptr + t * W + ww).to(gl.int64)  # [W, 1, 1, 1]
+    q_ptrs = q_ptr + e4 * stride_qe + (n0 + wrow).to(gl.int64) * stride_qn + word
+    x_rows = act_ptr + (t * W).to(gl.int64) * K
+    x_ptrs = x_rows + xwarp * K + xel
+    xc_ptrs = x_rows + cw * K + cel
+    e3 = gl.load(ids_ptr + t * W + mw).to(gl.int64)  # [W, 1, 1]
+    s_rows = e3 * stride_se + (n0 + mrow).to(gl.int64) * stride_sn
+    tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
+    q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, KC, CHUNKS, AHEAD)
+    for c in range(CHUNKS):  # chunks c + 1 .. c + AHEAD requested before chunk c's mmas (the last reloads)
+        q_c, x_c = q, x
+        if AHEAD == 2:
+            q, x = q1, x1
+            if CHUNKS > 2:
+                q1 = gl.load(q_ptrs + gl.minimum(c + 2, CHUNKS - 1) * (KC // 8))
+                x1 = gl.load(x_ptrs + gl.minimum(c + 2, CHUNKS - 1) * KC)
+        elif CHUNKS > 1:
+            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+        g = (c * KC + mspan * GC) // GROUP  # [1, 1, 8]
+        tot = _chunk(q_c, x_c, xc_ptrs + c * KC, s_ptr + s_rows + g, z_ptr + s_rows + g, magic, offset, tot,
+                     HAS_ZERO, DT, W, ROWS, RW, mma, a_l, b_l)  # fmt: skip
+    wl: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, mma))
+    tw = gl.load(tw_ptr + t * W + gl.arange(0, W, layout=wl))  # [W] float32
+    y = gl.sum(gl.sum(tot, axis=2) * gl.expand_dims(tw, 1), axis=0).to(out_ptr.dtype.element_ty)  # [ROWS]
+    rows = gl.arange(0, ROWS, layout=y.type.layout)
+    gl.store(out_ptr + t.to(gl.int64) * stride_om + n0 + rows, y)
+
+
+@dataclass(frozen=True)
+class MmaMoEConfig:
+    """Per kernel: the largest chunk KC (a power of two >= 128; the largest that divides the warp's K and
+    whose span KC / 8 divides the group is taken), chunks requested ahead (1 or 2), A rows a warp (16 or
+    32) and, for gate-up, warps a program (each over D / warps of K)."""
+
+    up_kc: int = 512
+    up_ahead: int = 1
+    up_rows: int = 32
+    up_warps: int = 4
+    down_kc: int = 256
+    down_ahead: int = 1
+    down_rows: int = 16
+
+
+def default_config(num_tokens: int, hidden_size: int) -> MmaMoEConfig:
+    """From the H100 sweep (benchmarks/results/moe_w4_mma_sweep_h100.{json,log}, int4 g128 at 1 and 8
+    tokens): gate-up with 8 warps of 256-wide chunks at D <= 4096 (Qwen3-30B-A3B: 10.0 against 10.8 us at
+    T=1, 41.8 against 45.8 at T=8; fewer warps where D / 8 < 256), 4 warps of 512 above (DeepSeek-V3: 51 us
+    at T=1, 80% of copy; 8 warps 62 us); down with 32 rows a program once that leaves a wave of programs
+    (DeepSeek-V3 T=1: 28.9 against 35.5 us; Qwen3 T=8: 23.8 against 32.3), else 16 (Qwen3 T=1: 8.2
+    against 9.6)."""
+    if hidden_size <= 4096:
+        warps = 8
+        while warps > 1 and hidden_size // warps < 256:
+            warps //= 2
+        up = dict(up_warps=warps, up_kc=256)
+    else:
+        up = dict(up_warps=4, up_kc=512)
+    rows = 32 if num_tokens * hidden_size // 32 >= 132 else 16
+    return MmaMoEConfig(**up, down_kc=256, down_rows=rows)
+
+
+def chunk_k(k: int, group: int, most: int) -> int:
+    """The largest chunk KC <= most (a power of two >= 128) that divides k, whose span KC / 8 divides the
+    group; 0 if none."""
+    kc = most
+    while kc >= 128:
+        if k % kc == 0 and group % (kc // 8) == 0:
+            return kc
+        kc //= 2
+    return 0
+
+
+# fused_moe_w4 runs its int4 calls here (`takes`) from MIN_TOKENS tokens up to its pair-path limit
+# (T * top_k <= W4_PAIR_MAX_PAIRS), and on wide models (D > 4096) at every count up to WIDE_MAX_PAIRS pairs.
+MIN_TOKENS = 2
+WIDE_MAX_PAIRS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int, pair_max: int) -> bool:
+    """Whether fused_moe_w4 runs this call here (H100, benchmarks/results/moe_w4_mma_h100.{json,log}): on
+    Qwen3-30B-A3B's small experts the CUDA-core pair path is as fast at one token (17.0-18.0 against 18.2
+    us) and the aligned path faster at 32 tokens (176-188 against 214-238 us); on DeepSeek-V3 this path is
+    faster at every count measured, 1 to 32 tokens (78 against 98-108 us at one, 1660 against 2148 at 32)."""
+    t, d = hidden.shape
+    wide = d > 4096
+    if t * top_k > (WIDE_MAX_PAIRS if wide else pair_max) or not (wide or t >= MIN_TOKENS):
+        return False
+    return supported(hidden, w13, w2, top_k)
+
+
+def supported(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int,
+              cfg: MmaMoEConfig | None = None) -> bool:  # fmt: skip
+    """Whether these kernels take the MoE: CUDA compute capability >= 8.0, bf16 / fp16 x, int4 experts,
+    TOP_K a power of two <= 8, a chunk for each kernel's K (D / up_warps, I), I a multiple of up_rows / 2
+    and D of down_rows, for cfg (default_config when None)."""
+    if hidden.device.type != "cuda" or _capability(hidden.device.index or 0)[0] < 8:
+        return False
+    if hidden.dtype not in MAGIC or w13.fmt != "int4" or w2.fmt != "int4":
+        return False
+    d, inter = w2.out_features, w2.in_features
+    cfg = cfg or default_config(hidden.shape[0], d)
+    return (
+        top_k in (1, 2, 4, 8)
+        and d % cfg.up_warps == 0
+        and chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc) > 0
+        and chunk_k(inter, w2.group_size, cfg.down_kc) > 0
+        and inter % (cfg.up_rows // 2) == 0
+        and d % cfg.down_rows == 0
+    )
+
+
+def _zeros(qw: QuantizedWeight) -> torch.Tensor:
+    return qw.zeros if qw.zeros is not None else qw.scales
+
+
+def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
+            cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
+    """[T*K, I] act = silu(gate) * up in hidden's dtype (ids [T, K] contiguous)."""
+    d = hidden.shape[1]
+    num_pairs, top_k, inter = ids.numel(), ids.shape[1], w13.out_features // 2
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    magic, offset = MAGIC[hidden.dtype]
+    ks = d // cfg.up_warps
+    kc = chunk_k(ks, w13.group_size, cfg.up_kc)
+    q, s = w13.qweight, w13.scales
+    _gate_up_kernel[(num_pairs * (inter // (cfg.up_rows // 2)),)](
+        hidden, q, s, _zeros(w13), act, ids, magic, offset, inter, num_pairs,
+        hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=ks // kc,
+        AHEAD=cfg.up_ahead, ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc),
+        num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+    )  # fmt: skip
+    return act
+
+
+def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor,
+         ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
+    """[T, D] in hidden's dtype: sum over the K slots of weights * (act @ w2[e]^T)."""
+    t, d = hidden.shape
+    top_k, inter = ids.shape[1], w2.in_features
+    out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)
+    magic, offset = MAGIC[hidden.dtype]
+    kc = chunk_k(inter, w2.group_size, cfg.down_kc)
+    q, s = w2.qweight, w2.scales
+    _down_kernel[(t * (d // cfg.down_rows),)](
+        act, q, s, _zeros(w2), out, ids, weights, magic, offset, t,
+        q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
+        HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead,
+        ROWS=cfg.down_rows, W=top_k, **layouts(top_k, cfg.down_rows, kc), num_warps=top_k,
+        **pdl_launch(hidden.device),
+    )  # fmt: skip
+    return out
+
+
+def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
+               topk_ids: torch.Tensor, cfg: MmaMoEConfig | None = None) -> torch.Tensor:  # fmt: skip
+    """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]."""
+    ids = topk_ids.contiguous()
+    cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
+    return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)

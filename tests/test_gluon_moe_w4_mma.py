@@ -1,0 +1,116 @@
+"""The int4 MoE pair path on mma.sync (kernels/gluon_moe_w4_mma.py) vs quant_moe_ref, fresh random inputs.
+
+CUDA only (Gluon kernels do not run in Triton's interpreter). Int4 with group 32, 128 and 256, zeros absent and present,
+bf16 / fp16 / float32 scales; hidden bf16 and fp16; T in {1, 2, 5, 16}; top-k 2, 4, 8; shapes
+(D, I, E) = (512, 256, 16) and Qwen3-30B-A3B's (2048, 768, 128).
+Tolerance: ||out - ref|| / ||ref|| <= 1e-2, as for the other 4-bit MoE kernels (tests/test_triton_moe_w4.py):
+the products are exact in float32; the differences are summation order, the 16-bit rounding of act
+and of the output, and the float32 cancellation of the code offset (~1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+    pytest.skip("mma.sync kernels need a CUDA GPU of compute capability >= 8.0", allow_module_level=True)
+
+from test_triton_moe_w4 import TOL, make_routing, random_qw, rel_err
+
+from ftransformers.kernels import gluon_moe_w4_mma as mma
+from ftransformers.kernels.quant_formats import quant_moe_ref
+
+DEV = "cuda"
+QUANT = [
+    {"group": 128},
+    {"group": 128, "zeros": True},
+    {"group": 256, "zeros": True, "scale_dtype": torch.float16},
+    {"group": 128, "scale_dtype": torch.float32},
+    {"group": 32, "zeros": True},  # Kimi-K2's grid: spans of 32 (chunks of 256)
+]
+
+
+def run(t: int, e: int, k: int, d: int, inter: int, dtype: torch.dtype, seed: int, **qkw) -> float:
+    gen = torch.Generator(DEV).manual_seed(seed)
+    hidden = torch.randn(t, d, generator=gen, device=DEV).to(dtype)
+    w13 = random_qw("int4", e, 2 * inter, d, gen, **qkw)
+    w2 = random_qw("int4", e, d, inter, gen, **qkw)
+    weights, ids = make_routing(t, e, k, gen)
+    assert mma.supported(hidden, w13, w2, k)
+    out = mma.moe_w4_mma(hidden, w13, w2, weights.reshape(-1).contiguous(), ids)
+    assert out.shape == hidden.shape and out.dtype == dtype
+    return rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("q", range(len(QUANT)))
+@pytest.mark.parametrize("t", [1, 2, 5, 16])
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_small_shape(q: int, t: int, k: int, dtype: torch.dtype) -> None:
+    assert run(t, 16, k, 512, 256, dtype, seed=100 * q + 10 * t + k, **QUANT[q]) <= TOL
+
+
+@pytest.mark.parametrize("q", [0, 1])
+@pytest.mark.parametrize("t", [1, 5])
+def test_qwen3_30b_shape(q: int, t: int) -> None:
+    assert run(t, 128, 8, 2048, 768, torch.bfloat16, seed=q + 7 * t, **QUANT[q]) <= TOL
+
+
+def test_gate_up_alone_matches_reference_act() -> None:
+    gen = torch.Generator(DEV).manual_seed(3)
+    d, inter, e = 512, 256, 8
+    hidden = torch.randn(2, d, generator=gen, device=DEV).to(torch.bfloat16)
+    w13 = random_qw("int4", e, 2 * inter, d, gen, group=128, zeros=True)
+    _, ids = make_routing(2, e, 4, gen)
+    act = mma.gate_up(hidden, w13, ids.contiguous())
+    from ftransformers.kernels.quant_formats import dequantize
+
+    w = dequantize(w13)  # [E, 2I, D] float32
+    x = hidden.float()[torch.arange(2, device=DEV).repeat_interleave(4)]  # [pairs, D]
+    gu = torch.einsum("pd,pnd->pn", x, w[ids.reshape(-1)])
+    ref = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(torch.bfloat16)
+    assert rel_err(act, ref) <= TOL
+
+
+def test_supported_rejects_what_it_cannot_run() -> None:
+    gen = torch.Generator(DEV).manual_seed(5)
+    hidden = torch.randn(1, 512, device=DEV, dtype=torch.bfloat16)
+    ok = (random_qw("int4", 4, 512, 512, gen, group=32), random_qw("int4", 4, 512, 256, gen, group=32))
+    assert mma.supported(hidden, *ok, 8)
+    assert not mma.supported(hidden, *ok, 6)  # top-k not a power of two
+    assert not mma.supported(hidden.float(), *ok, 8)
+    odd_i = (random_qw("int4", 4, 2 * 200, 512, gen, group=8), random_qw("int4", 4, 512, 200, gen, group=8))
+    assert not mma.supported(hidden, *odd_i, 8)  # no chunk divides I = 200
+    fp4 = (random_qw("mxfp4", 4, 512, 512, gen), random_qw("mxfp4", 4, 512, 256, gen))
+    assert not mma.supported(hidden, *fp4, 8)
+
+
+@pytest.mark.parametrize("cfg", [
+    mma.MmaMoEConfig(up_kc=256, up_ahead=2, down_kc=128, down_ahead=2),
+    mma.MmaMoEConfig(up_kc=128, up_rows=16, up_warps=2, down_kc=512, down_rows=32),
+    mma.MmaMoEConfig(up_warps=1, up_ahead=2, down_ahead=2),
+], ids=str)
+def test_other_configs(cfg: mma.MmaMoEConfig) -> None:
+    gen = torch.Generator(DEV).manual_seed(11)
+    hidden = torch.randn(3, 1024, generator=gen, device=DEV).to(torch.bfloat16)
+    w13 = random_qw("int4", 8, 2 * 512, 1024, gen, group=128, zeros=True)
+    w2 = random_qw("int4", 8, 1024, 512, gen, group=128, zeros=True)
+    weights, ids = make_routing(3, 8, 4, gen)
+    assert mma.supported(hidden, w13, w2, 4, cfg)
+    out = mma.moe_w4_mma(hidden, w13, w2, weights.reshape(-1).contiguous(), ids, cfg)
+    assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
+
+
+def test_takes_where_measured_faster() -> None:
+    gen = torch.Generator(DEV).manual_seed(9)
+    qwen = (random_qw("int4", 4, 2 * 768, 2048, gen), random_qw("int4", 4, 2048, 768, gen))
+    one, two = (torch.randn(t, 2048, device=DEV, dtype=torch.bfloat16) for t in (1, 2))
+    assert not mma.takes(one, *qwen, 8, 128)  # one token, small experts: the CUDA-core pair path
+    assert mma.takes(two, *qwen, 8, 128)
+    assert not mma.takes(torch.randn(32, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8, 128)  # aligned path
+    wide = (random_qw("int4", 2, 2 * 256, 8192, gen), random_qw("int4", 2, 8192, 256, gen))
+    assert mma.takes(torch.randn(1, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8, 128)
+    assert mma.takes(torch.randn(32, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8, 128)
+    assert not mma.takes(torch.randn(33, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8, 128)
