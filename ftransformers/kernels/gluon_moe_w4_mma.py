@@ -32,7 +32,7 @@ float32 sums are added in shared memory (gl.sum over axis 0); act = silu(gate) *
 dtype, is stored [pairs, I].
 Down (`_down_kernel`): program (token, 16 rows of D), warp w = slot w (W = TOP_K), over all of I in
 chunks; out = sum_w weight_w * y_w, rounded once.
-Each loop has the words and x of chunks c + 1 and c + 2 requested before its mmas on chunk c.
+Both loop over chunks with the next AHEAD chunks' words and x requested before a chunk's mmas.
 """
 
 from __future__ import annotations
@@ -211,6 +211,31 @@ def _first_chunks(q_ptrs, x_ptrs, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD:
 
 
 @gluon.jit
+def _sum_chunks(q_ptrs, x_ptrs, xc_ptrs, s_rows, z_rows, span_k, magic, offset, HAS_ZERO: gl.constexpr,
+                GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr, DT: gl.constexpr,
+                W: gl.constexpr, ROWS: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    # [W, ROWS, 8] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs / xc_ptrs at chunk 0, s_rows / z_rows
+    # [., ROWS, 1] each row's scales and zeros, span_k [., 1, 8] the K of each span's start in chunk 0.
+    # Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas (the last one reloads itself).
+    tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
+    q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, KC, CHUNKS, AHEAD)
+    for c in range(CHUNKS):
+        q_c, x_c = q, x
+        if AHEAD == 2:
+            q, x = q1, x1
+            if CHUNKS > 2:
+                q1 = gl.load(q_ptrs + gl.minimum(c + 2, CHUNKS - 1) * (KC // 8))
+                x1 = gl.load(x_ptrs + gl.minimum(c + 2, CHUNKS - 1) * KC)
+        elif CHUNKS > 1:
+            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+        g = (span_k + c * KC) // GROUP  # each span's group
+        tot = _chunk(q_c, x_c, xc_ptrs + c * KC, s_rows + g, z_rows + g, magic, offset, tot, HAS_ZERO, DT, W, ROWS,
+                     KC // 32, mma, a_l, b_l)  # fmt: skip
+    return tot
+
+
+@gluon.jit
 def _gate_up_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, magic, offset, N, num_pairs,
     stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
@@ -237,21 +262,8 @@ def _gate_up_kernel(
     x_ptrs = x_row + xwarp * KS + xel
     xc_ptrs = x_row + cw * KS + cel
     s_rows = expert * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
-    tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
-    q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, KC, CHUNKS, AHEAD)
-    for c in range(CHUNKS):  # chunks c + 1 .. c + AHEAD requested before chunk c's mmas (the last reloads)
-        q_c, x_c = q, x
-        if AHEAD == 2:
-            q, x = q1, x1
-            if CHUNKS > 2:
-                q1 = gl.load(q_ptrs + gl.minimum(c + 2, CHUNKS - 1) * (KC // 8))
-                x1 = gl.load(x_ptrs + gl.minimum(c + 2, CHUNKS - 1) * KC)
-        elif CHUNKS > 1:
-            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
-        g = (mw * KS + c * KC + mspan * GC) // GROUP  # [W, 1, 8] each span's group
-        tot = _chunk(q_c, x_c, xc_ptrs + c * KC, s_ptr + s_rows + g, z_ptr + s_rows + g, magic, offset, tot,
-                     HAS_ZERO, DT, W, ROWS, RW, mma, a_l, b_l)  # fmt: skip
+    tot = _sum_chunks(q_ptrs, x_ptrs, xc_ptrs, s_ptr + s_rows, z_ptr + s_rows, mw * KS + mspan * GC, magic, offset,
+                      HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l)  # fmt: skip
     y = gl.sum(gl.sum(tot, axis=2), axis=0)  # [ROWS]: gate rows, then up rows
     gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF]), (1, 0)))
     act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)
@@ -285,21 +297,8 @@ def _down_kernel(
     xc_ptrs = x_rows + cw * K + cel
     e3 = gl.load(ids_ptr + t * W + mw).to(gl.int64)  # [W, 1, 1]
     s_rows = e3 * stride_se + (n0 + mrow).to(gl.int64) * stride_sn
-    tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
-    q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, KC, CHUNKS, AHEAD)
-    for c in range(CHUNKS):  # chunks c + 1 .. c + AHEAD requested before chunk c's mmas (the last reloads)
-        q_c, x_c = q, x
-        if AHEAD == 2:
-            q, x = q1, x1
-            if CHUNKS > 2:
-                q1 = gl.load(q_ptrs + gl.minimum(c + 2, CHUNKS - 1) * (KC // 8))
-                x1 = gl.load(x_ptrs + gl.minimum(c + 2, CHUNKS - 1) * KC)
-        elif CHUNKS > 1:
-            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
-        g = (c * KC + mspan * GC) // GROUP  # [1, 1, 8]
-        tot = _chunk(q_c, x_c, xc_ptrs + c * KC, s_ptr + s_rows + g, z_ptr + s_rows + g, magic, offset, tot,
-                     HAS_ZERO, DT, W, ROWS, RW, mma, a_l, b_l)  # fmt: skip
+    tot = _sum_chunks(q_ptrs, x_ptrs, xc_ptrs, s_ptr + s_rows, z_ptr + s_rows, mspan * GC, magic, offset,
+                      HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l)  # fmt: skip
     wl: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, mma))
     tw = gl.load(tw_ptr + t * W + gl.arange(0, W, layout=wl))  # [W] float32
     y = gl.sum(gl.sum(tot, axis=2) * gl.expand_dims(tw, 1), axis=0).to(out_ptr.dtype.element_ty)  # [ROWS]
