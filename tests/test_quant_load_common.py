@@ -268,10 +268,18 @@ def _quant_experts_forward(act: str) -> Callable[..., torch.Tensor]:
     return forward
 
 
-def hf_logits(float_dir: Path, deq: dict[str, tuple[torch.Tensor, str | None]], sequences: list[list[int]]) -> list[torch.Tensor]:
+def hf_logits(float_dir: Path, deq: dict[str, tuple[torch.Tensor, str | None]], sequences: list[list[int]],
+              prompt_lens: list[int] | None = None) -> list[torch.Tensor]:
     """transformers (float32, eager) on the dequantized checkpoint, quantizing each quantized module's
-    input as its format does: teacher-forced logits [len, V] of each sequence."""
-    from transformers import AutoModelForCausalLM
+    input as its format does: teacher-forced logits [len, V] of each sequence.
+
+    With `prompt_lens`, each sequence runs as a decoding engine runs it: its prompt in one forward,
+    then one token per forward on the KV cache; returns [len - prompt_len + 1, V], the rows that
+    chose each token after the prompt. Activation quantization needs this: the same position's row
+    computed inside a longer forward sums in another order (1e-7), which can carry an element across
+    an E4M3 rounding boundary; on the tiny DeepSeek-V3 one such flip moves logits by 0.034.
+    """
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32, attn_implementation="eager").eval()
     for name, module in model.named_modules():
@@ -283,7 +291,16 @@ def hf_logits(float_dir: Path, deq: dict[str, tuple[torch.Tensor, str | None]], 
             if kind is not None:
                 module.forward = types.MethodType(_quant_experts_forward(kind), module)
     with torch.no_grad():
-        return [model(torch.tensor([seq]), use_cache=False).logits[0].float() for seq in sequences]
+        if prompt_lens is None:
+            return [model(torch.tensor([seq]), use_cache=False).logits[0].float() for seq in sequences]
+        out = []
+        for seq, n in zip(sequences, prompt_lens, strict=True):
+            cache = DynamicCache(config=model.config)
+            rows = [model(torch.tensor([seq[:n]]), past_key_values=cache, use_cache=True).logits[0, -1]]
+            for tok in seq[n:-1]:  # the last token is generated, never fed
+                rows.append(model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1])
+            out.append(torch.stack(rows).float())
+        return out
 
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -12,9 +12,12 @@ with ftransformers (format detected from `quantization_config`) and checks
       a layer's input lands on the other side of a rounding boundary (1e-7 input differences), which
       moves it an int8 step (1/127 of the row's max) or an E4M3 step (1/16 relative), and in an MoE
       model may change a token's experts. Batching prompts changes GEMM op order enough to do that
-      (seen on DeepSeek-V3 FP8: logits off by 0.18), so these formats run one prompt per batch, where
-      the engine matches to 2e-6; the bounds allow an isolated flip: logits to 5e-3 on average and
-      0.1 at worst, the engine's greedy token transformers' or within 0.05 of its best logit.
+      (seen on DeepSeek-V3 FP8: logits off by 0.18), and so does computing a row inside a longer
+      forward (transformers teacher-forced on the whole sequence against its own prefix-then-decode:
+      0.034 on the same model). So these formats run one prompt per batch, the prompt in one chunk,
+      against transformers run the same way (prompt, then one token per forward on its KV cache),
+      where the engine matches to 2e-6 (1.7e-6 seen); the bounds allow an isolated flip: logits to 5e-3 on average
+      and 0.1 at worst, the engine's greedy token transformers' or within 0.05 of its best logit.
 """
 
 from __future__ import annotations
@@ -57,16 +60,17 @@ def check_format(src: Path, tmp: Path, fmt: str) -> None:
                     assert t.stride() == torch.empty(t.shape, device="meta").stride(), (fmt, t.shape, t.stride())
 
     act_quant = any(kind is not None for _, kind in deq.values())
-    if act_quant:  # one prompt per batch: batched GEMMs' op order alone flips roundings (docstring)
-        runs = [run_engineless_greedy(tmp / fmt, [p], NEW_TOKENS, chunk_size=4) for p in PROMPTS]
+    ref_dir = write_dequantized(src, tmp / f"{fmt}-deq", deq)
+    if act_quant:  # one prompt per batch, each forward the reference's too: op order flips roundings (docstring)
+        runs = [run_engineless_greedy(tmp / fmt, [p], NEW_TOKENS, chunk_size=len(p)) for p in PROMPTS]
         tokens, logits = [r[0][0] for r in runs], [r[1][0] for r in runs]
+        refs = hf_logits(ref_dir, deq, [p + t for p, t in zip(PROMPTS, tokens)], [len(p) for p in PROMPTS])
     else:
         tokens, logits = run_engineless_greedy(tmp / fmt, PROMPTS, NEW_TOKENS, chunk_size=4)
-    ref_dir = write_dequantized(src, tmp / f"{fmt}-deq", deq)
-    refs = hf_logits(ref_dir, deq, [p + t for p, t in zip(PROMPTS, tokens)])
+        full = hf_logits(ref_dir, deq, [p + t for p, t in zip(PROMPTS, tokens)])
+        refs = [r[len(p) - 1 : len(p) - 1 + len(t)] for p, t, r in zip(PROMPTS, tokens, full)]  # rows choosing each
     diffs = []
-    for prompt, toks, ours, ref in zip(PROMPTS, tokens, logits, refs):
-        ref = ref[len(prompt) - 1 : len(prompt) - 1 + len(toks)]  # rows that chose each new token
+    for toks, ours, ref in zip(tokens, logits, refs):
         diffs.append((ours - ref).abs())
         best = ref.max(-1).values
         chosen = ref.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1)
