@@ -155,11 +155,8 @@ def _chunk(q, x, xc_ptrs, s_ptrs, z_ptrs, magic, offset, tot, HAS_ZERO: gl.const
 
 
 @gluon.jit
-def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, xc_l: gl.constexpr, mma: gl.constexpr, W: gl.constexpr,
-             ROWS: gl.constexpr, RW: gl.constexpr):  # fmt: skip
-    # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W,4,RW,2,4]
-    # element 8 (RW t + r) + 4h + i and warp [W,1,1,1,1], xc [W,8,GC] element and warp, C-side ([W,1,1]
-    # warp, [1,ROWS,1] row, [1,1,8] span)
+def word_offsets(w_l: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr, RW: gl.constexpr):
+    # words [W, ROWS, 4, RW] in w_l: [W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r of a chunk
     l3: gl.constexpr = gl.SliceLayout(3, w_l)
     l2: gl.constexpr = gl.SliceLayout(2, l3)
     ww = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, l2)), 1), 2), 3)
@@ -167,7 +164,16 @@ def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, xc_l: gl.constexpr, mma: gl.c
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
     r = gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, w_l))))
     word = gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 3) * RW
-    word = word + gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 0), 0), 0)
+    return ww, wrow, word + gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 0), 0), 0)
+
+
+@gluon.jit
+def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, xc_l: gl.constexpr, mma: gl.constexpr, W: gl.constexpr,
+             ROWS: gl.constexpr, RW: gl.constexpr):  # fmt: skip
+    # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W,4,RW,2,4]
+    # element 8 (RW t + r) + 4h + i and warp [W,1,1,1,1], xc [W,8,GC] element and warp, C-side ([W,1,1]
+    # warp, [1,ROWS,1] row, [1,1,8] span)
+    ww, wrow, word = word_offsets(w_l, W, ROWS, RW)
 
     x4: gl.constexpr = gl.SliceLayout(4, x_l)
     x3: gl.constexpr = gl.SliceLayout(3, x4)
@@ -356,7 +362,7 @@ MIN_TOKENS = 2
 WIDE_MAX_PAIRS = 256
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

@@ -1,0 +1,164 @@
+"""The dense int4 product on mma.sync (kernels/gluon_w4a16_mma.py) at 1-16 rows, beside the path
+`w4a16_linear` took before it (its `w4a16_config` kernels) and the bf16 peers (Triton GEMV, cuBLAS), in
+the same process.
+
+Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros + x + y; floor = bytes /
+the copy bandwidth measured in this run; each time is the median of a CUDA graph of products over enough
+weight copies to exceed L2 several times. Every timed config is first checked against quant_linear_ref
+(||y - ref|| / ||ref|| < 1e-2). `--sweep M,..` also times every config of gluon_w4a16_mma.SWEEP on the
+int4-asym weights at those row counts. Kernels are compiled first in a process pool.
+
+    PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, time_per_call
+from ceilings import copy_bandwidth
+
+from ftransformers.kernels import gluon_w4a16_mma as mma
+from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
+from ftransformers.kernels.triton_gemv import gemv
+from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
+
+Job = tuple[str, int, int, int, mma.MmaLinearConfig | None]
+
+
+def run_mma(x: torch.Tensor, qw: QuantizedWeight, cfg: mma.MmaLinearConfig | None) -> torch.Tensor:
+    return mma.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, None, cfg)
+
+
+def before(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """The path w4a16_linear takes without this kernel (its CUDA-core GEMV or codes kernel)."""
+    return w4a16_linear(x, qw, config=w4a16_config(x.shape[0], qw.out_features, qw.in_features, qw.fmt, qw.group_size))
+
+
+def _compile_job(job: Job) -> str:
+    variant, n, k, m, cfg = job
+    try:
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        qw = make_weight(variant, n, k, gen)
+        x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
+        if mma.supported(x, qw.qweight, qw.group_size, cfg or mma.default_config(m, n, k)):
+            run_mma(x, qw, cfg)
+        if cfg is None:
+            before(x, qw)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # noqa: BLE001 - reported by the timing pass
+        return f"{variant} {n}x{k} M={m} {cfg}: {type(e).__name__}: {str(e)[:200]}"
+
+
+def precompile(jobs: list[Job], workers: int) -> None:
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.map(_compile_job, jobs, chunksize=1) if e]
+    print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f} s; {len(errors)} failed", flush=True)
+    for e in errors[:10]:
+        print("  ", e, flush=True)
+
+
+def checked(x: torch.Tensor, qws: list[QuantizedWeight], fn: Any) -> float | str:
+    """ms per product of fn(x, qw), after checking it on qws[0]; a string says why it was not timed."""
+    try:
+        err = rel_err(fn(x, qws[0]), quant_linear_ref(x, qws[0]))
+        if not err < 1e-2:
+            return f"rel err {err:.3g}"
+        return time_per_call(lambda i: fn(x, qws[i]), len(qws))
+    except Exception as e:  # noqa: BLE001 - a config that does not run is reported
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def pct(nbytes: int, t: float | str, bw: float) -> str:
+    return f"{t * 1e3:6.1f} us ({100 * nbytes / t / 1e6 / bw:3.0f}%)" if not isinstance(t, str) else f"{t[:40]:>17s}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--variants", default="int4-sym,int4-asym")
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--sweep", default="", help="row counts at which to time every SWEEP config (int4-asym)")
+    p.add_argument("--workers", type=int, default=14)
+    args = p.parse_args()
+    shapes, variants = args.shapes.split(","), args.variants.split(",")
+    rows = [int(m) for m in args.rows.split(",")]
+    sweep_rows = [int(m) for m in args.sweep.split(",") if m]
+    jobs: list[Job] = [(v, *SHAPES[s], m, None) for s in shapes for v in variants for m in rows]
+    jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in mma.SWEEP]
+    precompile(jobs, args.workers)
+
+    bw = copy_bandwidth()
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": now,
+                           "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
+                           "copy_GBps": bw, "rows": [], "sweep": []}  # fmt: skip
+    print(f"{out['device']}  copy {bw:.0f} GB/s", flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    for name in shapes:
+        n, k = SHAPES[name]
+        w16 = [torch.randn(n, k, device=DEV, dtype=DT, generator=gen) / k**0.5
+               for _ in range(max(2, -(-4 * L2_BYTES // (2 * n * k))))]  # fmt: skip
+        peers: dict[int, tuple[float, float]] = {}
+        for v in variants:
+            probe = make_weight(v, n, k, gen)
+            qws = [probe] + [make_weight(v, n, k, gen) for _ in range(max(2, -(-4 * L2_BYTES // probe.nbytes())) - 1)]
+            for m in rows:
+                x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
+                nbytes, b16 = probe.nbytes() + 2 * m * (k + n), 2 * n * k + 2 * m * (k + n)
+                if m not in peers:
+                    peers[m] = (time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16)),
+                                time_per_call(lambda i, x=x, w=w16: F.linear(x, w[i]), len(w16)))  # fmt: skip
+                cfg = mma.default_config(m, n, k)
+                t_mma = checked(x, qws, lambda x, qw: run_mma(x, qw, None)) if mma.supported(
+                    x, probe.qweight, probe.group_size, cfg) else "not supported"  # fmt: skip
+                t_before = checked(x, qws, before)
+                row = {"shape": name, "N": n, "K": k, "M": m, "fmt": v, "bytes": nbytes, "floor_ms": nbytes / bw / 1e6,
+                       "mma_config": asdict(cfg), "mma_ms": t_mma, "before_ms": t_before, "gemv_bf16_ms": peers[m][0],
+                       "cublas_bf16_ms": peers[m][1]}  # fmt: skip
+                for key, t in (("mma", t_mma), ("before", t_before)):
+                    if not isinstance(t, str):
+                        row[f"{key}_pct_copy"] = 100 * nbytes / t / 1e6 / bw
+                out["rows"].append(row)
+                both = not isinstance(t_mma, str) and not isinstance(t_before, str)
+                speed = f"x{t_before / t_mma:.2f}" if both else ""
+                print(f"{name:20s} {v:9s} M={m:<3d} floor {nbytes / bw / 1e3:6.1f} us  mma {pct(nbytes, t_mma, bw)}  "
+                      f"before {pct(nbytes, t_before, bw)} {speed:6s} bf16 gemv {pct(b16, peers[m][0], bw)}  "
+                      f"cublas {pct(b16, peers[m][1], bw)}", flush=True)  # fmt: skip
+                Path(args.out).write_text(json.dumps(out, indent=1))
+            if v != "int4-asym":
+                continue
+            for m in sweep_rows:
+                x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
+                nbytes = probe.nbytes() + 2 * m * (k + n)
+                res = []
+                for c in mma.SWEEP:
+                    if mma.supported(x, probe.qweight, probe.group_size, c):
+                        res.append((c, checked(x, qws, lambda x, qw, c=c: run_mma(x, qw, c))))
+                out["sweep"].append({"shape": name, "M": m, "default": asdict(mma.default_config(m, n, k)),
+                                     "results": [[asdict(c), t] for c, t in res]})  # fmt: skip
+                ok = sorted(((t, c) for c, t in res if not isinstance(t, str)), key=lambda r: r[0])
+                best = "  ".join(f"r{c.rows} w{c.warps} kc{c.kc} {pct(nbytes, t, bw)}" for t, c in ok[:4])
+                bad = [f"r{c.rows} w{c.warps} kc{c.kc}: {t[:60]}" for c, t in res if isinstance(t, str)]
+                print(f"  sweep {name:20s} M={m:<3d} {best}" + (f"  FAILED {bad}" if bad else ""), flush=True)
+                Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""int4 weight x 16-bit activation products at decode sizes (1-16 rows) on mma.sync, in Gluon:
+y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_formats.py.
+
+The weight side is kernels/gluon_moe_w4_mma.py's: one LOP3 turns a word into two 16-bit A operands
+(offset + code, exact), K is permuted logically inside a chunk of KC so a thread's words of a row are
+adjacent in memory, and the codes' offset and zero leave through scale * (acc - (offset + zero) * sum(x)).
+
+The B operand's NCOL = 8 (16 at 9-16 rows) columns are (row of x, K span) pairs: TOK = M padded to a
+power of two, S = max(1, 8 / TOK) spans a chunk, column c = (row c // S, span c % S), x there and zero
+outside the span. C[n, c] is one row's partial sum over one span, so a span must lie inside one
+quantization group (GROUP % (KC / S) == 0) and the scale and zero apply once per chunk and column. At
+one row this is the MoE kernels' eight-span form; at 8-16 rows every column is a row of x over the
+whole chunk. The x sums of each column come from a second mma with an all-ones A (tensor cores, no
+loads, already in C's layout).
+
+Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
+  words [W, ROWS, 4, RW] (gluon_moe_w4_mma.layouts' w_l): memory word RW t + r of a row's chunk.
+  x [W, NCOL, KC] in memory order: lane (t, column) holds its column's 8 RW contiguous elements from
+  8 RW t (16-byte loads); reshaped [.., t, r, h, i] and permuted to logical k = 8 (4r + t) + 2i + h it
+  is B's register layout (no data movement).
+
+Program: ROWS rows of W from n0; its W warps each take K / W of K in chunks, summed in shared memory
+(gl.sum over axis 0) at the end; then the S spans of each row of x are added and y stored.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from ftransformers.kernels.gluon_mla_decode import pdl_enter
+from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, word_offsets
+from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
+from ftransformers.kernels.pdl import pdl_launch
+
+MAX_ROWS = 16
+
+
+def tokens_and_spans(m: int) -> tuple[int, int]:
+    """(TOK, S): rows of x padded to a power of two, and K spans a chunk (TOK * S = NCOL = max(8, TOK))."""
+    tok = 1 << max(0, (m - 1).bit_length())
+    return tok, max(1, 8 // tok)
+
+
+def layouts(warps: int, rows: int, kc: int, tok: int) -> dict:
+    """Layouts for W = warps, ROWS = rows a warp (16 or 32), chunks of KC (a power of two >= 32) and TOK
+    padded rows of x (module docstring)."""
+    lay = moe_layouts(warps, rows, kc)
+    # x [W, NCOL, KC]: 8 RW contiguous elements a thread (lane % 4 = t), lane // 4 = column (bit 3 a register)
+    x = gl.BlockedLayout([1, 1, kc // 4], [1, 8, 4], [warps, 1, 1], [2, 1, 0])  # 16 columns wrap into registers
+    return {"mma": lay["mma"], "a_l": lay["a_l"], "b_l": lay["b_l"], "w_l": lay["w_l"], "x_l": x}
+
+
+@gluon.jit
+def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr):
+    # x [W, NCOL, 32 RW] memory order -> [W, 32 RW, NCOL] B operand in logical k order, zero outside each
+    # column's span c % S (memory word RW t + r is in span (RW t + r) // (4 RW / S))
+    x6 = gl.reshape(x, [W, NCOL, 4, RW, 2, 4])  # [., t, r, h, i]: memory k = 8 (RW t + r) + 4h + i
+    b = gl.reshape(gl.permute(x6, (0, 3, 2, 5, 4, 1)), [W, 32 * RW, NCOL])  # k = 8 (4r + t) + 2i + h
+    b = gl.convert_layout(b, b_l, assert_trivial=True)
+    if S > 1:
+        k = gl.arange(0, 32 * RW, layout=gl.SliceLayout(1, gl.SliceLayout(0, b_l)))
+        span = (RW * ((k // 8) % 4) + k // 32) // (4 * RW // S)
+        col = gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, b_l)))
+        hit = gl.expand_dims(gl.expand_dims(span, 1) == gl.expand_dims(col % S, 0), 0)  # [1, 32 RW, NCOL]
+        b = gl.where(hit, b, 0.0).to(x.dtype)
+    return b
+
+
+@gluon.jit
+def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr, W: gl.constexpr,
+           ROWS: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr,
+           a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    # tot [W, ROWS, NCOL] += scale * (A.B - (offset + zero) * column sums) over one chunk
+    b = _b_tile(x, b_l, W, NCOL, RW, S)
+    acc = mma_v2(_a_tile(q, magic, DT, a_l, W, ROWS, RW), b, gl.zeros([W, ROWS, NCOL], gl.float32, mma))
+    # all 16 rows of ones @ B are the column sums; max over them moves one to every row of C's layout
+    sums = gl.max(mma_v2(ones, b, gl.zeros([W, 16, NCOL], gl.float32, mma)), axis=1)
+    scale = gl.load(s_ptrs).to(gl.float32)
+    if HAS_ZERO:
+        zz = gl.load(z_ptrs).to(gl.float32) + offset
+    else:
+        zz = offset + 8.0
+    return tot + scale * (acc - zz * gl.expand_dims(sums, 1))
+
+
+@gluon.jit
+def _w4a16_mma_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, magic, offset, M,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+    TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+    b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    # y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC
+    pdl_enter(USE_PDL)
+    RW: gl.constexpr = KC // 32
+    KS: gl.constexpr = CHUNKS * KC
+    NCOL: gl.constexpr = TOK * S
+    SPAN: gl.constexpr = KC // S
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    n0 = gl.program_id(0) * ROWS
+
+    # words [W, ROWS, 4, RW]: row n0 + row, word w KS / 8 + RW t + r of the chunk
+    ww, wrow, word = word_offsets(w_l, W, ROWS, RW)
+    q_ptrs = q_ptr + (n0 + wrow).to(gl.int64) * stride_qn + ww * (KS // 8) + word
+
+    # x [W, NCOL, KC]: row min(c // S, M - 1) (padding columns repeat the last row; never stored)
+    x2: gl.constexpr = gl.SliceLayout(2, x_l)
+    xw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, x2)), 1), 2)
+    xc = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, x2)), 0), 2)
+    xk = gl.expand_dims(gl.expand_dims(gl.arange(0, KC, layout=gl.SliceLayout(0, gl.SliceLayout(0, x_l))), 0), 0)
+    x_ptrs = x_ptr + gl.minimum(xc // S, M - 1).to(gl.int64) * stride_xm + xw * KS + xk
+
+    # scales / zeros [W, ROWS, NCOL] in C's layout: row n0 + row, group of column c's span start
+    m2: gl.constexpr = gl.SliceLayout(2, mma)
+    mw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, m2)), 1), 2)
+    mrow = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, m2)), 0), 2)
+    mcol = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma))), 0), 0)
+    s_rows = (n0 + mrow).to(gl.int64) * stride_sn
+    span_k = mw * KS + (mcol % S) * SPAN
+
+    ones = gl.full([W, 16, KC], 1.0, DT, a_l)
+    tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
+    q = gl.load(q_ptrs)
+    x = gl.load(x_ptrs)
+    for c in range(CHUNKS):
+        q_c, x_c = q, x
+        if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
+            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+        g = (span_k + c * KC) // GROUP
+        tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W,
+                     ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
+
+    y = gl.sum(tot, axis=0)  # [ROWS, NCOL]
+    if S > 1:
+        y = gl.sum(gl.reshape(y, [ROWS, TOK, S]), axis=2)  # [ROWS, TOK]
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, y.type.layout))
+    toks = gl.arange(0, TOK, layout=gl.SliceLayout(0, y.type.layout))
+    if HAS_BIAS:
+        y = y + gl.expand_dims(gl.load(bias_ptr + n0 + rows).to(gl.float32), 1)
+    ptrs = y_ptr + gl.expand_dims(toks, 0).to(gl.int64) * stride_ym + n0 + gl.expand_dims(rows, 1)
+    gl.store(ptrs, y.to(DT), mask=gl.expand_dims(toks, 0) < M)
+
+
+@dataclass(frozen=True)
+class MmaLinearConfig:
+    """ROWS rows of W a warp (16 or 32), W warps a program (each over K / W), chunks of at most KC."""
+
+    rows: int = 32
+    warps: int = 8
+    kc: int = 256
+
+
+SWEEP = [MmaLinearConfig(rows, warps, kc) for rows in (16, 32) for warps in (4, 8, 16) for kc in (128, 256, 512)]
+
+
+# Weights from 2^25 elements (Qwen3-8B's MLP, DeepSeek-V3's o and shared experts) are "large" (`takes`)
+LARGE = 1 << 25
+
+
+def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
+    """From the H100 sweep (benchmarks/results/w4a16_mma_v1_h100.{json,log}, int4 g128 asym at 1, 4 and 16
+    rows), where this rule lands on the fastest of the 18 configs or within 2% at every point measured.
+    Large weights: 32 rows a warp; 4 warps where that still leaves 256 programs (Qwen3-8B gate_up: 25.0 /
+    27.6 / 35.0 us) or at one row over K / 4 >= 4096 with chunks of 512 (DeepSeek-V3 o: 28.5 us against 35.5
+    for 8 warps), else 8 (Qwen3-8B down 15.9 / 16.3 / 20.5; DeepSeek-V3 o at 4 and 16 rows 32.2 / 46.5
+    against 33.8 / 58.8 for 4). Smaller weights: 16 rows, 4 warps at 256 programs, else 8, chunks of 128
+    (Qwen3-30B-A3B qkv / o at 4 rows: 6.0 / 5.9 us)."""
+    if n * k >= LARGE:
+        warps = 4 if n // 32 >= 256 or (m == 1 and k // 4 >= 4096) else 8
+        return MmaLinearConfig(rows=32, warps=warps, kc=512 if m == 1 and k // warps >= 4096 else 256)
+    return MmaLinearConfig(rows=16, warps=4 if n // 16 >= 256 else 8, kc=128)
+
+
+def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
+    """Whether w4a16_linear runs this product here rather than on its CUDA-core GEMV (1-2 rows) or codes
+    kernel (3-16 rows), from the same-process comparison in benchmarks/results/w4a16_mma_v1_h100.{json,log}.
+    Large weights at 2-16 rows: 1.2-1.8x faster (Qwen3-8B down 16.3 against 27.9 us at 4 rows, DeepSeek-V3 o
+    32.2 against 57.6); at one row only with zero points (DeepSeek-V3 o 28.5 against 39.2, Qwen3-8B down 15.8
+    against 17.2): symmetric weights' GEMV is as fast or faster there (Qwen3-8B down 14.2 against 15.6).
+    Smaller weights only at 3-4 rows (Qwen3-30B-A3B qkv 6.0 against 7.5 us): at 1-2 rows the GEMV is
+    faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows were not swept."""
+    if n * k >= LARGE:
+        return 2 <= m <= MAX_ROWS or (m == 1 and has_zero)
+    return 3 <= m <= 4
+
+
+def chunk_k(ks: int, group: int, spans: int, most: int) -> int:
+    """The largest chunk KC <= most (a power of two >= 32) dividing ks whose span KC / spans is whole words
+    (>= 8) and divides the group; 0 if none."""
+    kc = most
+    while kc >= 32:
+        if ks % kc == 0 and kc // spans >= 8 and group % (kc // spans) == 0:
+            return kc
+        kc //= 2
+    return 0
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: MmaLinearConfig) -> bool:
+    """Whether the kernel takes x [M, K] @ W^T for this int4 qweight [N, K // 8] and cfg: CUDA compute
+    capability >= 8.0, bf16 / fp16 x, 1 <= M <= 16, N a multiple of ROWS, a chunk for K / W."""
+    if x.device.type != "cuda" or _capability(x.device.index or 0)[0] < 8 or x.dtype not in MAGIC:
+        return False
+    return fits(x.shape[0], qweight.shape[0], x.shape[1], group, cfg)
+
+
+def fits(m: int, n: int, k: int, group: int, cfg: MmaLinearConfig) -> bool:
+    """The shape part of `supported`: 1 <= M <= 16, N a multiple of ROWS, a chunk for K / W."""
+    _, spans = tokens_and_spans(max(m, 1))
+    return (1 <= m <= MAX_ROWS and n % cfg.rows == 0 and k % cfg.warps == 0
+            and chunk_k(k // cfg.warps, group, spans, cfg.kc) > 0)  # fmt: skip
+
+
+def w4a16_mma(
+    x: torch.Tensor,  # [M, K] bf16 / fp16, unit stride along K, 1 <= M <= 16
+    qweight: torch.Tensor,  # int32 [N, K // 8]
+    scales: torch.Tensor,  # [N, K // G]
+    zeros: torch.Tensor | None,  # uint8 [N, K // G] or None (zero 8)
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+    cfg: MmaLinearConfig | None = None,
+) -> torch.Tensor:  # [M, N] x.dtype
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = cfg or default_config(m, n, k)
+    assert supported(x, qweight, group, cfg) and x.stride(1) == 1, (tuple(x.shape), group, cfg)
+    assert qweight.stride(1) == 1 and scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
+    magic, offset = MAGIC[x.dtype]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    z = zeros if zeros is not None else scales  # stands in when absent (never read)
+    _w4a16_mma_kernel[(n // cfg.rows,)](
+        x, qweight, scales, z, bias if bias is not None else scales, y, magic, offset, m,
+        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        **constexprs(m, k, group, zeros is not None, bias is not None, cfg), num_warps=cfg.warps,
+        **pdl_launch(x.device),
+    )  # fmt: skip
+    return y
+
+
+def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: MmaLinearConfig) -> dict:
+    """The kernel's compile-time arguments for M rows of x, K, the group and cfg (supported shapes)."""
+    tok, spans = tokens_and_spans(m)
+    ks = k // cfg.warps
+    kc = chunk_k(ks, group, spans, cfg.kc)
+    return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
+                ROWS=cfg.rows, W=cfg.warps, **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip

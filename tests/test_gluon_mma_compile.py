@@ -1,0 +1,99 @@
+"""The int4 mma.sync kernels in Gluon (kernels/gluon_moe_w4_mma.py, kernels/gluon_w4a16_mma.py) compile for
+Hopper on any machine: Triton lowers them to sm_90 PTX and cubin offline, so CI catches a Triton that no
+longer takes them. Their GPU results are checked against the references in tests/test_gluon_moe_w4_mma.py
+and tests/test_gluon_w4a16_mma.py on an H100. The compile runs in a child process (the test session runs
+Triton's interpreter, see tests/test_gluon_mla_compile.py).
+
+What each compiled kernel must show: m16n8k16 bf16 mma.sync with float32 accumulation; the weights decoded
+by the inline LOP3 (lut 0xEA: (q & mask) | magic) into operand registers, never staged in shared memory
+(the only shared memory is the cross-warp sum, at most 4 bytes an output element a warp); and ptxas
+(the one Triton runs for sm_90, -v) spilling nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon._runtime")
+
+PTR = {"x_ptr": "*bf16", "act_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*bf16",
+       "y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32"}  # fmt: skip
+
+
+def _sig(fn, consts: dict) -> tuple[dict, dict]:  # every parameter in order: its type, or constexpr
+    import inspect
+
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in consts or n == "USE_PDL" else PTR.get(n, "fp32" if n == "offset" else "i32")
+           for n in params}  # fmt: skip
+    aligned = [n for n in params if n.endswith("_ptr") or n.startswith("stride")]
+    return sig, {(params.index(n),): [["tt.divisibility", 16]] for n in aligned}
+
+
+def _compile() -> list[dict]:  # in this process: per kernel, its name, shared bytes, PTX, ptxas -v log
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ftransformers.kernels import gluon_moe_w4_mma as moe
+    from ftransformers.kernels import gluon_w4a16_mma as lin
+
+    jobs = []
+    dense = [(1, 7168, 16384, 128), (2, 24576, 4096, 128), (4, 5120, 2048, 128), (8, 4096, 12288, 128),
+             (16, 1024, 2048, 32)]  # fmt: skip
+    for m, n, k, group in dense:
+        cfg = lin.default_config(m, n, k)
+        jobs.append((f"dense M={m} {n}x{k} g{group}", lin._w4a16_mma_kernel,
+                     lin.constexprs(m, k, group, True, True, cfg), cfg.warps, cfg.rows * 16))  # fmt: skip
+    for t, d, inter in [(1, 7168, 2048), (8, 2048, 768)]:  # DeepSeek-V3, Qwen3-30B-A3B
+        cfg = moe.default_config(t, d)
+        kc = moe.chunk_k(d // cfg.up_warps, 128, cfg.up_kc)
+        up = dict(HAS_ZERO=True, GROUP=128, TOP_K=8, KC=kc, CHUNKS=d // cfg.up_warps // kc, AHEAD=cfg.up_ahead,
+                  ROWS=cfg.up_rows, W=cfg.up_warps, **moe.layouts(cfg.up_warps, cfg.up_rows, kc))  # fmt: skip
+        jobs.append((f"moe gate-up T={t} D={d}", moe._gate_up_kernel, up, cfg.up_warps, cfg.up_rows * 8))
+        kc = moe.chunk_k(inter, 128, cfg.down_kc)
+        down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
+                    **moe.layouts(8, cfg.down_rows, kc))  # fmt: skip
+        jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8))
+    ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90
+    out = []
+    for name, fn, consts, warps, outputs in jobs:
+        sig, attrs = _sig(fn, consts)
+        src = GluonASTSource(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
+            log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                                 capture_output=True, text=True, check=True).stderr  # fmt: skip
+        out.append({"name": name, "shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log,
+                    "max_shared": 4 * warps * outputs})  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernels() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
+    code += "from test_gluon_mma_compile import _compile; print(json.dumps(_compile()))"
+    cmd = [sys.executable, "-c", code]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
+    assert len(kernels) == 9
+    for k in kernels:
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
+        assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]
+        assert k["shared"] <= k["max_shared"], (k["name"], k["shared"])  # only the cross-warp sum
+        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", k["ptxas"]), (k["name"], k["ptxas"])
