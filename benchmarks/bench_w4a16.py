@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import copy_bandwidth, matmul_rate
 
+from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
 from ftransformers.kernels.triton_gemv import gemv
 from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
@@ -298,7 +300,11 @@ def main() -> None:
                     t_gemv = time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16)) if M <= 16 else float("nan")
                     peers[name, M] = (t_gemv, time_per_call(lambda i, x=x, w=w16: F.linear(x, w[i]), len(w16)))
                 t_gemv, t_cublas = peers[name, M]
-                row: dict[str, Any] = {"shape": name, "N": N, "K": K, "M": M, "fmt": v, "config": w4a16_config(M, N, K, *VARIANTS[v][:2])}  # fmt: skip
+                cfg_row: Any = w4a16_config(M, N, K, *VARIANTS[v][:2])
+                if mma_path.takes(M, N, K, probe.zeros is not None) and mma_path.supported(
+                        x, probe.qweight, probe.group_size, mma_path.default_config(M, N, K)):  # fmt: skip
+                    cfg_row = {"MMA": 1, **asdict(mma_path.default_config(M, N, K))}  # gluon_w4a16_mma
+                row: dict[str, Any] = {"shape": name, "N": N, "K": K, "M": M, "fmt": v, "config": cfg_row}
                 if isinstance(t, str):
                     row["error"] = t
                     print(f"{name:20s} {v:9s} M={M:<4d} ERROR {t}", flush=True)

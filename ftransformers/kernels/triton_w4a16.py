@@ -1,7 +1,9 @@
 """4-bit weight x 16-bit activation GEMM: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4", "mxfp4"
 and "nvfp4" layouts of kernels/quant_formats.py, dequantizing W in registers (no 16-bit copy of W).
 
-Three kernels, chosen by `w4a16_config` from M, the format and the weight size:
+int4 with 16-bit x at decode sizes goes first to kernels/gluon_w4a16_mma.py (mma.sync, the weights
+decoded straight into operand registers) where its `takes` says it measured faster; elsewhere three
+kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
 - `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights): CUDA cores. Tensors are
   [word, n, m, nibble]; each thread owns word columns of a K tile for all its n, m and the 8 nibbles,
@@ -41,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tiling import grouped_tile
@@ -326,6 +329,11 @@ def w4a16_linear(
     N = qw.out_features
     if M == 0:
         return x.new_empty(*lead, N)
+    if config is None and qw.fmt == "int4" and mma_path.takes(M, N, K, qw.zeros is not None):
+        cfg_mma = mma_path.default_config(M, N, K)
+        if mma_path.supported(x, qw.qweight, qw.group_size, cfg_mma):
+            y = mma_path.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_mma)
+            return y.reshape(*lead, N)
     cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size, x.dtype != torch.float32))
     if cfg.get("CODES"):
         if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"]):

@@ -1,0 +1,36 @@
+"""Where w4a16_linear sends int4 products to the mma kernel (kernels/gluon_w4a16_mma.py `takes`), the
+kernel's default config must fit the shape (`fits`), or the product silently falls back to the older
+kernels that the rule was measured against. Checked for every linear of the issue's models (Qwen3-30B-A3B,
+Qwen3-8B, DeepSeek-V3 with its dense layers), 1-16 rows, groups 32-128. CPU only: no kernel runs."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+
+from ftransformers.kernels import gluon_w4a16_mma as mma
+
+LINEARS = {  # name: (N, K)
+    "qwen3-30b qkv": (5120, 2048), "qwen3-30b o": (2048, 4096),
+    "qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
+    "qwen3-8b down": (4096, 12288),
+    "dsv3 q_a": (1536, 7168), "dsv3 q_b": (24576, 1536), "dsv3 kv_a": (576, 7168), "dsv3 o": (7168, 16384),
+    "dsv3 shared gate_up": (4096, 7168), "dsv3 shared down": (7168, 2048), "dsv3 dense gate_up": (36864, 7168),
+    "dsv3 dense down": (7168, 18432),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_default_config_fits_wherever_the_kernel_takes_the_product(group: int) -> None:
+    missed = [(name, m, mma.default_config(m, n, k)) for name, (n, k) in LINEARS.items() for m in range(1, 17)
+              for zero in (False, True) if mma.takes(m, n, k, zero)
+              and not mma.fits(m, n, k, group, mma.default_config(m, n, k))]  # fmt: skip
+    assert not missed, missed
+
+
+def test_rule_takes_the_measured_wins_only() -> None:
+    assert mma.takes(4, 24576, 4096, False) and mma.takes(16, 7168, 16384, False)  # large: 2-16 rows
+    assert mma.takes(1, 7168, 16384, True) and not mma.takes(1, 7168, 16384, False)  # one row: zero points only
+    assert mma.takes(3, 5120, 2048, True) and not mma.takes(2, 5120, 2048, True)  # small: 3-4 rows
+    assert not mma.takes(8, 2048, 4096, True) and not mma.takes(17, 24576, 4096, True)
