@@ -167,7 +167,8 @@ LARGE = 1 << 25
 
 def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
     """From the H100 sweep (benchmarks/results/w4a16_mma_v1_h100.{json,log}, int4 g128 asym at 1, 4 and 16
-    rows), where this rule lands on the fastest of the 18 configs or within 2% at every point measured.
+    rows): at every swept point `takes` sends here, this rule lands on the fastest of the 18 configs or within
+    2% (not where it does not: Qwen3-30B-A3B qkv at 16 rows 10.3 against 9.0 us for 32 rows a warp).
     Large weights: 32 rows a warp; 4 warps where that still leaves 256 programs (Qwen3-8B gate_up: 25.0 /
     27.6 / 35.0 us) or at one row over K / 4 >= 4096 with chunks of 512 (DeepSeek-V3 o: 28.5 us against 35.5
     for 8 warps), else 8 (Qwen3-8B down 15.9 / 16.3 / 20.5; DeepSeek-V3 o at 4 and 16 rows 32.2 / 46.5
