@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, time_per_call
+from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, run_pool, time_per_call
 from ceilings import copy_bandwidth
 
 from ftransformers.kernels import gluon_w4a16_mma as mma
@@ -64,15 +62,6 @@ def _compile_job(job: Job) -> str:
         return f"{variant} {n}x{k} M={m} {cfg}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def precompile(jobs: list[Job], workers: int) -> None:
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        errors = [e for e in pool.map(_compile_job, jobs, chunksize=1) if e]
-    print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f} s; {len(errors)} failed", flush=True)
-    for e in errors[:10]:
-        print("  ", e, flush=True)
-
-
 def checked(x: torch.Tensor, qws: list[QuantizedWeight], fn: Any) -> float | str:
     """ms per product of fn(x, qw), after checking it on qws[0]; a string says why it was not timed."""
     try:
@@ -102,7 +91,7 @@ def main() -> None:
     sweep_rows = [int(m) for m in args.sweep.split(",") if m]
     jobs: list[Job] = [(v, *SHAPES[s], m, None) for s in shapes for v in variants for m in rows]
     jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in mma.SWEEP]
-    precompile(jobs, args.workers)
+    run_pool(_compile_job, jobs, args.workers)
 
     bw = copy_bandwidth()
     now = datetime.datetime.now().isoformat(timespec="seconds")

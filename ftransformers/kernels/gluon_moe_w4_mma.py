@@ -367,6 +367,11 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def mma_capable(t: torch.Tensor) -> bool:
+    """Whether t lives on a CUDA GPU with mma.sync m16n8k16 for 16-bit operands (compute capability >= 8.0)."""
+    return t.device.type == "cuda" and _capability(t.device.index or 0)[0] >= 8
+
+
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int, pair_max: int) -> bool:
     """Whether fused_moe_w4 runs this call here (H100, benchmarks/results/moe_w4_mma_h100.{json,log}): on
     Qwen3-30B-A3B's small experts the CUDA-core pair path is as fast at one token (17.0-18.0 against 18.2
@@ -384,7 +389,7 @@ def supported(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, t
     """Whether these kernels take the MoE: CUDA compute capability >= 8.0, bf16 / fp16 x, int4 experts,
     TOP_K a power of two <= 8, a chunk for each kernel's K (D / up_warps, I), I a multiple of up_rows / 2
     and D of down_rows, for cfg (default_config when None)."""
-    if hidden.device.type != "cuda" or _capability(hidden.device.index or 0)[0] < 8:
+    if not mma_capable(hidden):
         return False
     if hidden.dtype not in MAGIC or w13.fmt != "int4" or w2.fmt != "int4":
         return False

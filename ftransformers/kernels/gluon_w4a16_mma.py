@@ -25,7 +25,6 @@ Program: ROWS rows of W from n0; its W warps each take K / W of K in chunks, sum
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import pdl_enter
-from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, word_offsets
+from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, mma_capable, word_offsets
 from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
 from ftransformers.kernels.pdl import pdl_launch
 
@@ -204,15 +203,10 @@ def chunk_k(ks: int, group: int, spans: int, most: int) -> int:
     return 0
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: MmaLinearConfig) -> bool:
     """Whether the kernel takes x [M, K] @ W^T for this int4 qweight [N, K // 8] and cfg: CUDA compute
     capability >= 8.0, bf16 / fp16 x, 1 <= M <= 16, N a multiple of ROWS, a chunk for K / W."""
-    if x.device.type != "cuda" or _capability(x.device.index or 0)[0] < 8 or x.dtype not in MAGIC:
+    if not mma_capable(x) or x.dtype not in MAGIC:
         return False
     return fits(x.shape[0], qweight.shape[0], x.shape[1], group, cfg)
 
