@@ -15,6 +15,11 @@ Variants (comma-separated `--variants`):
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
 
+`--timeline` adds, per variant and batch, a CUPTI trace of a few replays (torch.profiler) read as the
+step's critical path: each kernel is charged the time by which it moved the stream's latest end (with PDL
+a kernel starts before its predecessor ends, so its own duration overstates what it costs the step),
+summed by kernel name per step.
+
 Per variant and batch: median graph-replay ms over `--iters` replays, per round; the table gives the
 median over rounds and each round's figure, beside the step's byte floor (bench_decode's accounting and
 the shared copy ceiling). `--format` builds the model with quantized weights as bench_quant_decode does
@@ -87,6 +92,36 @@ def _prefetch(spec: str) -> Callable[[], Callable[[], None]]:
     return apply
 
 
+def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
+    """Critical-path time per kernel name of `reps` graph replays (module docstring), per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+                     if e.get("ph") == "X" and e.get("cat") == "kernel")  # fmt: skip
+    per_name: dict[str, list[float]] = {}
+    latest = kernels[0][0] if kernels else 0.0
+    for start, end, name in kernels:
+        row = per_name.setdefault(name[:80], [0.0, 0.0, 0.0])
+        row[0] += max(0.0, end - max(latest, start)) / reps  # critical-path share
+        row[1] += (end - start) / reps  # own duration
+        row[2] += 1 / reps
+        latest = max(latest, end)
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    return {"kernels_per_step": len(kernels) / reps,
+            "critical_us": sum(v[0] for v in per_name.values()),
+            "top": [{"kernel": k, "critical_us": round(v[0], 1), "own_us": round(v[1], 1), "per_step": round(v[2], 1)}
+                    for k, v in top[:16]]}  # fmt: skip
+
+
 def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
     """name (parts joined by '+') -> a function that applies the variant and returns its undo."""
     if "+" in name:
@@ -123,6 +158,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--mem-fraction", type=float, default=0.92)
+    p.add_argument("--timeline", action="store_true", help="critical path by kernel name (last round)")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     names = args.variants.split(",")
@@ -155,6 +191,7 @@ def main() -> None:
     assert isinstance(runner.graph_runner, CudaGraphRunner), "ab_decode needs CUDA graphs"
     dummy_req_row = runner._max_req_slots  # as ModelRunner passes it to make_cuda_graph_runner
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in batches} for v in names}
+    lines: dict[str, dict[int, dict[str, Any]]] = {v: {} for v in names}
     for r in range(args.rounds):
         for v in names:
             undo = setups[v]()
@@ -166,6 +203,8 @@ def main() -> None:
                     runner.forward_step(steps[b])  # fills the graph's buffers with this batch
                     times[v][b].append(bd.median_ms(graphs.graphs[b].replay, args.iters))
                     print(f"round {r} {v:40s} B={b:3d} replay {times[v][b][-1]:.3f} ms", flush=True)
+                    if args.timeline and r == args.rounds - 1:
+                        lines[v][b] = timeline(graphs.graphs[b].replay)
             finally:
                 undo()
     rows: list[dict[str, Any]] = []
@@ -174,7 +213,7 @@ def main() -> None:
             floor = decode_bytes(acc, b, ctx) / (ceil["copy_GBps"] * 1e9) * 1e3
             med = statistics.median(times[v][b])
             rows.append({"variant": v, "batch": b, "context": ctx, "floor_ms": floor, "replay_ms": med,
-                         "ratio": med / floor, "rounds_ms": times[v][b]})  # fmt: skip
+                         "ratio": med / floor, "rounds_ms": times[v][b], "timeline": lines[v].get(b)})  # fmt: skip
     out = {"device": torch.cuda.get_device_name(), "args": vars(args), "ceilings": ceil, "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\n{out['device']}  copy {ceil['copy_GBps']:.0f} GB/s   {args.model} {args.format} ctx {ctx}")
@@ -182,6 +221,12 @@ def main() -> None:
         rounds = " ".join(f"{t:.3f}" for t in row["rounds_ms"])
         print(f"{row['variant']:40s} B={row['batch']:3d} replay {row['replay_ms']:.3f} ms "
               f"(x{row['ratio']:.2f} of floor {row['floor_ms']:.3f}; rounds {rounds})")  # fmt: skip
+        if row["timeline"]:
+            tl = row["timeline"]
+            print(f"  timeline: {tl['kernels_per_step']:.0f} kernels, critical path {tl['critical_us']:.1f} us a step")
+            for k in tl["top"]:
+                us = f"{k['critical_us']:8.1f} us critical {k['own_us']:8.1f} us own"
+                print(f"    {us} {k['per_step']:5.0f}x  {k['kernel']}")
 
 
 if __name__ == "__main__":
