@@ -10,7 +10,6 @@ Variants (comma-separated `--variants`):
   router=PATH           the fused router (`fused_router_topk`) of another checkout's
                         ftransformers/kernels/triton_router.py, e.g. the previous commit's
   no-pdl                programmatic dependent launch off (kernels/pdl.py)
-  moe-token             one token's int4 MoE in one launch (kernels/gluon_moe_w4_token.py; off by default)
   no-prefetch           PDL on, but no L2 prefetch ahead of the wait (kernels/pdl.py, l2_prefetch)
   prefetch=F/G          L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES); the families
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
@@ -81,14 +80,6 @@ def _no_pdl() -> Callable[[], None]:
     return lambda: set_pdl_enabled(was)
 
 
-def _moe_token() -> Callable[[], None]:
-    from ftransformers.kernels import gluon_moe_w4_token as token_path
-
-    was = token_path.enabled()
-    token_path.set_enabled(True)
-    return lambda: token_path.set_enabled(was)
-
-
 def _prefetch(spec: str) -> Callable[[], Callable[[], None]]:
     # spec: "" (none) or "fam/fam"
     def apply() -> Callable[[], None]:
@@ -147,15 +138,13 @@ def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
         return _separate_rope
     if name == "no-pdl":
         return _no_pdl
-    if name == "moe-token":
-        return _moe_token
     if name == "no-prefetch":
         return _prefetch("")
     if name.startswith("prefetch="):
         return _prefetch(name.partition("=")[2])
     if name.startswith("router="):
         return _router_from(name.partition("=")[2])
-    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, moe-token, no-prefetch, prefetch=F/G, router=PATH)")
+    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, prefetch=F/G, router=PATH)")
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma_path
-from ftransformers.kernels import gluon_moe_w4_token as token_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
@@ -431,8 +430,7 @@ def fused_moe_w4(
     config: MoEConfig | W4PairConfig | mma_path.MmaMoEConfig | None = None,
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """quant_moe_ref's function: one token in one launch (kernels/gluon_moe_w4_token.py) where its `takes`;
-    the int4 mma kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes`
+    """quant_moe_ref's function: the int4 mma kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes`
     the call (or for an MmaMoEConfig); else for T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
     else
     the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
@@ -449,10 +447,6 @@ def fused_moe_w4(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
     if isinstance(config, mma_path.MmaMoEConfig):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids, config)
-    if config is None and token_path.takes(hidden, w13, w2, top_k):
-        out = token_path.moe_w4_token(hidden, w13, w2, weights, topk_ids)
-        if out is not None:
-            return out
     if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids)
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
