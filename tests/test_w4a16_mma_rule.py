@@ -34,3 +34,9 @@ def test_rule_takes_the_measured_wins_only() -> None:
     assert mma.takes(1, 7168, 16384, True) and not mma.takes(1, 7168, 16384, False)  # one row: zero points only
     assert mma.takes(3, 5120, 2048, True) and not mma.takes(2, 5120, 2048, True)  # small: 3-4 rows
     assert not mma.takes(8, 2048, 4096, True) and not mma.takes(17, 24576, 4096, True)
+    assert mma.takes(8, 24576, 1536, True) and not mma.takes(12, 24576, 1536, True)  # shallow K: 2-8 rows
+
+
+def test_rule_uses_64_rows_where_they_measured_faster() -> None:
+    assert mma.default_config(8, 24576, 4096).rows == 64 and mma.default_config(16, 7168, 16384).rows == 64
+    assert mma.default_config(4, 24576, 4096).rows != 64 and mma.default_config(16, 4096, 12288).rows != 64

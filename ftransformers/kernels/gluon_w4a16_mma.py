@@ -47,7 +47,7 @@ def tokens_and_spans(m: int) -> tuple[int, int]:
 
 
 def layouts(warps: int, rows: int, kc: int, tok: int) -> dict:
-    """Layouts for W = warps, ROWS = rows a warp (16 or 32), chunks of KC (a power of two >= 32) and TOK
+    """Layouts for W = warps, ROWS = rows a warp (16, 32 or 64), chunks of KC (a power of two >= 32) and TOK
     padded rows of x (module docstring)."""
     lay = moe_layouts(warps, rows, kc)
     # x [W, NCOL, KC]: 8 RW contiguous elements a thread (lane % 4 = t), lane // 4 = column (bit 3 a register)
@@ -150,7 +150,7 @@ def _w4a16_mma_kernel(
 
 @dataclass(frozen=True)
 class MmaLinearConfig:
-    """ROWS rows of W a warp (16 or 32), W warps a program (each over K / W), chunks of at most KC."""
+    """ROWS rows of W a warp (16, 32 or 64), W warps a program (each over K / W), chunks of at most KC."""
 
     rows: int = 32
     warps: int = 8
@@ -158,6 +158,9 @@ class MmaLinearConfig:
 
 
 SWEEP = [MmaLinearConfig(rows, warps, kc) for rows in (16, 32) for warps in (4, 8, 16) for kc in (128, 256, 512)]
+# 64 rows a warp halve the x a program reads per weight row (x comes from L2 once per program); chunks of 128
+# keep them unspilled (sm_90, Triton 3.6: 248 registers at 16 rows of x, 166 at 2-8)
+SWEEP += [MmaLinearConfig(64, warps, 128) for warps in (4, 8)]
 
 
 # Weights from 2^25 elements (Qwen3-8B's MLP, DeepSeek-V3's o and shared experts) are "large" (`takes`)
@@ -172,7 +175,13 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
     27.6 / 35.0 us) or at one row over K / 4 >= 4096 with chunks of 512 (DeepSeek-V3 o: 28.5 us against 35.5
     for 8 warps), else 8 (Qwen3-8B down 15.9 / 16.3 / 20.5; DeepSeek-V3 o at 4 and 16 rows 32.2 / 46.5
     against 33.8 / 58.8 for 4). Smaller weights: 16 rows, 4 warps at 256 programs, else 8, chunks of 128
-    (Qwen3-30B-A3B qkv / o at 4 rows: 6.0 / 5.9 us)."""
+    (Qwen3-30B-A3B qkv / o at 4 rows: 6.0 / 5.9 us). 64 rows a warp where x's reads from L2 weigh most
+    (benchmarks/results/w4a16_mma_rows64_h100.{json,log}): 5-8 rows on wide weights, 4 warps (Qwen3-8B
+    gate_up at 8 rows 28.1 us against 30.6 for the next config and 34.6 for 32 rows, 4 warps), and 9-16 rows
+    on deep ones, 8 warps (DeepSeek-V3 o at 16 rows 39.8 against 46.8); not at 4 rows or on Qwen3-8B down,
+    where they were not faster."""
+    if n * k >= LARGE and n % 64 == 0 and ((4 < m <= 8 and n // 64 >= 256) or (m > 8 and k >= 16384)):
+        return MmaLinearConfig(rows=64, warps=4 if m <= 8 else 8, kc=128)
     if n * k >= LARGE:
         warps = 4 if n // 32 >= 256 or (m == 1 and k // 4 >= 4096) else 8
         return MmaLinearConfig(rows=32, warps=warps, kc=512 if m == 1 and k // warps >= 4096 else 256)
@@ -186,9 +195,11 @@ def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     32.2 against 57.6); at one row only with zero points (DeepSeek-V3 o 28.5 against 39.2, Qwen3-8B down 15.8
     against 17.2): symmetric weights' GEMV is as fast or faster there (Qwen3-8B down 14.2 against 15.6).
     Smaller weights only at 3-4 rows (Qwen3-30B-A3B qkv 6.0 against 7.5 us): at 1-2 rows the GEMV is
-    faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows were not swept."""
+    faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows were not swept.
+    Past 8 rows only with K >= 4096: on DeepSeek-V3's q_b (24576 x 1536) the codes kernel is as fast or
+    faster there (17.5 / 17.6 against 17.7 / 18.5 us at 12 / 16 rows; benchmarks/results/w4a16_mma_rule64_h100.*)."""
     if n * k >= LARGE:
-        return 2 <= m <= MAX_ROWS or (m == 1 and has_zero)
+        return 2 <= m <= (MAX_ROWS if k >= 4096 else 8) or (m == 1 and has_zero)
     return 3 <= m <= 4
 
 
