@@ -48,8 +48,9 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
     from ftransformers.kernels import gluon_w4a16_mma as lin
 
     jobs = []
+    # the last: 64 rows a warp (default_config's deep-weight form)
     dense = [(1, 7168, 16384, 128), (2, 24576, 4096, 128), (4, 5120, 2048, 128), (8, 4096, 12288, 128),
-             (16, 1024, 2048, 32), (16, 7168, 16384, 128)]  # fmt: skip  (the last: 64 rows a warp)
+             (16, 1024, 2048, 32), (16, 7168, 16384, 128)]  # fmt: skip
     for m, n, k, group in dense:
         cfg = lin.default_config(m, n, k)
         jobs.append((f"dense M={m} {n}x{k} g{group}", lin._w4a16_mma_kernel,

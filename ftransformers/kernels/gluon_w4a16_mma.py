@@ -180,9 +180,9 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
     gate_up at 8 rows 28.1 us against 30.6 for the next config and 34.6 for 32 rows, 4 warps), and 9-16 rows
     on deep ones, 8 warps (DeepSeek-V3 o at 16 rows 39.8 against 46.8); not at 4 rows or on Qwen3-8B down,
     where they were not faster."""
-    if n * k >= LARGE and n % 64 == 0 and ((4 < m <= 8 and n // 64 >= 256) or (m > 8 and k >= 16384)):
-        return MmaLinearConfig(rows=64, warps=4 if m <= 8 else 8, kc=128)
     if n * k >= LARGE:
+        if n % 64 == 0 and ((4 < m <= 8 and n // 64 >= 256) or (m > 8 and k >= 16384)):
+            return MmaLinearConfig(rows=64, warps=4 if m <= 8 else 8, kc=128)
         warps = 4 if n // 32 >= 256 or (m == 1 and k // 4 >= 4096) else 8
         return MmaLinearConfig(rows=32, warps=warps, kc=512 if m == 1 and k // warps >= 4096 else 256)
     return MmaLinearConfig(rows=16, warps=4 if n // 16 >= 256 else 8, kc=128)
