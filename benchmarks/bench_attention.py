@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import itertools
 import json
 import math
 import os
@@ -44,6 +46,7 @@ from ftransformers.kernels.triton_decode_attention import (
 )
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import (
+    FEW_HEADS_LIMIT,
     latent_views,
     mla_attention_ref,
     mla_decode_fwd,
@@ -75,6 +78,9 @@ MLA_VARIANTS = {
     "n64s3": dict(block_n=64, num_stages=3, kernel="triton"),  # the Triton kernel as the backend launches it
     "n64s2": dict(block_n=64, num_stages=2, kernel="triton"),
     "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py: no duplicated QK, a load partition (Hopper)
+    # kernels/gluon_mla_few_heads.py: tokens as the wgmma M, heads as its N (at most 32 heads; skipped above)
+    "gluon_few": dict(kernel="gluon_few"),
+    "gluon_few_late": dict(kernel="gluon_few", few_attrs={"EARLY_COPY": False}),  # tile 0 copied after the PDL wait
     # the same with the split count capped at N instead of the backend's mla_max_kv_splits (batch 1: how many
     # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14)
     "gluon_s64": dict(kernel="gluon", max_splits=64),
@@ -139,6 +145,10 @@ def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     return mla_num_kv_splits(B, triton.cdiv(H, 64), sms, cap)
 
 
+def mla_applies(var: str, H: int) -> bool:
+    return MLA_VARIANTS[var].get("kernel") != "gluon_few" or H <= FEW_HEADS_LIMIT
+
+
 def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, min_split_len=0) -> None:
     mid_o, mid_lse = scratch
     scale = MLA_SCALE
@@ -149,26 +159,26 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
     else:
         kw = dict(MLA_VARIANTS[var])
         kw.pop("max_splits", None)
-        with gluon_defaults(kw.pop("gluon_attrs", {})):
+        with gluon_defaults("gluon_mla_decode", kw.pop("gluon_attrs", {})), \
+                gluon_defaults("gluon_mla_few_heads", kw.pop("few_attrs", {})):
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                            min_split_len=min_split_len, **kw)  # fmt: skip
 
 
 @contextlib.contextmanager
-def gluon_defaults(attrs: dict) -> Iterator[None]:
-    """Module defaults of gluon_mla_decode (DIAG, LOAD_ROWS, ...) set for the calls inside; read at launch, so
-    at graph capture too."""
+def gluon_defaults(module_name: str, attrs: dict) -> Iterator[None]:
+    """Module defaults of a Gluon MLA kernel module (gluon_mla_decode's DIAG, LOAD_ROWS, ...;
+    gluon_mla_few_heads' EARLY_COPY) set for the calls inside; read at launch, so at graph capture too."""
     if not attrs:
         yield
         return
-    from ftransformers.kernels import gluon_mla_decode
-
-    saved = {k: getattr(gluon_mla_decode, k) for k in attrs}
-    vars(gluon_mla_decode).update(attrs)
+    module = importlib.import_module(f"ftransformers.kernels.{module_name}")
+    saved = {k: getattr(module, k) for k in attrs}
+    vars(module).update(attrs)
     try:
         yield
     finally:
-        vars(gluon_mla_decode).update(saved)
+        vars(module).update(saved)
 
 
 # correctness on the GPU -------------------------------------------------------------------------
@@ -201,10 +211,10 @@ def check_gqa(sms: int, reps: int) -> dict:
 
 
 def check_mla(sms: int, reps: int) -> dict:
-    H, L, R = MLA_SHAPE
+    _, L, R = MLA_SHAPE
     gen = torch.Generator().manual_seed(2)
     worst: dict[str, float] = {}
-    for rep in range(reps):
+    for rep, H in itertools.product(range(reps), (MLA_SHAPE[0], 16)):
         lens = CHECK_LENS + torch.randint(1, CHECK_MAX_LEN, (3,), generator=gen).tolist()
         r2t, rows, n = random_table(lens, gen)
         B = len(lens)
@@ -215,8 +225,8 @@ def check_mla(sms: int, reps: int) -> dict:
         live = [i for i, x in enumerate(lens) if x > 0]
         ref = mla_attention_ref(q_nope[live], q_rope[live], buf, r2t, rows[live], [lens[i] - 1 for i in live],
                                 [1] * len(live), MLA_SCALE)  # fmt: skip
-        for var in MLA_VARIANTS:
-            for splits, msl in ((mla_splits(var, B, sms), 0), (64, 0), (1, 0), (7, 256)):
+        for var in [v for v in MLA_VARIANTS if mla_applies(v, H)]:
+            for splits, msl in ((mla_splits(var, B, sms, H), 0), (64, 0), (1, 0), (7, 256)):
                 if var == "old" and msl:
                     continue
                 scratch = decode_scratch(B, H, L, splits, DEV)
@@ -279,6 +289,8 @@ def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, va
     res = []
     for name, msl in variants.items():
         var = name.split("@")[0]
+        if not mla_applies(var, H):
+            continue
         splits = mla_splits(var, B, sms, H)
         scratch = decode_scratch(B, H, L, splits, DEV)
 

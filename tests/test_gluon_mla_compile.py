@@ -32,12 +32,15 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile() -> dict:  # in this process: shared bytes, PTX, the ptxas -v log
+def _compile(heads_n: int = 0) -> dict:  # in this process: shared bytes, PTX, the ptxas -v log
+    """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
 
-    from ftransformers.kernels import gluon_mla_decode as g
+    from ftransformers.kernels import gluon_mla_decode, gluon_mla_few_heads
+
+    g = gluon_mla_few_heads if heads_n else gluon_mla_decode
 
     sig = {n: "*bf16" for n in ("Q_NOPE", "Q_ROPE", "KV", "O")}
     sig |= {
@@ -64,23 +67,16 @@ def _compile() -> dict:  # in this process: shared bytes, PTX, the ptxas -v log
         "s_ml_h",
     ]
     sig |= dict.fromkeys(strides, "i32")
-    consts = {
-        "L": 512,
-        "R": 64,
-        "BLOCK_H": g.BLOCK_H,
-        "BLOCK_N": g.BLOCK_N,
-        "LOAD_WARPS": g.LOAD_WARPS,
-        "LOAD_REGS": g.LOAD_REGS,
-        "LOAD_ROWS": g.LOAD_ROWS,
-        "USE_PDL": True,
-        "DIAG": 0,
-    }
+    consts = {"L": 512, "R": 64} | ({"HN": heads_n} if heads_n else {"BLOCK_H": g.BLOCK_H})
+    consts |= {"BLOCK_N": g.BLOCK_N, "LOAD_WARPS": g.LOAD_WARPS, "LOAD_REGS": g.LOAD_REGS, "LOAD_ROWS": g.LOAD_ROWS}
+    consts |= {"EARLY_COPY": True, "USE_PDL": True} if heads_n else {"USE_PDL": True, "DIAG": 0}
     sig |= dict.fromkeys(consts, "constexpr")
     names = list(sig)
     # what the JIT specialises at run time: 16-byte aligned pointers, strides divisible by 16 (576, ...)
     aligned = [n for n in names if sig[n].startswith("*") or n in strides]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = gluon_runtime.GluonASTSource(g.mla_decode_stage1_gluon, sig, constexprs=consts, attrs=attrs)
+    fn = g.mla_decode_stage1_few_heads if heads_n else g.mla_decode_stage1_gluon
+    src = gluon_runtime.GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     options = {"num_warps": g.NUM_WARPS, "maxnreg": g.maxnreg()}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90
@@ -91,10 +87,10 @@ def _compile() -> dict:  # in this process: shared bytes, PTX, the ptxas -v log
     return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS}
 
 
-def _compile_in_child() -> dict:
+def _compile_in_child(heads_n: int = 0) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += "from test_gluon_mla_compile import _compile; print(json.dumps(_compile()))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -115,4 +111,25 @@ def test_gluon_mla_decode_compiles_for_hopper() -> None:
     assert re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{kernel['load_regs']};", kernel["ptx"])
     log = kernel["ptxas"]
     assert "C7515" not in log and "serialized" not in log, log  # every wgmma stays asynchronous
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
+
+
+@pytest.mark.parametrize("heads_n", [8, 16, 32])
+def test_gluon_mla_few_heads_compiles_for_hopper(heads_n: int) -> None:
+    """The few-heads kernel: the tokens are the wgmma M and the heads its N, so both dots are m64nHN (36
+    for the 576-deep scores, 32 for O^T = c_kv^T P^T: 8 row blocks of 512 x 4 steps of the 64-token tile,
+    the tile read M-major, i.e. transposed, which the wgmma's A and B flags say); the same load partition;
+    no spills, every wgmma asynchronous."""
+    kernel = _compile_in_child(heads_n)
+    assert 0 < kernel["shared"] <= SM90_MAX_SHARED
+    mmas = re.findall(
+        rf"wgmma\.mma_async\.sync\.aligned\.m64n{heads_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, (%\w+), (%\w+), [^;]*, (\d), (\d);",
+        kernel["ptx"],
+    )
+    assert len(re.findall(r"wgmma\.mma_async", kernel["ptx"])) == len(mmas) == 36 + 32, len(mmas)
+    assert sum(m[2:] == ("0", "0") for m in mmas) == 36  # the scores: the tile and q both K-major
+    assert sum(m[2:] == ("1", "1") for m in mmas) == 32  # O^T: the tile M-major, P^T N-major
+    assert "cp.async.mbarrier.arrive.noinc" in kernel["ptx"]
+    log = kernel["ptxas"]
+    assert "C7515" not in log and "serialized" not in log, log
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log

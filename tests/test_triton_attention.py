@@ -135,7 +135,10 @@ def test_extend(group: int) -> None:
     assert rel_err(out, ref) <= TOL
 
 
-MLA_SHAPES = [(16, 64, 16), (32, 48, 16)] if not CUDA else [(128, 512, 64), (16, 512, 64)]  # (H, L, R)
+# (H, L, R); on CUDA 128 heads (DeepSeek-V3 on one GPU), 32 / 16 (it at tensor parallel 4 / 8), 8 (Kimi-K2 at
+# tensor parallel 8) and 12 (a block padded to the few-heads kernel's wgmma N of 16)
+_MLA_GPU_HEADS = (128, 32, 16, 12, 8)
+MLA_SHAPES = [(16, 64, 16), (32, 48, 16)] if not CUDA else [(h, 512, 64) for h in _MLA_GPU_HEADS]
 # + a padded CUDA-graph row (0): zeros; lengths off the block size, a length-1 row, one over a split
 MLA_LENS = [1, 37, 5, 130, 64, 0] if not CUDA else [1, 17, 300, 4097, 1000, 64, 8191, 0]
 
@@ -157,8 +160,9 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
                             [1] * real, scale)  # fmt: skip
     cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (128, 0), (16, 512)]
-    # the Gluon kernel where it applies (Hopper, 128 heads), which "auto" must then pick
-    kernels = ["triton", "auto"] + (["gluon"] if gluon_mla_unsupported(q_nope, buf) is None else [])
+    # the Gluon kernels where they apply (Hopper; the few-heads one up to 32 heads), one of which "auto" picks
+    gluon = [k for k, few in (("gluon", False), ("gluon_few", True)) if gluon_mla_unsupported(q_nope, buf, few) is None]
+    kernels = ["triton", "auto", *gluon]
     for kernel in kernels:
         for splits, min_split_len in cases:
             mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)

@@ -18,7 +18,7 @@ from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
 from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
-from ftransformers.kernels.triton_mla_attention import mla_decode_fwd, mla_extend_fwd
+from ftransformers.kernels.triton_mla_attention import MLA_DECODE_KERNELS, mla_decode_fwd, mla_extend_fwd
 from ftransformers.kernels.triton_mla_prefill import mla_prefill_fwd, mla_prefill_sdpa
 from ftransformers.kernels.triton_rope_store import rope_store
 
@@ -38,8 +38,8 @@ MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/
 # on an H100 1.5-1.6x the Triton kernel's speed at 128 heads, 1.1-2.2x at 64 and fewer from batch 4 x 32K),
 # "triton" / "gluon" force one (A/B runs; "gluon" fails where it cannot run, saying why)
 MLA_DECODE_KERNEL = os.environ.get("FTRANSFORMERS_MLA_DECODE_KERNEL", "auto")
-if MLA_DECODE_KERNEL not in ("auto", "gluon", "triton"):
-    raise ValueError(f"FTRANSFORMERS_MLA_DECODE_KERNEL must be auto, gluon or triton, not {MLA_DECODE_KERNEL!r}")
+if MLA_DECODE_KERNEL not in MLA_DECODE_KERNELS:
+    raise ValueError(f"FTRANSFORMERS_MLA_DECODE_KERNEL must be one of {', '.join(MLA_DECODE_KERNELS)}, not {MLA_DECODE_KERNEL!r}")
 DEFAULT_MAX_BS = 256
 SDPA_MAX_SEQS = 8  # not measured: above it, per-sequence launches are assumed to outweigh flash's speed
 

@@ -106,22 +106,23 @@ def _store_split(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, 
 
 
 @gluon.jit
-def _loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-           L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr,
-           LOAD_ROWS: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
+def latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
+                 L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                 LOAD_ROWS: gl.constexpr, DIAG: gl.constexpr, FIRST: gl.constexpr = 0):  # fmt: skip
     # The load partition. A tile's slots wait in shared memory (slot_buf) so each cp.async call takes
     # LOAD_ROWS rows and few address registers; tile i + 1's slots are read from global memory while
     # tile i's copies are issued. Stage i % 2 is filled once the compute partition frees it (empty);
     # each thread's copies arrive on the stage's ready barrier once they land
-    # (cp.async.mbarrier.arrive.noinc: after all the thread's earlier copies).
+    # (cp.async.mbarrier.arrive.noinc: after all the thread's earlier copies). Tiles before FIRST were
+    # copied by the caller (the same arrivals on the same barriers).
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [LOAD_WARPS, 1], [1, 0])  # [rows, L]
     ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LOAD_WARPS, 1], [1, 0])  # [rows, R]
     ld_i: gl.constexpr = gl.BlockedLayout([1], [32], [LOAD_WARPS], [0])
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_r))
     idx = gl.arange(0, BLOCK_N, layout=ld_i)
-    slot_buf.store(gl.load(r2t_row + gl.minimum(start + idx, end - 1)))
-    for it in range(num_tiles):
+    slot_buf.store(gl.load(r2t_row + gl.minimum(start + FIRST * BLOCK_N + idx, end - 1)))
+    for it in range(FIRST, num_tiles):
         st = it % 2
         # past the last tile the positions clamp to the split's last token: read, never copied
         nxt = gl.load(r2t_row + gl.minimum(start + (it + 1) * BLOCK_N + idx, end - 1))
@@ -256,7 +257,7 @@ def mla_decode_stage1_gluon(
             (_compute, (q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h, split_id,
                         seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                         s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, BLOCK_N, DIAG)),
-            (_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
+            (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
                       L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG)),
         ],
         [LOAD_WARPS],

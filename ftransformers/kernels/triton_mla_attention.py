@@ -124,14 +124,22 @@ def _mla_decode_stage1_kernel(
         tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
 
 
+MLA_DECODE_KERNELS = ("auto", "gluon", "gluon_few", "triton")
+FEW_HEADS_LIMIT = 32  # the few-heads kernel's widest wgmma N (gluon_mla_few_heads.MAX_HEADS)
+FEW_HEADS_MAX = 32  # "auto" takes the few-heads kernel up to this many heads a GPU
+
+
 @functools.cache
 def _capability_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> str | None:
-    """Why the Gluon decode kernel cannot run on these tensors, or None when it can."""
+def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor, few_heads: bool = False) -> str | None:
+    """Why the Gluon decode kernel (`few_heads`: the one with the heads as the wgmma N) cannot run on these
+    tensors, or None when it can."""
     L = q_nope.shape[-1]
+    if few_heads and q_nope.shape[1] > FEW_HEADS_LIMIT:
+        return f"the few-heads kernel takes at most {FEW_HEADS_LIMIT} heads, not {q_nope.shape[1]}"
     if not q_nope.is_cuda or _capability_major(q_nope.device.index) != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
     if (L, latent_buf.shape[-1] - L) != (512, 64):
@@ -140,18 +148,22 @@ def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor) -> str
         return f"it needs bf16 or fp16 queries and cache of one dtype, not {q_nope.dtype} / {latent_buf.dtype}"
     if latent_buf.data_ptr() % 16 or latent_buf.stride(0) % 16:  # 16-byte cp.async of every row
         return "the latent cache's base or row stride is not 16-element aligned"
-    if _gluon_decode() is None:
+    if _gluon_decode(few_heads) is None:
         return "this Triton has no Gluon"
     return None
 
 
 @functools.cache
-def _gluon_decode() -> Callable[..., torch.Tensor] | None:  # gluon_mla_decode.mla_decode, or None without Gluon
+def _gluon_decode(few_heads: bool = False) -> Callable[..., torch.Tensor] | None:  # None without Gluon
+    """gluon_mla_decode.mla_decode, or gluon_mla_few_heads.mla_decode_few_heads."""
     try:
-        from ftransformers.kernels.gluon_mla_decode import mla_decode
+        if few_heads:
+            from ftransformers.kernels.gluon_mla_few_heads import mla_decode_few_heads as fn
+        else:
+            from ftransformers.kernels.gluon_mla_decode import mla_decode as fn
     except (ImportError, AttributeError):
         return None
-    return mla_decode
+    return fn
 
 
 def mla_decode_fwd(
@@ -171,21 +183,23 @@ def mla_decode_fwd(
     num_warps: int | None = None,  # None: 8 for 64 heads, else 4
     num_stages: int = 3,
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
-    kernel: str = "auto",  # "gluon" (Hopper, see gluon_mla_decode.py), "triton", or "auto": gluon where it applies
+    kernel: str = "auto",  # "gluon" / "gluon_few" (Hopper, see gluon_mla_decode.py / gluon_mla_few_heads.py),
+    # "triton", or "auto": gluon_few up to FEW_HEADS_MAX heads, else gluon, where it applies
 ) -> torch.Tensor:
     B, H, L = q_nope.shape
     R = q_rope.shape[-1]
     assert latent_buf.shape[-1] == L + R and latent_buf.stride(-1) == 1
     assert q_nope.stride(-1) == 1 and q_rope.stride(-1) == 1 and q_rope.dtype == q_nope.dtype
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
-    if kernel not in ("auto", "gluon", "triton"):
-        raise ValueError(f"kernel must be auto, gluon or triton, not {kernel!r}")
-    why_not_gluon = gluon_mla_unsupported(q_nope, latent_buf) if kernel != "triton" else "not asked for"
-    if kernel == "gluon" and why_not_gluon:
-        raise ValueError(f"the Gluon MLA decode kernel does not apply here: {why_not_gluon}")
+    if kernel not in MLA_DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(MLA_DECODE_KERNELS)}, not {kernel!r}")
+    few = kernel == "gluon_few" or (kernel == "auto" and H <= FEW_HEADS_MAX)
+    why_not_gluon = gluon_mla_unsupported(q_nope, latent_buf, few) if kernel != "triton" else "not asked for"
+    if kernel.startswith("gluon") and why_not_gluon:
+        raise ValueError(f"the Gluon MLA decode kernel does not apply here: {why_not_gluon} (kernel={kernel!r})")
     if not why_not_gluon:
-        return _gluon_decode()(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
-                               mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
+        return _gluon_decode(few)(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
+                                  mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     cuda = q_nope.is_cuda
     block_h = block_h or (64 if cuda else 16)
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))

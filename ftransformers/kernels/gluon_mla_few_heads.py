@@ -1,0 +1,268 @@
+"""MLA decode (absorbed weights) on Hopper for few heads a GPU, in Gluon: the tokens as the wgmma M.
+
+`gluon_mla_decode.py` puts 64 heads on the wgmma M and pads a block of fewer with zero queries, so at 8
+or 16 heads a GPU (DeepSeek-V3 and Kimi-K2 at tensor parallel 8) its wgmmas do 4-8x the needed work,
+and at batch 1, where each program streams a split of one sequence, that compute bounds it (H100,
+batch 1 x 32K: 23.8-25 us against a 12.6 us byte floor). Here the product is transposed: a 64-token
+latent tile is the M of both dots and the program's HN heads (8, 16 or 32) their N.
+
+- Scores S^T [BLOCK_N tokens, HN] = [c_kv | k_pe] q^T: A is the tile in shared memory (K-major), B the
+  queries (HN rows of 576, loaded once).
+- Online softmax over the tokens (axis 0 of the accumulator: across lanes and the four warps).
+- O^T [L, HN] += c_kv^T P^T: A is the same tile read M-major (a transposed shared-memory operand of
+  wgmma, which 16-bit types allow), B is P^T through shared memory (BLOCK_N x HN, 2-4 KB).
+
+One compute warpgroup does both dots (m64nHN wgmmas: the tile is read twice from shared memory, ~1100
+cycles a tile at 16 heads against ~5600 for its 72 KB to arrive at one SM's share of DRAM bandwidth),
+and the load partition of `gluon_mla_decode` (`latent_loads`: 16-byte cp.async of the paged rows into a
+two-stage ring, each stage's `ready` mbarrier counting every load thread) feeds it. Same contract as the
+other MLA stage-1 kernels: one program per (HN heads, KV split, sequence); a row of one split is
+finished here, others leave a normalised partial output and its base-2 log-sum-exp for
+`decode_combine`.
+
+Shared memory (16 heads, bf16): q 18 KB + 2 x 72 KB latent + 2 KB P + the epilogue's layout change.
+Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, latent_loads, pdl_enter
+from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.triton_decode_attention import decode_combine
+from ftransformers.kernels.triton_mla_attention import FEW_HEADS_LIMIT
+
+MAX_HEADS = FEW_HEADS_LIMIT  # the widest wgmma N here: O^T [512, 32] is 128 float32 registers a thread
+BLOCK_N = 64  # tokens per tile: the wgmma M
+NUM_WARPS = 4  # the compute partition: one warpgroup
+LOAD_WARPS = NUM_WARPS  # the kernel's own warps copy tile 0 with the load partition's count of arrivals
+LOAD_REGS = 40
+LOAD_ROWS = 8  # latent rows per cp.async call in the load partition
+EARLY_COPY = True  # tile 0 copied before the PDL wait where it ends before the new token (False: A/B runs)
+
+
+def heads_block(num_heads: int) -> int:
+    """The wgmma N for this many heads a GPU: 8, 16 or 32 (a block of fewer is padded with zero queries)."""
+    if num_heads > MAX_HEADS:
+        raise ValueError(f"the few-heads MLA kernel takes at most {MAX_HEADS} heads, not {num_heads}")
+    return max(8, triton.next_power_of_2(num_heads))
+
+
+@gluon.jit
+def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
+                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+                   L: gl.constexpr, HN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    # acc [L, HN] unnormalised (O^T), m_i / l_i [HN] this split's running max and sum (base 2); written
+    # along L (16-byte vectors) after a layout change; heads past num_heads are not stored
+    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, o_layout))[None, :]
+    out = gl.convert_layout(out, st_layout)
+    rows = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
+    heads = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(0, st_layout))
+    mask = (heads < num_heads)[None, :]
+    if gl.cdiv(seq_len, split_len) == 1:  # the row's only split: final output
+        gl.store(O + b * s_o_b + heads[None, :] * s_o_h + rows[:, None], out.to(O.dtype.element_ty), mask=mask)
+    else:
+        gl.store(mid_o + b * s_mo_b + heads[None, :] * s_mo_h + split_id * s_mo_s + rows[:, None], out, mask=mask)
+        heads_s = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(0, s_layout))
+        gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i), mask=heads_s < num_heads)
+
+
+@gluon.jit
+def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
+               split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
+               s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+               L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    # The default partition (one warpgroup): per tile, wait for its stage, S^T, the online softmax over
+    # the tile's tokens, P^T through shared memory, O^T += c_kv^T P^T; then hand the stage back.
+    dtype: gl.constexpr = kvn.dtype
+    # the program's queries, once, into shared memory (the B operand of every tile's scores) while the
+    # load partition already copies; heads past num_heads (a block padded to HN) are zeros
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [heads, L] 16-byte vectors
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [heads, R]
+    heads_l = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, ld_l))
+    heads_r = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, ld_r))
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_r))
+    q_nope.store(gl.load(Q_NOPE + b * s_qn_b + heads_l[:, None] * s_qn_h + offs_l[None, :],
+                         mask=(heads_l < num_heads)[:, None], other=0.0))  # fmt: skip
+    q_rope.store(gl.load(Q_ROPE + b * s_qr_b + heads_r[:, None] * s_qr_h + offs_r[None, :],
+                         mask=(heads_r < num_heads)[:, None], other=0.0))  # fmt: skip
+    fence_async_shared()  # generic-proxy stores, before the wgmmas read them
+    _cta_barrier()  # every warp's share of q
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
+    rows_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    m_i = gl.full([HN], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([HN], gl.float32, gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([L, HN], gl.float32, o_layout)
+    for it in range(num_tiles):
+        st = it % 2
+        kv_n = kvn.index(st)
+        mbarrier.wait(ready.index(st), (it // 2) & 1)  # every load thread's copies of tile it landed
+        fence_async_shared()  # cp.async writes are generic-proxy; wgmma reads through the async proxy
+        s = gl.zeros([BLOCK_N, HN], gl.float32, s_layout)
+        s = warpgroup_mma(kv_n, q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(kvr.index(st), q_rope.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        live = start + it * BLOCK_N + rows_s < end  # tokens past the split
+        qk = gl.where(live[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(qk - m_new[None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        _cta_barrier()  # all of P^T before the wgmma reads it
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+        acc = warpgroup_mma(kv_n.permute((1, 0)), p_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _cta_barrier()  # every warp done with P^T and this stage
+        mbarrier.arrive(empty.index(st))
+    _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
+                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout)  # fmt: skip
+
+
+@gluon.jit
+def _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end,
+                     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_ROWS: gl.constexpr):  # fmt: skip
+    # tile 0 into stage 0 by the kernel's 4 warps, as the load partition copies the others: its slots
+    # through shared memory (one global round trip), LOAD_ROWS rows a cp.async call; every thread's copies
+    # arrive on ready[0]
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [rows, L]
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [rows, R]
+    idx = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_r))
+    slot_buf.store(gl.load(r2t_row + gl.minimum(start + idx, end - 1)))
+    _cta_barrier()
+    dst = kvn.index(0)
+    for c in gl.static_range(BLOCK_N // LOAD_ROWS):
+        rows = slot_buf.slice(c * LOAD_ROWS, LOAD_ROWS).load(gl.SliceLayout(1, ld_l)).to(gl.int64)
+        _cp_async(dst.slice(c * LOAD_ROWS, LOAD_ROWS), KV + rows[:, None] * s_kv + offs_l[None, :])
+    rows_r = slot_buf.load(gl.SliceLayout(1, ld_r)).to(gl.int64)
+    _cp_async(kvr.index(0), KV + L + rows_r[:, None] * s_kv + offs_r[None, :])
+    async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
+    _cta_barrier()  # slot_buf read by every warp before the load partition refills it
+
+
+@gluon.jit
+def mla_decode_stage1_few_heads(
+    Q_NOPE, Q_ROPE, KV, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+    sm_scale, num_kv_splits, min_split_len, num_heads,
+    s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+    L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr, EARLY_COPY: gl.constexpr,
+    USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    pid_h = gl.program_id(0)
+    split_id = gl.program_id(1)
+    b = gl.program_id(2)
+    # PDL: before the wait, the batch metadata (written before the step) and, where the split's first tile
+    # ends before the new token, that tile's copies: the latent rows of earlier tokens, which no kernel of
+    # the step writes (the new token's row is stored by the kernel before this one)
+    seq_len = gl.load(seq_lens + b).to(gl.int32)
+    req = gl.load(req_pool_indices + b)
+    dtype: gl.constexpr = KV.dtype.element_ty
+    sl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+    sl_r: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
+    sl_ql: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, L], dtype)
+    sl_qr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, R], dtype)
+    sl_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HN], dtype)
+    split_len = gl.maximum(gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    start = split_id * split_len
+    end = gl.minimum(start + split_len, seq_len)
+    r2t_row = req_to_token + req * s_r2t
+    kvn = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], sl_l)
+    kvr = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], sl_r)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    slot_buf = gl.allocate_shared_memory(
+        req_to_token.dtype.element_ty, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
+        mbarrier.init(empty.index(i), count=1)
+    # tile 0 ends before the new token (at seq_len - 1); a runtime condition even with EARLY_COPY off (the
+    # branches folded away at compile time failed Triton 3.6's lowering to LLVM)
+    early = (start + BLOCK_N < seq_len) & (split_id >= 0 if EARLY_COPY else split_id < 0)
+    if early:
+        _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
+    pdl_enter(USE_PDL)
+    if end <= start:
+        if split_id == 0:  # seq_len 0 (a padded CUDA-graph row): zeros, not garbage
+            ld_z: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+            heads_z = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, ld_z))
+            cols_z = gl.arange(0, L, layout=gl.SliceLayout(0, ld_z))
+            gl.store(O + b * s_o_b + heads_z[:, None] * s_o_h + cols_z[None, :],
+                     gl.zeros([HN, L], O.dtype.element_ty, ld_z), mask=(heads_z < num_heads)[:, None])  # fmt: skip
+        return
+    if not early:
+        _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
+    q_nope = gl.allocate_shared_memory(dtype, [HN, L], sl_ql)
+    q_rope = gl.allocate_shared_memory(dtype, [HN, R], sl_qr)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HN], sl_p)
+    num_tiles = gl.cdiv(end - start, BLOCK_N)
+    gl.warp_specialize(
+        [
+            (_compute_t, (Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
+                          split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
+                          s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+                          L, R, HN, BLOCK_N)),
+            (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
+                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, 1)),
+        ],
+        [LOAD_WARPS],
+        [LOAD_REGS],
+    )  # fmt: skip
+
+
+def maxnreg() -> int:
+    """Registers a thread at launch (the load partition gives back all but LOAD_REGS)."""
+    return min(248, 65536 // ((NUM_WARPS + LOAD_WARPS) * 32) // 8 * 8)
+
+
+def mla_decode_few_heads(
+    q_nope: torch.Tensor,  # [B, H, L], H <= MAX_HEADS
+    q_rope: torch.Tensor,  # [B, H, R]
+    latent_buf: torch.Tensor,  # [N, L + R], rows 16-element aligned
+    out: torch.Tensor,  # [B, H, L]
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]
+    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, L] float32
+    mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits] float32
+    num_kv_splits: int,
+    sm_scale: float,
+    min_split_len: int,  # rounded up to BLOCK_N; 0 = BLOCK_N
+) -> torch.Tensor:
+    """Stage 1 here, then `decode_combine` for rows of several splits; returns `out`."""
+    B, H, L = q_nope.shape
+    hn = heads_block(H)
+    min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
+    mla_decode_stage1_few_heads[(triton.cdiv(H, hn), num_kv_splits, B)](
+        q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale, num_kv_splits, min_split_len, H,
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), latent_buf.stride(0),
+        req_to_token.stride(0), out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
+        LOAD_ROWS=LOAD_ROWS, EARLY_COPY=EARLY_COPY, num_warps=NUM_WARPS, maxnreg=maxnreg(),
+        **pdl_launch(q_nope.device),
+    )  # fmt: skip
+    if num_kv_splits > 1:
+        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, BLOCK_N)
+    return out
