@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import itertools
 import json
 import math
@@ -80,7 +79,6 @@ MLA_VARIANTS = {
     "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py: no duplicated QK, a load partition (Hopper)
     # kernels/gluon_mla_few_heads.py: tokens as the wgmma M, heads as its N (at most 32 heads; skipped above)
     "gluon_few": dict(kernel="gluon_few"),
-    "gluon_few_late": dict(kernel="gluon_few", few_attrs={"EARLY_COPY": False}),  # tile 0 copied after the PDL wait
     # the same with the split count capped at N instead of the backend's mla_max_kv_splits (batch 1: how many
     # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14)
     "gluon_s64": dict(kernel="gluon", max_splits=64),
@@ -159,26 +157,26 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
     else:
         kw = dict(MLA_VARIANTS[var])
         kw.pop("max_splits", None)
-        with gluon_defaults("gluon_mla_decode", kw.pop("gluon_attrs", {})), \
-                gluon_defaults("gluon_mla_few_heads", kw.pop("few_attrs", {})):
+        with gluon_defaults(kw.pop("gluon_attrs", {})):
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                            min_split_len=min_split_len, **kw)  # fmt: skip
 
 
 @contextlib.contextmanager
-def gluon_defaults(module_name: str, attrs: dict) -> Iterator[None]:
-    """Module defaults of a Gluon MLA kernel module (gluon_mla_decode's DIAG, LOAD_ROWS, ...;
-    gluon_mla_few_heads' EARLY_COPY) set for the calls inside; read at launch, so at graph capture too."""
+def gluon_defaults(attrs: dict) -> Iterator[None]:
+    """Module defaults of gluon_mla_decode (DIAG, LOAD_ROWS, ...) set for the calls inside; read at launch, so
+    at graph capture too."""
     if not attrs:
         yield
         return
-    module = importlib.import_module(f"ftransformers.kernels.{module_name}")
-    saved = {k: getattr(module, k) for k in attrs}
-    vars(module).update(attrs)
+    from ftransformers.kernels import gluon_mla_decode
+
+    saved = {k: getattr(gluon_mla_decode, k) for k in attrs}
+    vars(gluon_mla_decode).update(attrs)
     try:
         yield
     finally:
-        vars(module).update(saved)
+        vars(gluon_mla_decode).update(saved)
 
 
 # correctness on the GPU -------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def _compile(heads_n: int = 0) -> dict:  # in this process: shared bytes, PTX, t
     sig |= dict.fromkeys(strides, "i32")
     consts = {"L": 512, "R": 64} | ({"HN": heads_n} if heads_n else {"BLOCK_H": g.BLOCK_H})
     consts |= {"BLOCK_N": g.BLOCK_N, "LOAD_WARPS": g.LOAD_WARPS, "LOAD_REGS": g.LOAD_REGS, "LOAD_ROWS": g.LOAD_ROWS}
-    consts |= {"EARLY_COPY": True, "USE_PDL": True} if heads_n else {"USE_PDL": True, "DIAG": 0}
+    consts |= {"USE_PDL": True} | ({} if heads_n else {"DIAG": 0})
     sig |= dict.fromkeys(consts, "constexpr")
     names = list(sig)
     # what the JIT specialises at run time: 16-byte aligned pointers, strides divisible by 16 (576, ...)

@@ -61,18 +61,6 @@ PREFETCH_BEFORE_WAIT = {
     "triton_norm._rmsnorm_kernel": "the norm weight",
     "triton_router._fused_router_kernel": "its gate rows",
 }
-# Kernels that issue cp.async copies into their own shared memory ahead of their wait, of tensors no kernel
-# of the step writes; keyed module.kernel. What else they may call there: shared-memory allocation and
-# barrier set-up, and the copy helper.
-COPIES_BEFORE_WAIT = {
-    "gluon_mla_few_heads.mla_decode_stage1_few_heads": "tile 0's latent rows where the tile ends before the new "
-    "token (the cache of earlier tokens; the new token's row is stored by the kernel before it), and their slots",
-}
-COPY_SETUP_CALLS = {
-    "gl.allocate_shared_memory", "gl.NVMMASharedLayout.get_default_for", "gl.SwizzledSharedLayout",
-    "mbarrier.MBarrierLayout", "mbarrier.init", "ready.index", "empty.index", "gl.cdiv", "gl.maximum",
-    "gl.minimum", "gl.static_range", "_copy_first_tile",
-}
 READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
     "gl.load", "gl.program_id",
@@ -86,8 +74,7 @@ def _is_prefetch_block(stmt: ast.stmt) -> bool:
 def _first_statement(fn: ast.FunctionDef, key: str) -> str:
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     tops = [ast.unparse(s) for s in body]
-    copies = key in COPIES_BEFORE_WAIT
-    if fn.name not in READ_BEFORE_WAIT and key not in PREFETCH_BEFORE_WAIT and not copies:
+    if fn.name not in READ_BEFORE_WAIT and key not in PREFETCH_BEFORE_WAIT:
         return tops[0]
     assert "pdl_enter(USE_PDL)" in tops, f"{fn.name}: no top-level pdl_enter(USE_PDL)"
     before = body[: tops.index("pdl_enter(USE_PDL)")]
@@ -99,7 +86,7 @@ def _first_statement(fn: ast.FunctionDef, key: str) -> str:
                 continue  # only loads, index arithmetic and (in a PREFETCH block) L2 prefetches before the wait
             name = ast.unparse(node.func)
             ok = name in READ_ONLY_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr == "to")
-            ok = ok or (prefetch and name == "l2_prefetch") or (copies and name in COPY_SETUP_CALLS)
+            ok = ok or (prefetch and name == "l2_prefetch")
             assert ok, f"{fn.name}: {ast.unparse(node)} before the PDL wait"
             if name in ("tl.load", "gl.load") and not prefetch:
                 assert fn.name in READ_BEFORE_WAIT, f"{fn.name}: loads before the wait, not in READ_BEFORE_WAIT"

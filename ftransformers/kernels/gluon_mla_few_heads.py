@@ -20,6 +20,17 @@ other MLA stage-1 kernels: one program per (HN heads, KV split, sequence); a row
 finished here, others leave a normalised partial output and its base-2 log-sum-exp for
 `decode_combine`.
 
+Tile 0 is copied by the kernel's own warps right after the PDL wait, and the queries are loaded by the
+compute warpgroup, so the first copies are in flight before the queries arrive (the load partition
+starts at tile 1).
+
+Measured (H100, benchmarks/bench_attention.py, batch 1 x 32K, us against the 64-head kernel's): 8 heads
+20.8 against 24.0 (61% of copy bandwidth), 16 heads 22.2 against 25.1 (57%), 32 heads 25.7 against 29.8;
+faster at every batch (1-64) and context (4K-32K) measured. Tried and not kept (commit 40ea4b1 has it): tile 0 copied before the PDL wait where
+it ends before the new token (20.7 us at 16 heads): in the benchmark's chain of layers it overlaps
+the previous layer's stage 2, but in a decode step the kernel follows torch ops (the absorbing bmm,
+the latent store), which PDL does not overlap.
+
 Shared memory (16 heads, bf16): q 18 KB + 2 x 72 KB latent + 2 KB P + the epilogue's layout change.
 Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a block.
 """
@@ -49,7 +60,6 @@ NUM_WARPS = 4  # the compute partition: one warpgroup
 LOAD_WARPS = NUM_WARPS  # the kernel's own warps copy tile 0 with the load partition's count of arrivals
 LOAD_REGS = 40
 LOAD_ROWS = 8  # latent rows per cp.async call in the load partition
-EARLY_COPY = True  # tile 0 copied before the PDL wait where it ends before the new token (False: A/B runs)
 
 
 def heads_block(num_heads: int) -> int:
@@ -165,17 +175,16 @@ def mla_decode_stage1_few_heads(
     sm_scale, num_kv_splits, min_split_len, num_heads,
     s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
     L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr, EARLY_COPY: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
     USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
     b = gl.program_id(2)
-    # PDL: before the wait, the batch metadata (written before the step) and, where the split's first tile
-    # ends before the new token, that tile's copies: the latent rows of earlier tokens, which no kernel of
-    # the step writes (the new token's row is stored by the kernel before this one)
+    # PDL: the batch metadata (written before the step) is read before the wait
     seq_len = gl.load(seq_lens + b).to(gl.int32)
     req = gl.load(req_pool_indices + b)
+    pdl_enter(USE_PDL)
     dtype: gl.constexpr = KV.dtype.element_ty
     sl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
     sl_r: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
@@ -196,12 +205,6 @@ def mla_decode_stage1_few_heads(
     for i in gl.static_range(2):
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
         mbarrier.init(empty.index(i), count=1)
-    # tile 0 ends before the new token (at seq_len - 1); a runtime condition even with EARLY_COPY off (the
-    # branches folded away at compile time failed Triton 3.6's lowering to LLVM)
-    early = (start + BLOCK_N < seq_len) & (split_id >= 0 if EARLY_COPY else split_id < 0)
-    if early:
-        _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
-    pdl_enter(USE_PDL)
     if end <= start:
         if split_id == 0:  # seq_len 0 (a padded CUDA-graph row): zeros, not garbage
             ld_z: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -210,8 +213,7 @@ def mla_decode_stage1_few_heads(
             gl.store(O + b * s_o_b + heads_z[:, None] * s_o_h + cols_z[None, :],
                      gl.zeros([HN, L], O.dtype.element_ty, ld_z), mask=(heads_z < num_heads)[:, None])  # fmt: skip
         return
-    if not early:
-        _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
+    _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
     q_nope = gl.allocate_shared_memory(dtype, [HN, L], sl_ql)
     q_rope = gl.allocate_shared_memory(dtype, [HN, R], sl_qr)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HN], sl_p)
@@ -260,7 +262,7 @@ def mla_decode_few_heads(
         req_to_token.stride(0), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, EARLY_COPY=EARLY_COPY, num_warps=NUM_WARPS, maxnreg=maxnreg(),
+        LOAD_ROWS=LOAD_ROWS, num_warps=NUM_WARPS, maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),
     )  # fmt: skip
     if num_kv_splits > 1:

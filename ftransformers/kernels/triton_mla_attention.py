@@ -17,7 +17,8 @@ of one split is written by its program, others go through `decode_combine` (stag
 latent 512 + rope 64, `mla_decode_fwd` runs stage 1 as the Gluon kernel of `gluon_mla_decode.py`
 instead (same contract, the warpgroups side by side: no duplicated QK; copies from a load partition;
 at batch 16-64 x 16K-32K on an H100 ~55% of copy bandwidth at 128 heads, where the matmul floor is
-the byte floor, and 82-94% at 64 heads).
+the byte floor, and 82-94% at 64 heads); up to 32 heads a GPU `gluon_mla_few_heads.py` (the tokens as the
+wgmma M, the heads as its N, so a block of 8-16 heads is not padded to 64).
 
 Extend hands strided views of the latent buffer to the generic extend kernel, so nothing is copied.
 """
