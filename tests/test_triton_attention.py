@@ -301,3 +301,9 @@ def test_mla_decode_kernel_choice() -> None:
         mla_decode_fwd(q_nope, q_rope, *args, kernel="cuda")
     with pytest.raises(ValueError, match="Gluon MLA decode kernel does not apply here: it needs a Hopper GPU"):
         mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon")
+    with pytest.raises(ValueError, match="Gluon MLA decode kernel does not apply here: it needs a Hopper GPU"):
+        mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon_few")
+    wide = torch.zeros(1, 64, 64), torch.zeros(1, 64, 16)  # more heads than the few-heads kernel's widest N
+    args = (buf, torch.zeros(1, 64, 64), *args[2:5], *decode_scratch(1, 64, 64, 1, "cpu"), 1, 0.1)
+    with pytest.raises(ValueError, match="does not apply here: the few-heads kernel takes at most 32 heads, not 64"):
+        mla_decode_fwd(*wide, *args, kernel="gluon_few")

@@ -36,7 +36,7 @@ MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulat
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 # MLA decode stage 1: "auto" takes a Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
 # on an H100 1.5-1.6x the Triton kernel's speed at 128 heads, 1.1-2.2x at 64 and fewer from batch 4 x 32K;
-# up to 32 heads kernels/gluon_mla_few_heads.py, 1.02-1.2x that one's), "triton" / "gluon" / "gluon_few"
+# up to 32 heads kernels/gluon_mla_few_heads.py, 1.02-1.34x that one's), "triton" / "gluon" / "gluon_few"
 # force one (A/B runs; a Gluon one fails where it cannot run, saying why)
 MLA_DECODE_KERNEL = os.environ.get("FTRANSFORMERS_MLA_DECODE_KERNEL", "auto")
 if MLA_DECODE_KERNEL not in MLA_DECODE_KERNELS:

@@ -271,6 +271,21 @@ def maxnreg() -> int:
     return 65536 // ((NUM_WARPS + LOAD_WARPS) * 32) // 8 * 8
 
 
+def stage1_args(q_nope: torch.Tensor, q_rope: torch.Tensor, latent_buf: torch.Tensor, out: torch.Tensor,
+                req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                mid_o: torch.Tensor, mid_lse: torch.Tensor, num_kv_splits: int, sm_scale: float,
+                min_split_len: int) -> tuple:  # fmt: skip
+    """The positional arguments of a Gluon MLA stage-1 kernel (this module's and gluon_mla_few_heads'):
+    tensors, scalars, then strides, in their parameter order."""
+    return (
+        q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale, num_kv_splits, min_split_len, q_nope.shape[1],
+        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), latent_buf.stride(0),
+        req_to_token.stride(0), out.stride(0), out.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+    )  # fmt: skip
+
+
 def mla_decode(
     q_nope: torch.Tensor,  # [B, H, L]; a last block of fewer than BLOCK_H heads is padded
     q_rope: torch.Tensor,  # [B, H, R]
@@ -289,12 +304,10 @@ def mla_decode(
     Triton kernel); returns `out`."""
     B, H, L = q_nope.shape
     min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
+    args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+                       num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     mla_decode_stage1_gluon[(triton.cdiv(H, BLOCK_H), num_kv_splits, B)](
-        q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale, num_kv_splits, min_split_len, H,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), latent_buf.stride(0),
-        req_to_token.stride(0), out.stride(0), out.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        *args,
         L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
         LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, num_warps=NUM_WARPS, maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),

@@ -26,10 +26,10 @@ starts at tile 1).
 
 Measured (H100, benchmarks/bench_attention.py, batch 1 x 32K, us against the 64-head kernel's): 8 heads
 20.8 against 24.0 (61% of copy bandwidth), 16 heads 22.2 against 25.1 (57%), 32 heads 25.7 against 29.8;
-faster at every batch (1-64) and context (4K-32K) measured. Tried and not kept (commit 40ea4b1 has it): tile 0 copied before the PDL wait where
-it ends before the new token (20.7 us at 16 heads): in the benchmark's chain of layers it overlaps
-the previous layer's stage 2, but in a decode step the kernel follows torch ops (the absorbing bmm,
-the latent store), which PDL does not overlap.
+faster at every batch (1-64) and context (4K-32K) measured. Tried and not kept (commit 40ea4b1 has it):
+tile 0 copied before the PDL wait where it ends before the new token (20.7 us at 16 heads): in the
+benchmark's chain of layers it overlaps the previous layer's stage 2, but in a decode step the kernel
+follows torch ops (the absorbing bmm, the latent store), which PDL does not overlap.
 
 Shared memory (16 heads, bf16): q 18 KB + 2 x 72 KB latent + 2 KB P + the epilogue's layout change.
 Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a block.
@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, latent_loads, pdl_enter
+from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, latent_loads, pdl_enter, stage1_args
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.triton_decode_attention import decode_combine
 from ftransformers.kernels.triton_mla_attention import FEW_HEADS_LIMIT
@@ -111,8 +111,9 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
                          mask=(heads_r < num_heads)[:, None], other=0.0))  # fmt: skip
     fence_async_shared()  # generic-proxy stores, before the wgmmas read them
     _cta_barrier()  # every warp's share of q
+    # S^T [BLOCK_N, HN] and O^T [L, HN] share the m64nHN accumulator layout (so do their head vectors)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
+    o_layout: gl.constexpr = s_layout
     rows_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
     m_i = gl.full([HN], float("-inf"), gl.float32, gl.SliceLayout(0, s_layout))
@@ -255,12 +256,10 @@ def mla_decode_few_heads(
     B, H, L = q_nope.shape
     hn = heads_block(H)
     min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
+    args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+                       num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     mla_decode_stage1_few_heads[(triton.cdiv(H, hn), num_kv_splits, B)](
-        q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale, num_kv_splits, min_split_len, H,
-        q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), latent_buf.stride(0),
-        req_to_token.stride(0), out.stride(0), out.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        *args,
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
         LOAD_ROWS=LOAD_ROWS, num_warps=NUM_WARPS, maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),
