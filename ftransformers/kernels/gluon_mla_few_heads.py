@@ -226,7 +226,7 @@ def mla_decode_stage1_few_heads(
                           s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
                           L, R, HN, BLOCK_N)),
             (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, 1)),
+                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, 1)),  # DIAG 0; FIRST 1: tile 0 is copied above
         ],
         [LOAD_WARPS],
         [LOAD_REGS],
