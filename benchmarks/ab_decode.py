@@ -13,9 +13,6 @@ Variants (comma-separated `--variants`):
   no-prefetch           PDL on, but no L2 prefetch ahead of the wait (kernels/pdl.py, l2_prefetch)
   prefetch=F/G          L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES); the families
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
-  ahead=F/G[:bulk][:end] L2 prefetch of later kernels' weights by the families F, G (kernels/l2_ahead.py:
-                        o, down); `bulk`: one cp.async.bulk.prefetch.L2 a thread, `end`: after the
-                        prefetching kernel's stores
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
 
 `--timeline` adds, per variant and batch, a CUPTI trace of a few replays (torch.profiler) read as the
@@ -95,22 +92,6 @@ def _prefetch(spec: str) -> Callable[[], Callable[[], None]]:
     return apply
 
 
-def _ahead(spec: str) -> Callable[[], Callable[[], None]]:
-    # spec: "fam/fam[:bulk][:end]"
-    fams, *opts = spec.split(":")
-    if set(opts) - {"bulk", "end"}:
-        raise SystemExit(f"ab_decode: unknown ahead options {opts} (bulk, end)")
-
-    def apply() -> Callable[[], None]:
-        from ftransformers.kernels.l2_ahead import l2_ahead_settings, set_l2_ahead
-
-        was = l2_ahead_settings()
-        set_l2_ahead(frozenset(f for f in fams.split("/") if f), bulk="bulk" in opts, at_end="end" in opts)
-        return lambda: set_l2_ahead(*was)
-
-    return apply
-
-
 def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
     """Critical-path time per kernel name of `reps` graph replays (module docstring), per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -163,11 +144,7 @@ def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
         return _prefetch(name.partition("=")[2])
     if name.startswith("router="):
         return _router_from(name.partition("=")[2])
-    if name.startswith("ahead="):
-        return _ahead(name.partition("=")[2])
-    raise SystemExit(
-        f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, prefetch=F/G, router=PATH, ahead=F/G[:bulk][:end])"
-    )
+    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, prefetch=F/G, router=PATH)")
 
 
 def main() -> None:

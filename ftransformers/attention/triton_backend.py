@@ -12,12 +12,10 @@ from typing import Callable
 
 import torch
 import triton
-from torch import nn
 
 from ftransformers.attention.backend import AttentionBackend, register_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
-from ftransformers.kernels.l2_ahead import l2_ahead_on
 from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import MLA_DECODE_KERNELS, mla_decode_fwd, mla_extend_fwd
@@ -189,7 +187,6 @@ class TritonAttentionBackend(AttentionBackend):
         k_norm_weight: torch.Tensor | None = None,
         eps_q: float = 1e-6,
         eps_k: float = 1e-6,
-        next_linear: nn.Module | None = None,
     ) -> torch.Tensor:  # [T, H, D_v]
         """forward_mha after (optional per-head q/k RMSNorm and) neox rotary. Decode (with
         `fuse_decode_rope`, power-of-two head dims): inside the attention kernel's first stage
@@ -201,7 +198,7 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE and fuse:
             loc = batch.out_cache_loc
             rope = DecodeRope(k, v, positions, cos_sin_cache, loc, q_norm_weight, k_norm_weight, eps_q, eps_k)
-            return self._attend_mha(q, k, v, layer_id, scaling, batch, rope, next_linear)
+            return self._attend_mha(q, k, v, layer_id, scaling, batch, rope)
         q, k_rot = rope_store(
             q, k, v, positions, cos_sin_cache, k_buf, v_buf, batch.out_cache_loc, q_norm_weight, k_norm_weight,
             eps_q, eps_k, write_k=batch.mode != ForwardMode.DECODE,
@@ -210,7 +207,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _attend_mha(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, batch: ForwardBatch,
-        rope: DecodeRope | None = None, next_linear: nn.Module | None = None,
+        rope: DecodeRope | None = None,
     ) -> torch.Tensor:  # K/V already stored (by stage 1 itself with `rope`); k/v (new tokens) read by extend only
         k_buf, v_buf = batch.kv_pool.get_kv(layer_id)  # type: ignore[union-attr]
         T, H, _ = q.shape
@@ -225,7 +222,6 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16, rope=rope,
-                ahead=next_linear.weight_tensors() if next_linear is not None and l2_ahead_on("o") else None,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return extend_attention_fwd(

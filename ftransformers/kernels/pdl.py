@@ -32,6 +32,12 @@ ab_prefetch_fam_30b_h100.log and ab_prefetch_final_30b_h100.log): the weight row
 kernels of many waves, whole or their first tile (the one-row GEMV: 3.310 -> 3.487 ms; the MoE pair
 down kernel: 3.573; their 4-bit forms slower too), and GQA decode stage 1's first K/V tile (neutral
 alone, 3.306; with the q/k norm weights and the families above, 3.384 against 3.260 without it).
+Also measured and left out (session 20, commit eaf4689 has the code; ab_ahead_30b_{bf16,w4a16}_h100.log):
+hints for a *later* kernel's weights issued after the wait by a latency-bound kernel, so that DRAM
+streams them while it idles: decode stage 1 hinting the o projection, the MoE pair gate-up hinting its
+expert's down weights, per line or as one bulk prefetch a thread, at the start or after the stores. B=1
+Qwen3-30B-A3B: bf16 3.251 ms without, 3.317-3.601 with; W4A16 2.155 without, 2.145-2.344 with. The
+weight-streaming kernels at batch 1 are not bound by their first DRAM round trip.
 `set_pdl_prefetch` chooses families (A/B runs); FTRANSFORMERS_DISABLE_PDL_PREFETCH=1 starts with none.
 
 Off on the CPU, in Triton's interpreter, below compute capability 9.0, with FTRANSFORMERS_DISABLE_PDL=1,

@@ -31,14 +31,12 @@ from a second view; `kernels/triton_mla_attention.py` has the dedicated MLA deco
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.l2_ahead import ahead_args, l2_ahead
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.triton_rope_store import norm_rope
 
@@ -57,12 +55,12 @@ def _decode_stage1_kernel(
     s_q_t, s_q_h, s_qpe_t, s_qpe_h,
     s_k_n, s_k_h, s_kpe_n, s_kpe_h, s_v_n, s_v_h, s_r2t,
     s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
-    s_kn_t, s_kn_h, s_vn_t, s_vn_h, s_cs, AH0, AN0, AH1, AN1, AH2, AN2,
+    s_kn_t, s_kn_h, s_vn_t, s_vn_h, s_cs,
     D: tl.constexpr, DPE: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr = False, AHEAD: tl.constexpr = 0, AHEAD_END: tl.constexpr = False, AHEAD_LANES: tl.constexpr = 32,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
@@ -72,8 +70,6 @@ def _decode_stage1_kernel(
     #   own heads of q, and the program holding position seq_len - 1 norms and rotates k, stores k and
     #   v in the pool (head block 0 of the KV head) and starts its online softmax from that token
     #   instead of reading it back from the pool. D == BLOCK_D (a power of two).
-    # AHEAD: the programs share L2 prefetch hints for a later kernel's weights (kernels/l2_ahead.py),
-    #   right after the wait or, with AHEAD_END, after their stores
     # PDL: the batch metadata (seq_lens, req_pool_indices, req_to_token, positions, out_cache_loc) is
     # written before the step by host copies and torch ops, never by a kernel of the step, and the
     # cos|sin cache is constant, so they are read before the wait
@@ -94,10 +90,6 @@ def _decode_stage1_kernel(
         cos = tl.load(cos_sin + new_pos * s_cs + offs_half)
         sin = tl.load(cos_sin + new_pos * s_cs + HALF + offs_half)
     pdl_enter(USE_PDL)
-    part = pid_hb + tl.num_programs(0) * (split_id + tl.num_programs(1) * b)
-    parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    if not AHEAD_END:
-        l2_ahead(AH0, AN0, AH1, AN1, AH2, AN2, 0, part, parts, AHEAD, AHEAD_LANES)
     kv_head = pid_hb // heads_per_kv_blocks
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
     h_mask = local < group
@@ -109,8 +101,6 @@ def _decode_stage1_kernel(
             if split_id == 0:  # seq_len 0
                 tl.store(O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :],
                          tl.zeros([BLOCK_H, BLOCK_DV], O.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-        if AHEAD_END:
-            l2_ahead(AH0, AN0, AH1, AN1, AH2, AN2, 0, part, parts, AHEAD, AHEAD_LANES)
         return
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -185,8 +175,6 @@ def _decode_stage1_kernel(
         tl.store(mid_o_ptr, acc / l_i[:, None], mask=hd_mask)
         # log-sum-exp in base 2 of this split's scores
         tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
-    if AHEAD_END:
-        l2_ahead(AH0, AN0, AH1, AN1, AH2, AN2, 0, part, parts, AHEAD, AHEAD_LANES)
 
 
 @triton.jit
@@ -298,7 +286,6 @@ def decode_attention_fwd(
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
     direct: bool = True,  # False: every row goes through the partials and stage 2 (the pre-2026-11 behaviour)
     rope: DecodeRope | None = None,  # norm + rope q and the new k, store k/v, here (seq_lens count it)
-    ahead: Sequence[torch.Tensor] | None = None,  # a later kernel's weights to pull into L2 (kernels/l2_ahead.py)
 ) -> torch.Tensor:
     B, H, D = q.shape
     H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
@@ -343,7 +330,7 @@ def decode_attention_fwd(
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
         num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(q.device), **ahead_args(ahead, q, num_warps),
+        **pdl_launch(q.device),
     )  # fmt: skip
     if num_kv_splits > 1 or not direct:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct)

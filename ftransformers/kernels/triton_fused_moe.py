@@ -24,14 +24,12 @@ with max_padded = T*K + min(E, T*K) * (BLOCK_M - 1) rounded up to BLOCK_M.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.l2_ahead import ahead_args, l2_ahead, l2_ahead_on
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
@@ -276,23 +274,19 @@ def moe_gemm(
 @triton.jit
 def _pair_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, tw_ptr, N, K, num_pairs, up_offset,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am, AH0, AN0, AH1, AN1, AH2, AN2,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, AHEAD: tl.constexpr = 0, AHEAD_END: tl.constexpr = False,
-    AHEAD_LANES: tl.constexpr = 32,
+    USE_PDL: tl.constexpr = False,
 ):
     # act[pair, n] = w[pair] * silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, up_offset + n]), t = pair // TOP_K.
     # One row, so a GEMV on CUDA cores: [BLOCK_N, BLOCK_K] weight tiles times the x row, summed over
     # K in float32. Pair fastest in the grid: programs sharing an N block (and so an expert's rows) run
-    # together, and an expert hit by several tokens is re-read from L2. AHEAD: the programs of a pair
-    # share L2 prefetch hints for its expert's down weights (kernels/l2_ahead.py).
+    # together, and an expert hit by several tokens is re-read from L2.
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if not AHEAD_END:
-        l2_ahead(AH0, AN0, AH1, AN1, AH2, AN2, expert, pid_n, tl.num_programs(0) // num_pairs, AHEAD, AHEAD_LANES)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -311,8 +305,6 @@ def _pair_gate_up_kernel(
         w_ptrs += BLOCK_K * stride_wk
     act = acc / (1.0 + tl.exp(-acc)) * acc_up * tl.load(tw_ptr + pair)
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
-    if AHEAD_END:
-        l2_ahead(AH0, AN0, AH1, AN1, AH2, AN2, expert, pid_n, tl.num_programs(0) // num_pairs, AHEAD, AHEAD_LANES)
 
 
 @triton.jit
@@ -365,7 +357,6 @@ def pair_gate_up(
     topk_ids: torch.Tensor,  # [T, K] contiguous
     weights: torch.Tensor,  # [T*K] float32
     cfg: PairConfig,
-    ahead: Sequence[torch.Tensor] | None = None,  # stacked [E, ...] down weights to pull into L2 (l2_ahead.py)
 ) -> torch.Tensor:  # act [T*K, I], routing weight applied
     num_pairs, d = topk_ids.numel(), hidden.shape[1]
     inter = w13.shape[1] // 2
@@ -377,7 +368,7 @@ def pair_gate_up(
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=triton.cdiv(d, block_k),
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
-        **pdl_launch(hidden.device), **ahead_args(ahead, hidden, cfg.up_warps),
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -447,7 +438,7 @@ def fused_moe(
     if isinstance(config, PairConfig) or (config is None and t * top_k <= PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, PairConfig) else default_pair_config(t, d)
         ids = topk_ids.contiguous()
-        act = pair_gate_up(hidden, w13, ids, weights, cfg, [w2] if l2_ahead_on("down") else None)  # [T*K, I]
+        act = pair_gate_up(hidden, w13, ids, weights, cfg)  # [T*K, I]
         out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
         return pair_down_sum(act, w2, ids, out, cfg)
     cfg = config or default_config(t, e, top_k)

@@ -26,7 +26,6 @@ token to 256 pairs (measured faster there on the H100; benchmarks/results/moe_w4
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,6 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma_path
-from ftransformers.kernels.l2_ahead import ahead_args, l2_ahead, l2_ahead_on
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
@@ -111,16 +109,14 @@ def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size:
 @triton.jit
 def _pair_gate_up_w4_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, act_ptr, ids_ptr, N, K, num_pairs,
-    stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ge, AH0, AN0, AH1, AN1, AH2, AN2,
+    stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_ge,
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, X_F16: tl.constexpr, ACT_BF16: tl.constexpr, EVEN: tl.constexpr,
     GROUP: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, AHEAD: tl.constexpr = 0, AHEAD_END: tl.constexpr = False,
-    AHEAD_LANES: tl.constexpr = 32,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]), t = pair // TOP_K, e = ids[pair],
     # rounded to hidden's dtype. x_ptr: the int32 view of hidden (stride_xm in int32s). act_ptr: float32
     # [num_pairs, 8, N/8], element (j, w) = act[8w + j] (E2M1: times 2^63), the down kernel's planes.
-    # AHEAD: the programs of a pair share L2 prefetch hints for its expert's down weights (l2_ahead.py).
     pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     NG: tl.constexpr = BLOCK_K // GROUP
@@ -129,8 +125,6 @@ def _pair_gate_up_w4_kernel(
     pair = pid % num_pairs
     pid_n = pid // num_pairs
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if not AHEAD_END:
-        l2_ahead(AH0, AN0, AH1, AN1, AH2, AN2, expert, pid_n, tl.num_programs(0) // num_pairs, AHEAD, AHEAD_LANES)
     magic = magic.to(tl.uint32, bitcast=True)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -169,8 +163,6 @@ def _pair_gate_up_w4_kernel(
         act = act * P63
     plane = N // 8
     tl.store(act_ptr + pair.to(tl.int64) * N + (offs_n % 8) * plane + offs_n // 8, act, mask=n_ok)
-    if AHEAD_END:
-        l2_ahead(AH0, AN0, AH1, AN1, AH2, AN2, expert, pid_n, tl.num_programs(0) // num_pairs, AHEAD, AHEAD_LANES)
 
 
 @triton.jit
@@ -353,11 +345,10 @@ def _maxnreg(cap: int) -> dict[str, int]:
 
 
 def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
-    ahead = [t for t in (w2.qweight, w2.scales, w2.zeros) if t is not None] if l2_ahead_on("down") else None
-    return pair_down(pair_gate_up(hidden, w13, ids, cfg, ahead), hidden, w2, weights, ids, cfg)
+    return pair_down(pair_gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
 
 
-def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig, ahead: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig) -> torch.Tensor:
     """The pair path's first kernel: float32 planes [T*K, I] of silu(gate) * up (see the module doc)."""
     d = hidden.shape[1]
     num_pairs, top_k, inter = ids.numel(), ids.shape[1], w13.out_features // 2
@@ -370,7 +361,7 @@ def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig, ahead: Sequence[torch.Tens
         ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
         GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=triton.cdiv(d, bk),
         num_warps=cfg.up_warps, num_stages=cfg.stages, **_maxnreg(cfg.up_maxnreg),
-        **pdl_launch(x.device), **ahead_args(ahead, x, cfg.up_warps),
+        **pdl_launch(x.device),
     )  # fmt: skip
     return act
 

@@ -61,7 +61,6 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [T, H_kv*D_v]
         rope: nn.Module,
         qk_norm: QKNorm | None = None,
-        next_linear: nn.Module | None = None,  # the o projection: its weights may be prefetched into L2
     ) -> torch.Tensor | None:  # [T, H*D_v], or None where the caller must norm, rope and call forward
         """Per-head q/k norm, rotary, K/V store and attention with the first three in one kernel, when
         the batch's backend offers it (triton, CUDA) and the rope is plain neox over its cache."""
@@ -85,6 +84,5 @@ class Attention(nn.Module):
             self.scaling,
             batch,
             *norm_args,
-            next_linear=next_linear,
         )
         return out.reshape(T, self.num_heads * self.v_head_dim)

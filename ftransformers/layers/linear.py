@@ -89,14 +89,6 @@ class LinearBase(nn.Module):
         """(offset, size) of each checkpoint module stacked in this layer's output (one for a plain layer)."""
         return [(0, self.output_size)]
 
-    def weight_tensors(self) -> list[torch.Tensor]:
-        """The tensors a forward streams (the weight, or its quantized layout's codes, scales, zeros), largest
-        first: what a kernel before this one may prefetch into L2 (kernels/l2_ahead.py)."""
-        qw = getattr(self, "qw", None)
-        found = [self.weight] if qw is None else [qw.qweight, qw.scales, qw.zeros, qw.global_scale]
-        found = [t for t in found if t is not None and t.device.type != "meta"]
-        return sorted(found, key=lambda t: t.numel() * t.element_size(), reverse=True)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         if self.quant_method is not None:

@@ -66,7 +66,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> q [T, H*Dh], k/v [T, H_kv*Dh]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params(), self.o_proj)
+        out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params())
         if out is None:
             q, k = self.qk_norm(q, k)
             q, k = self.rotary_emb(positions, q, k)
