@@ -80,10 +80,15 @@ MLA_VARIANTS = {
     # kernels/gluon_mla_few_heads.py: tokens as the wgmma M, heads as its N (at most 32 heads; skipped above)
     "gluon_few": dict(kernel="gluon_few"),
     # the same with the split count capped at N instead of the backend's mla_max_kv_splits (batch 1: how many
-    # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14)
+    # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14).
+    # few_s32 ... few_s128: the same for the few-heads kernel
     "gluon_s64": dict(kernel="gluon", max_splits=64),
     "gluon_s96": dict(kernel="gluon", max_splits=96),
     "gluon_s132": dict(kernel="gluon", max_splits=132),
+    "few_s32": dict(kernel="gluon_few", max_splits=32),
+    "few_s48": dict(kernel="gluon_few", max_splits=48),
+    "few_s64": dict(kernel="gluon_few", max_splits=64),
+    "few_s128": dict(kernel="gluon_few", max_splits=128),
     # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
     # the first two tiles (its compute path alone), no wgmma (its copies, softmax and barriers alone).
     # The schedules it was chosen from (gluon_pipe, gluon_seq, gluon_ws_seq_p2, ...) are in commit dcbcafd.
@@ -139,7 +144,7 @@ def gqa_call(var: str, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> No
 def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     if var == "old":
         return num_kv_splits(B, triton.cdiv(H, 32), sms)
-    cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H))
+    cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H, MLA_VARIANTS[var].get("kernel", "triton")))
     return mla_num_kv_splits(B, triton.cdiv(H, 64), sms, cap)
 
 
@@ -348,7 +353,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--kernels", default="gqa,mla", help="groups: gqa, mla, extend")
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
-    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s"))),
+    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s"))),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
     ap.add_argument("--mla-batches", default="1,4,16,64", help="batch sizes of the MLA cases (each at 4K, 16K, 32K)")
     ap.add_argument("--check-reps", type=int, default=4)

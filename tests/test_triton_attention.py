@@ -29,6 +29,7 @@ from ftransformers.kernels.triton_mla_attention import (
     latent_views,
     mla_attention_ref,
     mla_decode_fwd,
+    mla_decode_kernel,
     mla_extend_fwd,
 )
 
@@ -182,11 +183,14 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
 
 
 def test_mla_split_rule() -> None:
-    # one wave of (batch x head-block x split) programs on 132 SMs, at most the cap for the head count
-    # (128 up to MLA_FEW_HEADS heads, else 64), a power of two above 64
+    # one wave of (batch x head-block x split) programs on 132 SMs, at most the cap for the head count and
+    # kernel (128 up to MLA_FEW_HEADS heads on the 64-head kernels, else 64; 64 on the few-heads kernel), a
+    # power of two above 64
     from ftransformers.attention.triton_backend import MLA_FEW_HEADS, mla_max_kv_splits, mla_num_kv_splits
 
     assert [mla_max_kv_splits(8), mla_max_kv_splits(MLA_FEW_HEADS), mla_max_kv_splits(64)] == [128, 128, 64]
+    assert [mla_max_kv_splits(8, "gluon"), mla_max_kv_splits(8, "gluon_few"), mla_max_kv_splits(32, "gluon_few")] == [
+        128, 64, 64]  # fmt: skip
     assert [mla_num_kv_splits(1, 1, 132, 128), mla_num_kv_splits(1, 1, 132, 64), mla_num_kv_splits(1, 2, 132, 64)] == [
         128, 64, 64]  # fmt: skip
     assert [mla_num_kv_splits(2, 1, 132, 128), mla_num_kv_splits(3, 1, 132, 128), mla_num_kv_splits(64, 2, 132)] == [
@@ -299,6 +303,7 @@ def test_mla_decode_kernel_choice() -> None:
             torch.ones(1, dtype=torch.int64), *decode_scratch(1, 16, 64, 1, "cpu"), 1, 0.1)  # fmt: skip
     with pytest.raises(ValueError, match="kernel must be"):
         mla_decode_fwd(q_nope, q_rope, *args, kernel="cuda")
+    assert mla_decode_kernel(q_nope, buf, "auto") == mla_decode_kernel(q_nope, buf, "triton") == "triton"
     with pytest.raises(ValueError, match="Gluon MLA decode kernel does not apply here: it needs a Hopper GPU"):
         mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon")
     with pytest.raises(ValueError, match="Gluon MLA decode kernel does not apply here: it needs a Hopper GPU"):
@@ -307,3 +312,7 @@ def test_mla_decode_kernel_choice() -> None:
     args = (buf, torch.zeros(1, 64, 64), *args[2:5], *decode_scratch(1, 64, 64, 1, "cpu"), 1, 0.1)
     with pytest.raises(ValueError, match="does not apply here: the few-heads kernel takes at most 32 heads, not 64"):
         mla_decode_fwd(*wide, *args, kernel="gluon_few")
+    if CUDA and torch.cuda.get_device_capability()[0] == 9:  # what "auto" takes on Hopper, by head count
+        latent = torch.zeros(4, 576, dtype=torch.bfloat16, device="cuda")
+        queries = [torch.zeros(1, h, 512, dtype=torch.bfloat16, device="cuda") for h in (8, 32, 64)]
+        assert [mla_decode_kernel(q, latent) for q in queries] == ["gluon_few", "gluon_few", "gluon"]

@@ -18,18 +18,26 @@ from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
 from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
-from ftransformers.kernels.triton_mla_attention import MLA_DECODE_KERNELS, mla_decode_fwd, mla_extend_fwd
+from ftransformers.kernels.triton_mla_attention import (
+    MLA_DECODE_KERNELS,
+    mla_decode_fwd,
+    mla_decode_kernel,
+    mla_extend_fwd,
+)
 from ftransformers.kernels.triton_mla_prefill import mla_prefill_fwd, mla_prefill_sdpa
 from ftransformers.kernels.triton_rope_store import rope_store
 
 MAX_KV_SPLITS = 64
 GQA_WAVES = 2  # H100: 2 waves of decode programs beat 4 by up to 9% from batch 32 (attention_h100.json)
 MLA_MAX_KV_SPLITS = 64
-# MLA decode with at most this many heads a GPU (DeepSeek-V3 / Kimi-K2 at tensor parallel 8): up to 128 splits,
-# so that batch 1 puts a program on nearly every SM (H100, batch 1 x 32K, 8 / 16 heads: 27.0 / 27.9 -> 23.8 /
-# 24.8 us, the same at 4K and 16K). At 64 heads 128 splits were slower at 4K and 16K (15.3 -> 17.5, 22.6 ->
-# 25.2 us: their float32 partials are 4x larger), so larger head counts keep 64. 32 was not measured.
-# benchmarks/results/attention_mla_b1_rule_h100.log
+# MLA decode on the 64-head kernels with at most this many heads a GPU (DeepSeek-V3 / Kimi-K2 at tensor
+# parallel 8): up to 128 splits, so that batch 1 puts a program on nearly every SM (H100, batch 1 x 32K, 8 / 16
+# heads: 27.0 / 27.9 -> 23.8 / 24.8 us, the same at 4K and 16K). At 64 heads 128 splits were slower at 4K and
+# 16K (15.3 -> 17.5, 22.6 -> 25.2 us: their float32 partials are 4x larger), so larger head counts keep 64.
+# benchmarks/results/attention_mla_b1_rule_h100.log. The few-heads kernel (Hopper's default up to 32 heads)
+# keeps 64 at every head count: at batch 1 it was faster with 64 splits than with 128 (8 / 16 / 32 heads x
+# 32K: 20.1 / 21.5 / 25.2 us against 20.8 / 22.2 / 25.9) and much faster than with 32 or 48 (its copies then
+# bound it: 28.8 / 31.2 / 37.9 us at 32). benchmarks/results/attention_mla_few_splits_h100.log
 MLA_FEW_HEADS = 16
 MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
@@ -63,9 +71,12 @@ def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_split
     return n if n <= MLA_MAX_KV_SPLITS else 1 << (n.bit_length() - 1)
 
 
-def mla_max_kv_splits(num_heads: int) -> int:
-    """mla_num_kv_splits's cap for this many heads a GPU (see MLA_FEW_HEADS)."""
-    return MLA_FEW_HEADS_MAX_KV_SPLITS if num_heads <= MLA_FEW_HEADS else MLA_MAX_KV_SPLITS
+def mla_max_kv_splits(num_heads: int, kernel: str = "triton") -> int:
+    """mla_num_kv_splits's cap for this many heads a GPU on this stage-1 kernel (mla_decode_kernel's name;
+    see MLA_FEW_HEADS)."""
+    if kernel == "gluon_few" or num_heads > MLA_FEW_HEADS:
+        return MLA_MAX_KV_SPLITS
+    return MLA_FEW_HEADS_MAX_KV_SPLITS
 
 
 @register_attention_backend("triton")
@@ -249,12 +260,14 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE:
             block_h = MLA_BLOCK_H if q_nope.is_cuda else 16
             head_blocks, sms = triton.cdiv(H, block_h), self._sms(q_nope.device)
+            kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL)
+            cap = mla_max_kv_splits(H, kernel)
             mid_o, mid_lse, splits = self._decode_scratch(
-                T, H, L, lambda b: mla_num_kv_splits(b, head_blocks, sms, mla_max_kv_splits(H)), q_nope.device
+                T, H, L, lambda b: mla_num_kv_splits(b, head_blocks, sms, cap), q_nope.device
             )
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES, kernel=MLA_DECODE_KERNEL,
+                mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES, kernel=kernel,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return mla_extend_fwd(

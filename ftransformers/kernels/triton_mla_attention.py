@@ -168,6 +168,23 @@ def _gluon_decode(few_heads: bool = False) -> Callable[..., torch.Tensor] | None
     return fn
 
 
+def mla_decode_kernel(q_nope: torch.Tensor, latent_buf: torch.Tensor, kernel: str = "auto") -> str:
+    """The stage-1 kernel mla_decode_fwd runs for `kernel` on these tensors: "gluon_few", "gluon" or "triton"
+    ("auto": gluon_few up to FEW_HEADS_LIMIT heads, else gluon, where it applies). Asking for a Gluon kernel
+    that cannot run here is an error that says why."""
+    if kernel not in MLA_DECODE_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(MLA_DECODE_KERNELS)}, not {kernel!r}")
+    if kernel == "triton":
+        return kernel
+    few = kernel == "gluon_few" or (kernel == "auto" and q_nope.shape[1] <= FEW_HEADS_LIMIT)
+    why_not = gluon_mla_unsupported(q_nope, latent_buf, few)
+    if why_not is None:
+        return "gluon_few" if few else "gluon"
+    if kernel != "auto":
+        raise ValueError(f"the Gluon MLA decode kernel does not apply here: {why_not} (kernel={kernel!r})")
+    return "triton"
+
+
 def mla_decode_fwd(
     q_nope: torch.Tensor,  # [B, H, L], absorbed through W_UK
     q_rope: torch.Tensor,  # [B, H, R]
@@ -186,22 +203,17 @@ def mla_decode_fwd(
     num_stages: int = 3,
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
     kernel: str = "auto",  # "gluon" / "gluon_few" (Hopper, see gluon_mla_decode.py / gluon_mla_few_heads.py),
-    # "triton", or "auto": gluon_few up to FEW_HEADS_LIMIT heads, else gluon, where it applies
+    # "triton", or "auto" (mla_decode_kernel)
 ) -> torch.Tensor:
     B, H, L = q_nope.shape
     R = q_rope.shape[-1]
     assert latent_buf.shape[-1] == L + R and latent_buf.stride(-1) == 1
     assert q_nope.stride(-1) == 1 and q_rope.stride(-1) == 1 and q_rope.dtype == q_nope.dtype
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
-    if kernel not in MLA_DECODE_KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(MLA_DECODE_KERNELS)}, not {kernel!r}")
-    few = kernel == "gluon_few" or (kernel == "auto" and H <= FEW_HEADS_LIMIT)
-    why_not_gluon = gluon_mla_unsupported(q_nope, latent_buf, few) if kernel != "triton" else "not asked for"
-    if kernel.startswith("gluon") and why_not_gluon:
-        raise ValueError(f"the Gluon MLA decode kernel does not apply here: {why_not_gluon} (kernel={kernel!r})")
-    if not why_not_gluon:
-        return _gluon_decode(few)(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
-                                  mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
+    chosen = mla_decode_kernel(q_nope, latent_buf, kernel)
+    if chosen != "triton":
+        return _gluon_decode(chosen == "gluon_few")(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices,
+                                                    seq_lens, mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     cuda = q_nope.is_cuda
     block_h = block_h or (64 if cuda else 16)
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
