@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import copy_bandwidth, matmul_rate
 
-from ftransformers.attention.triton_backend import mla_max_kv_splits, mla_num_kv_splits, num_kv_splits
+from ftransformers.attention.triton_backend import mla_block_h, mla_max_kv_splits, mla_num_kv_splits, num_kv_splits
 from ftransformers.kernels.triton_decode_attention import (
     decode_attention_fwd,
     decode_attention_ref,
@@ -89,6 +89,11 @@ MLA_VARIANTS = {
     "few_s48": dict(kernel="gluon_few", max_splits=48),
     "few_s64": dict(kernel="gluon_few", max_splits=64),
     "few_s128": dict(kernel="gluon_few", max_splits=128),
+    # the few-heads kernel on blocks of 16 / 8 heads (several programs a tile), or all heads in one block, at
+    # every batch size (gluon_few: the backend's rule, mla_block_h; not run unless named)
+    "few_b32": dict(kernel="gluon_few", block_h=32),
+    "few_b16": dict(kernel="gluon_few", block_h=16),
+    "few_b8": dict(kernel="gluon_few", block_h=8),
     # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
     # the first two tiles (its compute path alone), no wgmma (its copies, softmax and barriers alone).
     # The schedules it was chosen from (gluon_pipe, gluon_seq, gluon_ws_seq_p2, ...) are in commit dcbcafd.
@@ -145,7 +150,16 @@ def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     if var == "old":
         return num_kv_splits(B, triton.cdiv(H, 32), sms)
     cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H, MLA_VARIANTS[var].get("kernel", "triton")))
-    return mla_num_kv_splits(B, triton.cdiv(H, 64), sms, cap)
+    return mla_num_kv_splits(B, triton.cdiv(H, mla_block(var, B, H) or 64), sms, cap)
+
+
+def mla_block(var: str, B: int, H: int) -> int | None:
+    """Heads a program: the variant's block_h, or for the few-heads kernel the backend's rule (None: the
+    launcher's default)."""
+    spec = MLA_VARIANTS[var]
+    if "block_h" in spec:
+        return spec["block_h"]
+    return mla_block_h(H, B, "gluon_few") if spec.get("kernel") == "gluon_few" else None
 
 
 def mla_applies(var: str, H: int) -> bool:
@@ -162,6 +176,7 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
     else:
         kw = dict(MLA_VARIANTS[var])
         kw.pop("max_splits", None)
+        kw["block_h"] = mla_block(var, *q_nope.shape[:2])
         with gluon_defaults(kw.pop("gluon_attrs", {})):
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
                            min_split_len=min_split_len, **kw)  # fmt: skip
@@ -353,7 +368,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--kernels", default="gqa,mla", help="groups: gqa, mla, extend")
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
-    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s"))),
+    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s", "few_b"))),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
     ap.add_argument("--mla-batches", default="1,4,16,64", help="batch sizes of the MLA cases (each at 4K, 16K, 32K)")
     ap.add_argument("--check-reps", type=int, default=4)

@@ -161,17 +161,19 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
                             [1] * real, scale)  # fmt: skip
     cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (128, 0), (16, 512)]
-    # the Gluon kernels where they apply (Hopper; the few-heads one up to 32 heads), one of which "auto" picks
+    # the Gluon kernels where they apply (Hopper; the few-heads one up to 32 heads), one of which "auto" picks;
+    # the few-heads one also on blocks of 8 and 16 heads (several programs a tile, the last block padded at 12)
     gluon = [k for k, few in (("gluon", False), ("gluon_few", True)) if gluon_mla_unsupported(q_nope, buf, few) is None]
-    kernels = ["triton", "auto", *gluon]
-    for kernel in kernels:
+    kernels = [("triton", None), ("auto", None), *((k, None) for k in gluon)]
+    kernels += [("gluon_few", hb) for hb in (8, 16) if "gluon_few" in gluon and hb < H]
+    for kernel, block_h in kernels:
         for splits, min_split_len in cases:
             mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
             out = torch.full_like(q_nope, float("nan"))
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
-                           min_split_len=min_split_len, kernel=kernel)  # fmt: skip
+                           min_split_len=min_split_len, kernel=kernel, block_h=block_h)  # fmt: skip
             err = rel_err(out[:real], ref)
-            assert err <= TOL, (kernel, splits, min_split_len, err)
+            assert err <= TOL, (kernel, block_h, splits, min_split_len, err)
             assert torch.equal(out[real], torch.zeros_like(out[real]))
     c_kv, k_pe = latent_views(buf, L)
     splits = 4 if not CUDA else 32
@@ -186,11 +188,20 @@ def test_mla_split_rule() -> None:
     # one wave of (batch x head-block x split) programs on 132 SMs, at most the cap for the head count and
     # kernel (128 up to MLA_FEW_HEADS heads on the 64-head kernels, else 64; 64 on the few-heads kernel), a
     # power of two above 64
-    from ftransformers.attention.triton_backend import MLA_FEW_HEADS, mla_max_kv_splits, mla_num_kv_splits
+    from ftransformers.attention.triton_backend import (
+        MLA_FEW_HEADS,
+        mla_block_h,
+        mla_max_kv_splits,
+        mla_num_kv_splits,
+    )
 
     assert [mla_max_kv_splits(8), mla_max_kv_splits(MLA_FEW_HEADS), mla_max_kv_splits(64)] == [128, 128, 64]
     assert [mla_max_kv_splits(8, "gluon"), mla_max_kv_splits(8, "gluon_few"), mla_max_kv_splits(32, "gluon_few")] == [
         128, 64, 64]  # fmt: skip
+    # the few-heads kernel splits more than 16 heads into blocks of 16 up to batch 4
+    assert [mla_block_h(32, 1, "gluon_few"), mla_block_h(32, 4, "gluon_few"), mla_block_h(32, 5, "gluon_few")] == [
+        16, 16, 64]  # fmt: skip
+    assert [mla_block_h(16, 1, "gluon_few"), mla_block_h(32, 1, "gluon"), mla_block_h(128, 1, "triton")] == [64, 64, 64]
     assert [mla_num_kv_splits(1, 1, 132, 128), mla_num_kv_splits(1, 1, 132, 64), mla_num_kv_splits(1, 2, 132, 64)] == [
         128, 64, 64]  # fmt: skip
     assert [mla_num_kv_splits(2, 1, 132, 128), mla_num_kv_splits(3, 1, 132, 128), mla_num_kv_splits(64, 2, 132)] == [

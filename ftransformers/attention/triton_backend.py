@@ -39,6 +39,12 @@ MLA_MAX_KV_SPLITS = 64
 # 32K: 20.1 / 21.5 / 25.2 us against 20.8 / 22.2 / 25.9) and much faster than with 32 or 48 (its copies then
 # bound it: 28.8 / 31.2 / 37.9 us at 32). benchmarks/results/attention_mla_few_splits_h100.log
 MLA_FEW_HEADS = 16
+# The few-heads kernel at more than 16 heads a GPU (32: DeepSeek-V3 at tensor parallel 4, Kimi-K2 at 2) and batch
+# <= 4 runs blocks of 16 heads, two programs a tile, so twice the SMs share a row's tiles: H100, 32 heads, batch
+# 1 x 4K / 16K / 32K 11.1 / 16.7 / 25.5 -> 10.6 / 15.9 / 24.0 us, batch 4 17.0 / 38.5 / 63.8 -> 14.8 / 36.8 /
+# 64.4. From batch 16 each block's copy of the tiles costs more than it saves (batch 16 x 32K 214.5 -> 239.3,
+# batch 64 x 32K 813.7 -> 981.7). benchmarks/results/attention_mla_few_blocks32_h100.log
+MLA_FEW_SPLIT_HEADS_MAX_BS = 4
 MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
@@ -69,6 +75,14 @@ def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_split
     128 heads, for the same 64 non-empty splits)."""
     n = max(1, min(max_splits, num_sms // max(1, batch_size * head_blocks)))
     return n if n <= MLA_MAX_KV_SPLITS else 1 << (n.bit_length() - 1)
+
+
+def mla_block_h(num_heads: int, batch_size: int, kernel: str) -> int:
+    """At most this many heads a program of this MLA stage-1 kernel (mla_decode_kernel's name) on CUDA (see
+    MLA_FEW_SPLIT_HEADS_MAX_BS)."""
+    if kernel == "gluon_few" and num_heads > MLA_FEW_HEADS and batch_size <= MLA_FEW_SPLIT_HEADS_MAX_BS:
+        return MLA_FEW_HEADS
+    return MLA_BLOCK_H
 
 
 def mla_max_kv_splits(num_heads: int, kernel: str = "triton") -> int:
@@ -258,12 +272,15 @@ class TritonAttentionBackend(AttentionBackend):
         q_rope = q_rope.to(q_nope.dtype)
         out = q_nope.new_empty(T, H, L)
         if batch.mode == ForwardMode.DECODE:
-            block_h = MLA_BLOCK_H if q_nope.is_cuda else 16
-            head_blocks, sms = triton.cdiv(H, block_h), self._sms(q_nope.device)
             kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL)
-            cap = mla_max_kv_splits(H, kernel)
+            cap, sms, cuda = mla_max_kv_splits(H, kernel), self._sms(q_nope.device), q_nope.is_cuda
+
+            def block_heads(b: int) -> int:  # heads a program at batch b
+                return mla_block_h(H, b, kernel) if cuda else 16
+
+            block_h = block_heads(T)
             mid_o, mid_lse, splits = self._decode_scratch(
-                T, H, L, lambda b: mla_num_kv_splits(b, head_blocks, sms, cap), q_nope.device
+                T, H, L, lambda b: mla_num_kv_splits(b, triton.cdiv(H, block_heads(b)), sms, cap), q_nope.device
             )
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,

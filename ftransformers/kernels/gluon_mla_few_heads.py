@@ -251,10 +251,11 @@ def mla_decode_few_heads(
     num_kv_splits: int,
     sm_scale: float,
     min_split_len: int,  # rounded up to BLOCK_N; 0 = BLOCK_N
+    block_h: int | None = None,  # heads a program: all (None, or >= H), else heads_block(block_h) a program
 ) -> torch.Tensor:
     """Stage 1 here, then `decode_combine` for rows of several splits; returns `out`."""
     B, H, L = q_nope.shape
-    hn = heads_block(H)
+    hn = heads_block(H) if block_h is None or block_h >= H else heads_block(block_h)
     min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                        num_kv_splits, sm_scale, min_split_len)  # fmt: skip

@@ -197,7 +197,7 @@ def mla_decode_fwd(
     mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits] float32 scratch
     num_kv_splits: int,
     sm_scale: float,
-    block_h: int | None = None,  # None: 64 on CUDA, 16 elsewhere
+    block_h: int | None = None,  # None: 64 on CUDA, 16 elsewhere; the few-heads kernel: at most this many
     block_n: int | None = None,  # None: 64 on CUDA, 16 elsewhere
     num_warps: int | None = None,  # None: 8 for 64 heads, else 4
     num_stages: int = 3,
@@ -211,9 +211,12 @@ def mla_decode_fwd(
     assert q_nope.stride(-1) == 1 and q_rope.stride(-1) == 1 and q_rope.dtype == q_nope.dtype
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
     chosen = mla_decode_kernel(q_nope, latent_buf, kernel)
-    if chosen != "triton":
-        return _gluon_decode(chosen == "gluon_few")(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices,
-                                                    seq_lens, mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
+    if chosen == "gluon_few":
+        return _gluon_decode(True)(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
+                                   mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len, block_h)  # fmt: skip
+    if chosen == "gluon":
+        return _gluon_decode(False)(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
+                                    mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     cuda = q_nope.is_cuda
     block_h = block_h or (64 if cuda else 16)
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
