@@ -280,6 +280,30 @@ def test_backend_matches_torch_native(mode: ForwardMode) -> None:
     assert torch.equal(pools["triton"][1].latent_buffers[0], pools["native"][1].latent_buffers[0])
 
 
+@pytest.mark.skipif(not CUDA, reason="the Gluon MLA kernels and their launch rules need a GPU")
+@pytest.mark.parametrize("heads", [8, 32, 64])
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_backend_mla_decode_launch_rules(heads: int, batch: int) -> None:
+    """The triton backend's MLA decode at DeepSeek's latent widths (512 + 64), where it picks the stage-1
+    kernel, the heads a program (32 heads: two programs of 16 up to batch 4) and the split count, against
+    torch_native on the same batch."""
+    gen = torch.Generator().manual_seed(heads * 10 + batch)
+    prefix = [700 + 611 * i for i in range(batch)]
+    triton_be, native_be = create_attention_backend("triton"), create_attention_backend("torch_native")
+    outs, pools = {}, {}
+    q_nope, q_rope = randn(batch, heads, 512, gen=gen), randn(batch, heads, 64, gen=gen)
+    latent = randn(batch, 576, gen=gen)
+    for name, be in (("triton", triton_be), ("native", native_be)):
+        pools[name] = pool = MLAKVPool(MLAKVSpec(1, 512, 64), sum(prefix) + batch + 8, DTYPE, DEV)
+        cache = pool.latent_buffers[0]
+        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(3)))
+        fb = _batch(ForwardMode.DECODE, prefix, [1] * batch, pool, be, torch.Generator().manual_seed(99))
+        be.init_forward_metadata(fb)
+        outs[name] = be.forward_mla(q_nope, q_rope, latent, 0, 576**-0.5, fb)
+    assert rel_err(outs["triton"], outs["native"]) <= TOL
+    assert torch.equal(pools["triton"].latent_buffers[0], pools["native"].latent_buffers[0])
+
+
 @pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
 def test_llm_end_to_end_matches_torch_native(kind: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Greedy tokens and top-5 log-probs of `LLM(attention_backend="triton")` equal torch_native's
