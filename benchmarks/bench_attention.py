@@ -89,8 +89,8 @@ MLA_VARIANTS = {
     "few_s48": dict(kernel="gluon_few", max_splits=48),
     "few_s64": dict(kernel="gluon_few", max_splits=64),
     "few_s128": dict(kernel="gluon_few", max_splits=128),
-    # the few-heads kernel on blocks of 16 / 8 heads (several programs a tile), or all heads in one block, at
-    # every batch size (gluon_few: the backend's rule, mla_block_h; not run unless named)
+    # the few-heads kernel on blocks of 32 / 16 / 8 heads at every batch size (several programs a tile where
+    # there are more heads; gluon_few: the backend's rule, mla_block_h; not run unless named)
     "few_b32": dict(kernel="gluon_few", block_h=32),
     "few_b16": dict(kernel="gluon_few", block_h=16),
     "few_b8": dict(kernel="gluon_few", block_h=8),
@@ -159,11 +159,13 @@ def mla_block(var: str, B: int, H: int) -> int | None:
     spec = MLA_VARIANTS[var]
     if "block_h" in spec:
         return spec["block_h"]
-    return mla_block_h(H, B, "gluon_few") if spec.get("kernel") == "gluon_few" else None
+    return min(mla_block_h(H, B), FEW_HEADS_LIMIT) if spec.get("kernel") == "gluon_few" else None
 
 
 def mla_applies(var: str, H: int) -> bool:
-    return MLA_VARIANTS[var].get("kernel") != "gluon_few" or H <= FEW_HEADS_LIMIT
+    # the few-heads kernel: on blocks it can take (gluon_few: up to 64 heads, as the backend may run it)
+    spec = MLA_VARIANTS[var]
+    return spec.get("kernel") != "gluon_few" or min(H, spec.get("block_h", H // 2)) <= FEW_HEADS_LIMIT
 
 
 def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, min_split_len=0) -> None:

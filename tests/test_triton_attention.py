@@ -138,7 +138,7 @@ def test_extend(group: int) -> None:
 
 # (H, L, R); on CUDA 128 heads (DeepSeek-V3 on one GPU), 32 / 16 (it at tensor parallel 4 / 8), 8 (Kimi-K2 at
 # tensor parallel 8) and 12 (a block padded to the few-heads kernel's wgmma N of 16)
-_MLA_GPU_HEADS = (128, 32, 16, 12, 8)
+_MLA_GPU_HEADS = (128, 64, 32, 16, 12, 8)
 MLA_SHAPES = [(16, 64, 16), (32, 48, 16)] if not CUDA else [(h, 512, 64) for h in _MLA_GPU_HEADS]
 # + a padded CUDA-graph row (0): zeros; lengths off the block size, a length-1 row, one over a split
 MLA_LENS = [1, 37, 5, 130, 64, 0] if not CUDA else [1, 17, 300, 4097, 1000, 64, 8191, 0]
@@ -162,10 +162,12 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
                             [1] * real, scale)  # fmt: skip
     cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (128, 0), (16, 512)]
     # the Gluon kernels where they apply (Hopper; the few-heads one up to 32 heads), one of which "auto" picks;
-    # the few-heads one also on blocks of 8 and 16 heads (several programs a tile, the last block padded at 12)
+    # the few-heads one also on blocks of 8 / 16 / 32 heads, two to four programs a tile (the last block padded
+    # at 12 heads)
     gluon = [k for k, few in (("gluon", False), ("gluon_few", True)) if gluon_mla_unsupported(q_nope, buf, few) is None]
     kernels = [("triton", None), ("auto", None), *((k, None) for k in gluon)]
-    kernels += [("gluon_few", hb) for hb in (8, 16) if "gluon_few" in gluon and hb < H]
+    if gluon_mla_unsupported(q_nope, buf, True, 8) is None:
+        kernels += [("gluon_few", hb) for hb in (8, 16, 32) if hb < H <= 4 * hb]
     for kernel, block_h in kernels:
         for splits, min_split_len in cases:
             mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
@@ -198,10 +200,10 @@ def test_mla_split_rule() -> None:
     assert [mla_max_kv_splits(8), mla_max_kv_splits(MLA_FEW_HEADS), mla_max_kv_splits(64)] == [128, 128, 64]
     assert [mla_max_kv_splits(8, "gluon"), mla_max_kv_splits(8, "gluon_few"), mla_max_kv_splits(32, "gluon_few")] == [
         128, 64, 64]  # fmt: skip
-    # the few-heads kernel splits more than 16 heads into blocks of 16 up to batch 4
-    assert [mla_block_h(32, 1, "gluon_few"), mla_block_h(32, 4, "gluon_few"), mla_block_h(32, 5, "gluon_few")] == [
-        16, 16, 64]  # fmt: skip
-    assert [mla_block_h(16, 1, "gluon_few"), mla_block_h(32, 1, "gluon"), mla_block_h(128, 1, "triton")] == [64, 64, 64]
+    # the few-heads kernel runs 17-64 heads as two blocks of half up to batch 4, else one block (all heads)
+    assert [mla_block_h(32, 1), mla_block_h(32, 4), mla_block_h(32, 5), mla_block_h(64, 1), mla_block_h(64, 5)] == [
+        16, 16, 64, 32, 64]  # fmt: skip
+    assert [mla_block_h(16, 1), mla_block_h(24, 2), mla_block_h(128, 1)] == [64, 16, 64]
     assert [mla_num_kv_splits(1, 1, 132, 128), mla_num_kv_splits(1, 1, 132, 64), mla_num_kv_splits(1, 2, 132, 64)] == [
         128, 64, 64]  # fmt: skip
     assert [mla_num_kv_splits(2, 1, 132, 128), mla_num_kv_splits(3, 1, 132, 128), mla_num_kv_splits(64, 2, 132)] == [
@@ -345,9 +347,10 @@ def test_mla_decode_kernel_choice() -> None:
         mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon_few")
     wide = torch.zeros(1, 64, 64), torch.zeros(1, 64, 16)  # more heads than the few-heads kernel's widest N
     args = (buf, torch.zeros(1, 64, 64), *args[2:5], *decode_scratch(1, 64, 64, 1, "cpu"), 1, 0.1)
-    with pytest.raises(ValueError, match="does not apply here: the few-heads kernel takes at most 32 heads, not 64"):
+    with pytest.raises(ValueError, match="does not apply here: the few-heads kernel takes at most 32 heads a program, not 64"):
         mla_decode_fwd(*wide, *args, kernel="gluon_few")
     if CUDA and torch.cuda.get_device_capability()[0] == 9:  # what "auto" takes on Hopper, by head count
         latent = torch.zeros(4, 576, dtype=torch.bfloat16, device="cuda")
         queries = [torch.zeros(1, h, 512, dtype=torch.bfloat16, device="cuda") for h in (8, 32, 64)]
         assert [mla_decode_kernel(q, latent) for q in queries] == ["gluon_few", "gluon_few", "gluon"]
+        assert mla_decode_kernel(queries[2], latent, "auto", 32) == "gluon_few"  # 64 heads in blocks of 32

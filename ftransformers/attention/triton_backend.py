@@ -19,6 +19,7 @@ from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
 from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import (
+    FEW_HEADS_LIMIT,
     MLA_DECODE_KERNELS,
     mla_decode_fwd,
     mla_decode_kernel,
@@ -39,19 +40,23 @@ MLA_MAX_KV_SPLITS = 64
 # 32K: 20.1 / 21.5 / 25.2 us against 20.8 / 22.2 / 25.9) and much faster than with 32 or 48 (its copies then
 # bound it: 28.8 / 31.2 / 37.9 us at 32). benchmarks/results/attention_mla_few_splits_h100.log
 MLA_FEW_HEADS = 16
-# The few-heads kernel at more than 16 heads a GPU (32: DeepSeek-V3 at tensor parallel 4, Kimi-K2 at 2) and batch
-# <= 4 runs blocks of 16 heads, two programs a tile, so twice the SMs share a row's tiles: H100, 32 heads, batch
-# 1 x 4K / 16K / 32K 11.1 / 16.7 / 25.5 -> 10.6 / 15.9 / 24.0 us, batch 4 17.0 / 38.5 / 63.8 -> 14.8 / 36.8 /
-# 64.4. From batch 16 each block's copy of the tiles costs more than it saves (batch 16 x 32K 214.5 -> 239.3,
-# batch 64 x 32K 813.7 -> 981.7). benchmarks/results/attention_mla_few_blocks32_h100.log
+# Above 16 and up to 64 heads a GPU, up to batch 4, the few-heads kernel runs blocks of half the heads, two
+# programs a tile, so twice the SMs share a row's tiles (mla_block_h): 32 heads (DeepSeek-V3 at tensor parallel 4,
+# Kimi-K2 at 2) in blocks of 16, 64 heads (DeepSeek-V3 at 2, Kimi-K2 on one GPU: the hybrid deployment) in blocks
+# of 32 instead of the 64-head kernel. H100, batch 1 / 4 x 4K / 16K / 32K, us:
+#   32 heads, one block of 32: 11.1 / 16.7 / 25.5, 17.0 / 38.5 / 63.8; two of 16: 10.6 / 15.9 / 24.0, 14.8 / 36.8 / 64.4
+#   64 heads, 64-head kernel: 15.3 / 23.1 / 33.4, 26.6 / 48.9 / 74.6; two of 32: 13.7 / 19.2 / 28.4, 18.5 / 42.8 / 72.8
+# From batch 16 each block's copy of the tiles costs more than it saves (32 heads, batch 16 x 32K 214.5 -> 239.3;
+# 64 heads 225.3 -> 264.8). At 128 heads blocks of 32 lost at 32K (38.2 -> 39.8 at batch 1).
+# benchmarks/results/attention_mla_few_blocks32_h100.log, attention_mla_wide_blocks_h100.log
 MLA_FEW_SPLIT_HEADS_MAX_BS = 4
 MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 # MLA decode stage 1: "auto" takes a Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
 # on an H100 1.5-1.6x the Triton kernel's speed at 128 heads, 1.1-2.2x at 64 and fewer from batch 4 x 32K;
-# up to 32 heads kernels/gluon_mla_few_heads.py, 1.02-1.34x that one's), "triton" / "gluon" / "gluon_few"
-# force one (A/B runs; a Gluon one fails where it cannot run, saying why)
+# up to 32 heads, and 64 up to batch 4, kernels/gluon_mla_few_heads.py, 1.02-1.34x that one's), "triton" /
+# "gluon" / "gluon_few" force one (A/B runs; a Gluon one fails where it cannot run, saying why)
 MLA_DECODE_KERNEL = os.environ.get("FTRANSFORMERS_MLA_DECODE_KERNEL", "auto")
 if MLA_DECODE_KERNEL not in MLA_DECODE_KERNELS:
     raise ValueError(f"FTRANSFORMERS_MLA_DECODE_KERNEL must be one of {', '.join(MLA_DECODE_KERNELS)}, not {MLA_DECODE_KERNEL!r}")
@@ -77,11 +82,12 @@ def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_split
     return n if n <= MLA_MAX_KV_SPLITS else 1 << (n.bit_length() - 1)
 
 
-def mla_block_h(num_heads: int, batch_size: int, kernel: str) -> int:
-    """At most this many heads a program of this MLA stage-1 kernel (mla_decode_kernel's name) on CUDA (see
-    MLA_FEW_SPLIT_HEADS_MAX_BS)."""
-    if kernel == "gluon_few" and num_heads > MLA_FEW_HEADS and batch_size <= MLA_FEW_SPLIT_HEADS_MAX_BS:
-        return MLA_FEW_HEADS
+def mla_block_h(num_heads: int, batch_size: int) -> int:
+    """At most this many heads a program of the few-heads MLA kernel at this batch size (see
+    MLA_FEW_SPLIT_HEADS_MAX_BS): half of 17-64 heads up to that batch, else all; mla_decode_kernel("auto")
+    takes that kernel where a program's heads fit it, the 64-head one (MLA_BLOCK_H a program) otherwise."""
+    if MLA_FEW_HEADS < num_heads <= 2 * FEW_HEADS_LIMIT and batch_size <= MLA_FEW_SPLIT_HEADS_MAX_BS:
+        return triton.next_power_of_2(num_heads) // 2
     return MLA_BLOCK_H
 
 
@@ -272,16 +278,18 @@ class TritonAttentionBackend(AttentionBackend):
         q_rope = q_rope.to(q_nope.dtype)
         out = q_nope.new_empty(T, H, L)
         if batch.mode == ForwardMode.DECODE:
-            kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL)
-            cap, sms, cuda = mla_max_kv_splits(H, kernel), self._sms(q_nope.device), q_nope.is_cuda
+            sms = self._sms(q_nope.device)
 
-            def block_heads(b: int) -> int:  # heads a program at batch b
-                return mla_block_h(H, b, kernel) if cuda else 16
+            def launch(b: int) -> tuple[str, int, int]:  # stage-1 kernel, heads a program, splits at batch b
+                want = mla_block_h(H, b)
+                if MLA_DECODE_KERNEL == "gluon_few":  # forced: blocks it can take
+                    want = min(want, FEW_HEADS_LIMIT)
+                kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL, want)
+                block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
+                return kernel, block_h, mla_num_kv_splits(b, triton.cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel))
 
-            block_h = block_heads(T)
-            mid_o, mid_lse, splits = self._decode_scratch(
-                T, H, L, lambda b: mla_num_kv_splits(b, triton.cdiv(H, block_heads(b)), sms, cap), q_nope.device
-            )
+            kernel, block_h, _ = launch(T)
+            mid_o, mid_lse, splits = self._decode_scratch(T, H, L, lambda b: launch(b)[2], q_nope.device)
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES, kernel=kernel,

@@ -136,12 +136,14 @@ def _capability_major(index: int | None) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def gluon_mla_unsupported(q_nope: torch.Tensor, latent_buf: torch.Tensor, few_heads: bool = False) -> str | None:
-    """Why the Gluon decode kernel (`few_heads`: the one with the heads as the wgmma N) cannot run on these
-    tensors, or None when it can."""
-    L = q_nope.shape[-1]
-    if few_heads and q_nope.shape[1] > FEW_HEADS_LIMIT:
-        return f"the few-heads kernel takes at most {FEW_HEADS_LIMIT} heads, not {q_nope.shape[1]}"
+def gluon_mla_unsupported(
+    q_nope: torch.Tensor, latent_buf: torch.Tensor, few_heads: bool = False, block_h: int | None = None
+) -> str | None:
+    """Why the Gluon decode kernel (`few_heads`: the one with the heads as the wgmma N, on blocks of at most
+    `block_h` heads) cannot run on these tensors, or None when it can."""
+    L, H = q_nope.shape[-1], q_nope.shape[1]
+    if few_heads and min(H, block_h or H) > FEW_HEADS_LIMIT:
+        return f"the few-heads kernel takes at most {FEW_HEADS_LIMIT} heads a program, not {min(H, block_h or H)}"
     if not q_nope.is_cuda or _capability_major(q_nope.device.index) != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
     if (L, latent_buf.shape[-1] - L) != (512, 64):
@@ -168,16 +170,20 @@ def _gluon_decode(few_heads: bool = False) -> Callable[..., torch.Tensor] | None
     return fn
 
 
-def mla_decode_kernel(q_nope: torch.Tensor, latent_buf: torch.Tensor, kernel: str = "auto") -> str:
-    """The stage-1 kernel mla_decode_fwd runs for `kernel` on these tensors: "gluon_few", "gluon" or "triton"
-    ("auto": gluon_few up to FEW_HEADS_LIMIT heads, else gluon, where it applies). Asking for a Gluon kernel
-    that cannot run here is an error that says why."""
+def mla_decode_kernel(
+    q_nope: torch.Tensor, latent_buf: torch.Tensor, kernel: str = "auto", block_h: int | None = None
+) -> str:
+    """The stage-1 kernel mla_decode_fwd runs for `kernel` on these tensors at `block_h` heads a program:
+    "gluon_few", "gluon" or "triton" ("auto": gluon_few where a program's heads fit its N, at most
+    FEW_HEADS_LIMIT, else gluon, where it applies). Asking for a Gluon kernel that cannot run here is an error
+    that says why."""
     if kernel not in MLA_DECODE_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(MLA_DECODE_KERNELS)}, not {kernel!r}")
     if kernel == "triton":
         return kernel
-    few = kernel == "gluon_few" or (kernel == "auto" and q_nope.shape[1] <= FEW_HEADS_LIMIT)
-    why_not = gluon_mla_unsupported(q_nope, latent_buf, few)
+    H = q_nope.shape[1]
+    few = kernel == "gluon_few" or (kernel == "auto" and min(H, block_h or H) <= FEW_HEADS_LIMIT)
+    why_not = gluon_mla_unsupported(q_nope, latent_buf, few, block_h)
     if why_not is None:
         return "gluon_few" if few else "gluon"
     if kernel != "auto":
@@ -210,7 +216,7 @@ def mla_decode_fwd(
     assert latent_buf.shape[-1] == L + R and latent_buf.stride(-1) == 1
     assert q_nope.stride(-1) == 1 and q_rope.stride(-1) == 1 and q_rope.dtype == q_nope.dtype
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
-    chosen = mla_decode_kernel(q_nope, latent_buf, kernel)
+    chosen = mla_decode_kernel(q_nope, latent_buf, kernel, block_h)
     if chosen == "gluon_few":
         return _gluon_decode(True)(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
                                    mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len, block_h)  # fmt: skip
