@@ -24,15 +24,19 @@ Tile 0 is copied by the kernel's own warps right after the PDL wait, and the que
 compute warpgroup, so the first copies are in flight before the queries arrive (the load partition
 starts at tile 1).
 
-Measured (H100, benchmarks/bench_attention.py, batch 1 x 32K, us against the 64-head kernel's): 8 heads
-20.8 against 24.0 (61% of copy bandwidth), 16 heads 22.2 against 25.1 (57%), 32 heads 25.7 against 29.8;
-faster at every batch (1-64) and context (4K-32K) measured. Tried and not kept (commit 40ea4b1 has it):
+More heads run as several blocks (`block_h`), several programs reading each tile: the backend runs 32 and
+64 heads as two blocks of half up to batch 4 (`triton_backend.mla_block_h`), with at most 64 KV splits.
+
+Measured (H100, benchmarks/bench_attention.py, batch 1 x 32K, us against the 64-head kernel's, with the
+backend's launch rules): 8 heads 20.1 against 24.1 (62% of copy bandwidth), 16 heads 21.8 against 25.0
+(58%), 32 heads 23.9 against 29.6 (53%), 64 heads 28.5 against 33.5 (44%); at 8-32 heads faster at every
+batch (1-64) and context (4K-32K) measured, at 64 heads up to batch 4. Tried and not kept (commit 40ea4b1 has it):
 tile 0 copied before the PDL wait where it ends before the new token (20.7 us at 16 heads): in the
 benchmark's chain of layers it overlaps the previous layer's stage 2, but in a decode step the kernel
 follows torch ops (the absorbing bmm, the latent store), which PDL does not overlap.
 
 Shared memory (16 heads, bf16): q 18 KB + 2 x 72 KB latent + 2 KB P + the epilogue's layout change.
-Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a block.
+Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a program.
 """
 
 from __future__ import annotations
