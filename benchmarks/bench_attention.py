@@ -77,7 +77,8 @@ MLA_VARIANTS = {
     "n64s3": dict(block_n=64, num_stages=3, kernel="triton"),  # the Triton kernel as the backend launches it
     "n64s2": dict(block_n=64, num_stages=2, kernel="triton"),
     "gluon": dict(kernel="gluon"),  # kernels/gluon_mla_decode.py: no duplicated QK, a load partition (Hopper)
-    # kernels/gluon_mla_few_heads.py: tokens as the wgmma M, heads as its N (at most 32 heads; skipped above)
+    # kernels/gluon_mla_few_heads.py: tokens as the wgmma M, heads as its N, in the backend's blocks (mla_block_h;
+    # skipped above 64 heads)
     "gluon_few": dict(kernel="gluon_few"),
     # the same with the split count capped at N instead of the backend's mla_max_kv_splits (batch 1: how many
     # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14).

@@ -37,8 +37,8 @@ MLA_MAX_KV_SPLITS = 64
 # 16K (15.3 -> 17.5, 22.6 -> 25.2 us: their float32 partials are 4x larger), so larger head counts keep 64.
 # benchmarks/results/attention_mla_b1_rule_h100.log. The few-heads kernel (Hopper's default up to 32 heads)
 # keeps 64 at every head count: at batch 1 it was faster with 64 splits than with 128 (8 / 16 / 32 heads x
-# 32K: 20.1 / 21.5 / 25.2 us against 20.8 / 22.2 / 25.9) and much faster than with 32 or 48 (its copies then
-# bound it: 28.8 / 31.2 / 37.9 us at 32). benchmarks/results/attention_mla_few_splits_h100.log
+# 32K: 20.2 / 21.6 / 25.5 us against 20.8 / 22.2 / 25.9) and much faster than with 32 or 48 (its copies then
+# bound it: 29.0 / 31.3 / 38.1 us at 32). benchmarks/results/attention_mla_few_splits_h100.log
 MLA_FEW_HEADS = 16
 # Above 16 and up to 64 heads a GPU, up to batch 4, the few-heads kernel runs blocks of half the heads, two
 # programs a tile, so twice the SMs share a row's tiles (mla_block_h): 32 heads (DeepSeek-V3 at tensor parallel 4,

@@ -203,7 +203,7 @@ def mla_decode_fwd(
     mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits] float32 scratch
     num_kv_splits: int,
     sm_scale: float,
-    block_h: int | None = None,  # None: 64 on CUDA, 16 elsewhere; the few-heads kernel: at most this many
+    block_h: int | None = None,  # None: 64 on CUDA, 16 elsewhere; few-heads kernel: blocks of it below H
     block_n: int | None = None,  # None: 64 on CUDA, 16 elsewhere
     num_warps: int | None = None,  # None: 8 for 64 heads, else 4
     num_stages: int = 3,
