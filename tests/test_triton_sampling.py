@@ -90,6 +90,8 @@ SPLITS = [1, 2, 3, None] if DEV == "cuda" else [1]
 def test_matches_reference_draw_for_draw(
     dtype: torch.dtype, V: int, block: int, rows: int, split: int | None
 ) -> None:
+    if DEV != "cuda":  # Triton's interpreter: half the rows (each still draws its own sampling settings)
+        rows //= 2
     gen = torch.Generator().manual_seed(V)
     scale = torch.rand(rows, 1, generator=gen) * 3 + 0.05  # flat rows too: many rejection rounds
     x = torch.randn(rows, V, generator=gen) * scale
