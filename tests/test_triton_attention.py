@@ -347,7 +347,8 @@ def test_mla_decode_kernel_choice() -> None:
         mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon_few")
     wide = torch.zeros(1, 64, 64), torch.zeros(1, 64, 16)  # more heads than the few-heads kernel's widest N
     args = (buf, torch.zeros(1, 64, 64), *args[2:5], *decode_scratch(1, 64, 64, 1, "cpu"), 1, 0.1)
-    with pytest.raises(ValueError, match="does not apply here: the few-heads kernel takes at most 32 heads a program, not 64"):
+    too_many = "does not apply here: the few-heads kernel takes at most 32 heads a program, not 64"
+    with pytest.raises(ValueError, match=too_many):
         mla_decode_fwd(*wide, *args, kernel="gluon_few")
     if CUDA and torch.cuda.get_device_capability()[0] == 9:  # what "auto" takes on Hopper, by head count
         latent = torch.zeros(4, 576, dtype=torch.bfloat16, device="cuda")
