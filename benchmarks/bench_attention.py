@@ -160,7 +160,7 @@ def mla_block(var: str, B: int, H: int) -> int | None:
     spec = MLA_VARIANTS[var]
     if "block_h" in spec:
         return spec["block_h"]
-    return min(mla_block_h(H, B), FEW_HEADS_LIMIT) if spec.get("kernel") == "gluon_few" else None
+    return mla_block_h(H, B, "gluon_few") if spec.get("kernel") == "gluon_few" else None
 
 
 def mla_applies(var: str, H: int) -> bool:

@@ -204,6 +204,9 @@ def test_mla_split_rule() -> None:
     assert [mla_block_h(32, 1), mla_block_h(32, 4), mla_block_h(32, 5), mla_block_h(64, 1), mla_block_h(64, 5)] == [
         16, 16, 64, 32, 64]  # fmt: skip
     assert [mla_block_h(16, 1), mla_block_h(24, 2), mla_block_h(128, 1)] == [64, 16, 64]
+    # the few-heads kernel forced: blocks it can take
+    assert [mla_block_h(64, 5, "gluon_few"), mla_block_h(128, 1, "gluon_few"), mla_block_h(32, 1, "gluon_few")] == [
+        32, 32, 16]  # fmt: skip
     assert [mla_num_kv_splits(1, 1, 132, 128), mla_num_kv_splits(1, 1, 132, 64), mla_num_kv_splits(1, 2, 132, 64)] == [
         128, 64, 64]  # fmt: skip
     assert [mla_num_kv_splits(2, 1, 132, 128), mla_num_kv_splits(3, 1, 132, 128), mla_num_kv_splits(64, 2, 132)] == [

@@ -82,13 +82,14 @@ def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_split
     return n if n <= MLA_MAX_KV_SPLITS else 1 << (n.bit_length() - 1)
 
 
-def mla_block_h(num_heads: int, batch_size: int) -> int:
+def mla_block_h(num_heads: int, batch_size: int, kernel: str = "auto") -> int:
     """At most this many heads a program of the few-heads MLA kernel at this batch size (see
     MLA_FEW_SPLIT_HEADS_MAX_BS): half of 17-64 heads up to that batch, else all; mla_decode_kernel("auto")
-    takes that kernel where a program's heads fit it, the 64-head one (MLA_BLOCK_H a program) otherwise."""
+    takes that kernel where a program's heads fit it, the 64-head one (MLA_BLOCK_H a program) otherwise.
+    With the few-heads kernel forced (`kernel` "gluon_few"), blocks it can take."""
     if MLA_FEW_HEADS < num_heads <= 2 * FEW_HEADS_LIMIT and batch_size <= MLA_FEW_SPLIT_HEADS_MAX_BS:
         return triton.next_power_of_2(num_heads) // 2
-    return MLA_BLOCK_H
+    return FEW_HEADS_LIMIT if kernel == "gluon_few" else MLA_BLOCK_H
 
 
 def mla_max_kv_splits(num_heads: int, kernel: str = "triton") -> int:
@@ -281,9 +282,7 @@ class TritonAttentionBackend(AttentionBackend):
             sms = self._sms(q_nope.device)
 
             def launch(b: int) -> tuple[str, int, int]:  # stage-1 kernel, heads a program, splits at batch b
-                want = mla_block_h(H, b)
-                if MLA_DECODE_KERNEL == "gluon_few":  # forced: blocks it can take
-                    want = min(want, FEW_HEADS_LIMIT)
+                want = mla_block_h(H, b, MLA_DECODE_KERNEL)
                 kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL, want)
                 block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
                 return kernel, block_h, mla_num_kv_splits(b, triton.cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel))
