@@ -6,7 +6,7 @@ Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros 
 the copy bandwidth measured in this run; each time is the median of a CUDA graph of products over enough
 weight copies to exceed L2 several times. Every timed config is first checked against quant_linear_ref
 (||y - ref|| / ||ref|| < 1e-2). `--sweep M,..` also times every config of gluon_w4a16_mma.SWEEP on the
-int4-asym weights at those row counts. Kernels are compiled first in a process pool.
+int4-asym weights at those row counts (`--sweep-only split|staged`: a subset). Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]
 """
@@ -77,6 +77,12 @@ def pct(nbytes: int, t: float | str, bw: float) -> str:
     return f"{t * 1e3:6.1f} us ({100 * nbytes / t / 1e6 / bw:3.0f}%)" if not isinstance(t, str) else f"{t[:40]:>17s}"
 
 
+def cname(c: mma.MmaLinearConfig) -> str:
+    return (
+        f"r{c.rows} w{c.warps} kc{c.kc}" + (f" s{c.split}" if c.split else "") + (f" st{c.stages}" if c.stages else "")
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -84,13 +90,20 @@ def main() -> None:
     p.add_argument("--variants", default="int4-sym,int4-asym")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--sweep", default="", help="row counts at which to time every SWEEP config (int4-asym)")
+    p.add_argument(
+        "--sweep-only",
+        choices=["split", "staged"],
+        default=None,
+        help="sweep only the configs whose warps split N, or those with a ring of shared memory",
+    )
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
     shapes, variants = args.shapes.split(","), args.variants.split(",")
     rows = [int(m) for m in args.rows.split(",")]
     sweep_rows = [int(m) for m in args.sweep.split(",") if m]
     jobs: list[Job] = [(v, *SHAPES[s], m, None) for s in shapes for v in variants for m in rows]
-    jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in mma.SWEEP]
+    sweep = [c for c in mma.SWEEP if {None: True, "split": c.split > 0, "staged": c.stages > 0}[args.sweep_only]]
+    jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in sweep]
     run_pool(_compile_job, jobs, args.workers)
 
     bw = copy_bandwidth()
@@ -137,14 +150,14 @@ def main() -> None:
                 x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
                 nbytes = probe.nbytes() + 2 * m * (k + n)
                 res = []
-                for c in mma.SWEEP:
+                for c in sweep:
                     if mma.supported(x, probe.qweight, probe.group_size, c):
                         res.append((c, checked(x, qws, lambda x, qw, c=c: run_mma(x, qw, c))))
                 out["sweep"].append({"shape": name, "M": m, "default": asdict(mma.default_config(m, n, k)),
                                      "results": [[asdict(c), t] for c, t in res]})  # fmt: skip
                 ok = sorted(((t, c) for c, t in res if not isinstance(t, str)), key=lambda r: r[0])
-                best = "  ".join(f"r{c.rows} w{c.warps} kc{c.kc} {pct(nbytes, t, bw)}" for t, c in ok[:4])
-                bad = [f"r{c.rows} w{c.warps} kc{c.kc}: {t[:60]}" for c, t in res if isinstance(t, str)]
+                best = "  ".join(f"{cname(c)} {pct(nbytes, t, bw)}" for t, c in ok[:4])
+                bad = [f"{cname(c)}: {t[:60]}" for c, t in res if isinstance(t, str)]
                 print(f"  sweep {name:20s} M={m:<3d} {best}" + (f"  FAILED {bad}" if bad else ""), flush=True)
                 Path(args.out).write_text(json.dumps(out, indent=1))
 

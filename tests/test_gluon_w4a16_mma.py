@@ -66,6 +66,21 @@ def test_every_sweep_config(cfg: mma.MmaLinearConfig, m: int) -> None:
     assert rel_err(y, quant_linear_ref(x, qw)) <= TOL
 
 
+@pytest.mark.parametrize("m", [3, 16])
+def test_split_k_sum_is_deterministic_and_resets(m: int) -> None:
+    """Warps over N, programs over K: the last program of each row tile adds the float32 partials in split
+    order and puts its ticket counter back to 0, so repeated calls (as in CUDA graph replays) give the same
+    bits; with bias, and a weight the ticket pool's earlier users did not size."""
+    gen = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(m, 12288, generator=gen).to("cuda", torch.bfloat16)
+    qw = random_weight("int4", 4096, 12288, gen, group=128, zeros=True, scale_dtype=torch.float16)
+    b = torch.randn(4096, generator=gen).to("cuda", torch.bfloat16)
+    for cfg in (mma.MmaLinearConfig(32, 8, 128, 8), mma.MmaLinearConfig(16, 4, 128, 16)):
+        ys = [mma.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, 128, b, cfg) for _ in range(3)]
+        assert rel_err(ys[0], quant_linear_ref(x, qw, b)) <= TOL
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), cfg
+
+
 def test_supported_rejects_what_it_cannot_run() -> None:
     cfg = mma.MmaLinearConfig()
     q = torch.zeros(1024, 2048 // 8, dtype=torch.int32, device="cuda")
@@ -75,4 +90,6 @@ def test_supported_rejects_what_it_cannot_run() -> None:
     assert not mma.supported(x.cpu(), q, 128, cfg)
     assert not mma.supported(torch.randn(17, 2048, device="cuda", dtype=torch.bfloat16), q, 128, cfg)  # > 16 rows
     assert not mma.supported(x, q[:1000], 128, cfg)  # N not a multiple of ROWS
+    assert not mma.supported(x, q[:992], 128, mma.MmaLinearConfig(32, 8, 128, 2))  # nor of W x ROWS (split)
+    assert not mma.supported(x, q, 128, mma.MmaLinearConfig(32, 8, 128, 64))  # K / 64: no span of 8 words
     assert not mma.supported(x, q, 12, cfg)  # no span of whole words inside a group of 12

@@ -19,23 +19,31 @@ Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
   8 RW t (16-byte loads); reshaped [.., t, r, h, i] and permuted to logical k = 8 (4r + t) + 2i + h it
   is B's register layout (no data movement).
 
-Program: ROWS rows of W from n0; its W warps each take K / W of K in chunks, summed in shared memory
-(gl.sum over axis 0) at the end; then the S spans of each row of x are added and y stored.
+Two ways to split the work (MmaLinearConfig.split):
+  split 0: a program takes ROWS rows of W from n0; its W warps each take K / W of K in chunks, summed in
+    shared memory (gl.sum over axis 0) at the end. Every program reads all of x from L2: N / ROWS x M x K
+    x 2 bytes, as many as the weight's at 16 rows and 32 rows a warp.
+  split s >= 1: a program takes W x ROWS rows (warp w the w-th ROWS) over K / s of K; its warps load the
+    same x chunk, so L1 serves all but the first, and x leaves L2 s x N / (W ROWS) times instead. The s
+    programs of a row tile publish float32 partials [s, M, N] and the last one out (kernels/tickets.py's
+    protocol) adds them in split order (deterministic) and stores y.
+Then the S spans of each row of x are added and y stored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ftransformers.kernels.gluon_mla_decode import pdl_enter
+from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, mma_capable, word_offsets
 from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
 from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.tickets import split_scratch
 
 MAX_ROWS = 16
 
@@ -89,78 +97,166 @@ def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexp
 
 
 @gluon.jit
+def _store_y(y, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS: gl.constexpr):
+    # y [.., TOK] float32 at rows n_idx (broadcast over tok) and rows of x tok < M
+    if HAS_BIAS:
+        y = y + gl.load(bias_ptr + n_idx).to(gl.float32)
+    gl.store(y_ptr + tok.to(gl.int64) * stride_ym + n_idx, y.to(y_ptr.dtype.element_ty), mask=tok < M)
+
+
+@gluon.jit
 def _w4a16_mma_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, magic, offset, M,
+    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
     stride_xm, stride_qn, stride_sn, stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
-    TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
-    b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
+    STAGES: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
+    x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
-    # y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC
+    # SPLIT 0: y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
+    # SPLIT >= 1: warp w's rows [n0 + w ROWS, n0 + (w + 1) ROWS) over K [k0, k0 + KS), k0 = program_id(1) KS
     pdl_enter(USE_PDL)
     RW: gl.constexpr = KC // 32
     KS: gl.constexpr = CHUNKS * KC
     NCOL: gl.constexpr = TOK * S
     SPAN: gl.constexpr = KC // S
     DT: gl.constexpr = x_ptr.dtype.element_ty
-    n0 = gl.program_id(0) * ROWS
+    WROWS: gl.constexpr = ROWS if SPLIT > 0 else 0  # a warp's step in rows of W
+    WK: gl.constexpr = 0 if SPLIT > 0 else KS  # and in K
+    if SPLIT > 0:
+        n0 = gl.program_id(0) * (W * ROWS)
+        k0 = gl.program_id(1) * KS
+    else:
+        n0 = gl.program_id(0) * ROWS
+        k0 = 0
 
-    # words [W, ROWS, 4, RW]: row n0 + row, word w KS / 8 + RW t + r of the chunk
+    # words [W, ROWS, 4, RW]: row n0 + w WROWS + row, word (k0 + w WK) / 8 + RW t + r of the chunk
     ww, wrow, word = word_offsets(w_l, W, ROWS, RW)
-    q_ptrs = q_ptr + (n0 + wrow).to(gl.int64) * stride_qn + ww * (KS // 8) + word
+    q_ptrs = q_ptr + (n0 + ww * WROWS + wrow).to(gl.int64) * stride_qn + k0 // 8 + ww * (WK // 8) + word
 
     # x [W, NCOL, KC]: row min(c // S, M - 1) (padding columns repeat the last row; never stored)
     x2: gl.constexpr = gl.SliceLayout(2, x_l)
     xw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, x2)), 1), 2)
     xc = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, x2)), 0), 2)
     xk = gl.expand_dims(gl.expand_dims(gl.arange(0, KC, layout=gl.SliceLayout(0, gl.SliceLayout(0, x_l))), 0), 0)
-    x_ptrs = x_ptr + gl.minimum(xc // S, M - 1).to(gl.int64) * stride_xm + xw * KS + xk
+    x_ptrs = x_ptr + gl.minimum(xc // S, M - 1).to(gl.int64) * stride_xm + k0 + xw * WK + xk
 
-    # scales / zeros [W, ROWS, NCOL] in C's layout: row n0 + row, group of column c's span start
+    # scales / zeros [W, ROWS, NCOL] in C's layout: row n0 + w WROWS + row, group of column c's span start
     m2: gl.constexpr = gl.SliceLayout(2, mma)
     mw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, m2)), 1), 2)
     mrow = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, m2)), 0), 2)
     mcol = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma))), 0), 0)
-    s_rows = (n0 + mrow).to(gl.int64) * stride_sn
-    span_k = mw * KS + (mcol % S) * SPAN
+    s_rows = (n0 + mw * WROWS + mrow).to(gl.int64) * stride_sn
+    if S > 1:
+        span_k = k0 + mw * WK + (mcol % S) * SPAN
+    else:  # one group for every column: [W, 1, 1], so a thread loads a row's scale and zero once, not per column
+        span_k = k0 + mw * WK
 
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
-    q = gl.load(q_ptrs)
-    x = gl.load(x_ptrs)
-    for c in range(CHUNKS):
-        q_c, x_c = q, x
-        if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
-            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
-        g = (span_k + c * KC) // GROUP
-        tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W,
-                     ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
+    if STAGES == 0:  # words and x one chunk ahead in registers
+        q = gl.load(q_ptrs)
+        x = gl.load(x_ptrs)
+        for c in range(CHUNKS):
+            q_c, x_c = q, x
+            if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
+                q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+            g = (span_k + c * KC) // GROUP
+            tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
+                         W, ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
+    else:
+        # words STAGES - 1 chunks ahead through a ring of shared memory (cp.async, in w_l's own thread order,
+        # so each thread reads back the words it copied); x one chunk ahead in registers (it comes from L2)
+        ring = gl.allocate_shared_memory(  # [STAGES, W, ROWS, 4, RW]; the layout is a stage's
+            gl.int32, [STAGES, W, ROWS, 4, RW], gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
+        )
+        for st in gl.static_range(STAGES - 1):
+            _cp_async(ring.index(st), q_ptrs + st * (KC // 8), mask=gl.full(q_ptrs.shape, st, gl.int32, w_l) < CHUNKS)
+            async_copy.commit_group()
+        x = gl.load(x_ptrs)
+        for c in range(CHUNKS):
+            ahead = c + STAGES - 1  # into the stage chunk c - 1 was read from
+            live = gl.full(q_ptrs.shape, 0, gl.int32, w_l) + ahead < CHUNKS
+            _cp_async(ring.index(ahead % STAGES), q_ptrs + ahead * (KC // 8), mask=live)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)  # chunk c's words have landed
+            q_c = ring.index(c % STAGES).load(w_l)
+            x_c = x
+            if CHUNKS > 1:
+                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+            g = (span_k + c * KC) // GROUP
+            tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
+                         W, ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
+        async_copy.wait_group(0)
 
-    y = gl.sum(tot, axis=0)  # [ROWS, NCOL]
-    if S > 1:
-        y = gl.sum(gl.reshape(y, [ROWS, TOK, S]), axis=2)  # [ROWS, TOK]
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, y.type.layout))
-    toks = gl.arange(0, TOK, layout=gl.SliceLayout(0, y.type.layout))
-    if HAS_BIAS:
-        y = y + gl.expand_dims(gl.load(bias_ptr + n0 + rows).to(gl.float32), 1)
-    ptrs = y_ptr + gl.expand_dims(toks, 0).to(gl.int64) * stride_ym + n0 + gl.expand_dims(rows, 1)
-    gl.store(ptrs, y.to(DT), mask=gl.expand_dims(toks, 0) < M)
+    if SPLIT == 0:
+        y = gl.sum(tot, axis=0)  # [ROWS, NCOL]
+        if S > 1:
+            y = gl.sum(gl.reshape(y, [ROWS, TOK, S]), axis=2)  # [ROWS, TOK]
+        rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, y.type.layout)), 1)
+        toks = gl.expand_dims(gl.arange(0, TOK, layout=gl.SliceLayout(0, y.type.layout)), 0)
+        _store_y(y, y_ptr, bias_ptr, n0 + rows, toks, M, stride_ym, HAS_BIAS)
+    else:
+        y = tot  # [W, ROWS, NCOL]
+        if S > 1:
+            y = gl.sum(gl.reshape(y, [W, ROWS, TOK, S]), axis=3)  # [W, ROWS, TOK]
+        y3: gl.constexpr = y.type.layout
+        yw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, y3))), 1), 2)
+        yr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, y3))), 0), 2)
+        toks = gl.expand_dims(gl.expand_dims(gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(0, y3))), 0), 0)
+        n_idx = n0 + yw * ROWS + yr  # [W, ROWS, 1]
+        if SPLIT == 1:
+            _store_y(y, y_ptr, bias_ptr, n_idx, toks, M, stride_ym, HAS_BIAS)
+        else:
+            # partials [SPLIT, M, N] float32; the last of the tile's SPLIT programs adds them in split order
+            part = part_ptr + toks.to(gl.int64) * N + n_idx
+            gl.store(part + gl.program_id(1) * M * N, y, mask=toks < M)
+            _cta_barrier()  # every warp's partial is stored before the release ticket
+            if gl.atomic_add(cnt_ptr + gl.program_id(0), 1, sem="acq_rel") == SPLIT - 1:
+                gl.store(cnt_ptr + gl.program_id(0), 0)
+                total = gl.load(part, mask=toks < M, other=0.0, cache_modifier=".cg")
+                for sp in gl.static_range(1, SPLIT):
+                    total += gl.load(part + sp * M * N, mask=toks < M, other=0.0, cache_modifier=".cg")
+                _store_y(total, y_ptr, bias_ptr, n_idx, toks, M, stride_ym, HAS_BIAS)
 
 
 @dataclass(frozen=True)
 class MmaLinearConfig:
-    """ROWS rows of W a warp (16, 32 or 64), W warps a program (each over K / W), chunks of at most KC."""
+    """ROWS rows of W a warp (16, 32 or 64), W warps a program, chunks of at most KC. split 0: the warps
+    split K (a program takes ROWS rows over all of K); split s >= 1: the warps split N (a program takes W x
+    ROWS rows and shares x among its warps) and s programs split K (module docstring). stages 0: each warp
+    requests its next chunk's words into registers; stages s >= 2: s - 1 chunks ahead through shared memory."""
 
     rows: int = 32
     warps: int = 8
     kc: int = 256
+    split: int = 0
+    stages: int = 0
+
+    def tile(self) -> int:
+        """Rows of W a program takes."""
+        return self.rows * (self.warps if self.split else 1)
+
+    def k_share(self, k: int) -> int:
+        """The K a warp runs over."""
+        return k // (self.split or self.warps)
 
 
 SWEEP = [MmaLinearConfig(rows, warps, kc) for rows in (16, 32) for warps in (4, 8, 16) for kc in (128, 256, 512)]
 # 64 rows a warp halve the x a program reads per weight row (x comes from L2 once per program); chunks of 128
 # keep them unspilled (sm_90, Triton 3.6: 248 registers at 16 rows of x, 166 at 2-8)
 SWEEP += [MmaLinearConfig(64, warps, 128) for warps in (4, 8)]
+# warps over N sharing x, programs over K
+SWEEP += [
+    MmaLinearConfig(rows, warps, 128, split) for rows in (16, 32) for warps in (4, 8) for split in (1, 2, 4, 8, 16)
+]
+# words through a ring of shared memory, 2-5 chunks ahead
+STAGED = [MmaLinearConfig(*c) for c in [(16, 4, 128), (16, 8, 128), (32, 4, 256), (32, 8, 256), (32, 8, 128),
+                                        (32, 4, 512), (64, 4, 128), (64, 8, 128), (32, 8, 128, 8), (16, 8, 128, 16)]]  # fmt: skip
+SWEEP += [replace(c, stages=st) for c in STAGED for st in (3, 4, 6)]
+# shared memory a program may take (of the H100's 227 KB; the cross-warp sum needs a little more)
+SMEM_BYTES = 200 << 10
 
 
 # Weights from 2^25 elements (Qwen3-8B's MLP, DeepSeek-V3's o and shared experts) are "large" (`takes`)
@@ -223,10 +319,12 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: MmaLinear
 
 
 def fits(m: int, n: int, k: int, group: int, cfg: MmaLinearConfig) -> bool:
-    """The shape part of `supported`: 1 <= M <= 16, N a multiple of ROWS, a chunk for K / W."""
+    """The shape part of `supported`: 1 <= M <= 16, N a multiple of a program's rows, a chunk for a warp's K,
+    the ring of words (stages x W x ROWS x KC / 2 bytes) within SMEM_BYTES."""
     _, spans = tokens_and_spans(max(m, 1))
-    return (1 <= m <= MAX_ROWS and n % cfg.rows == 0 and k % cfg.warps == 0
-            and chunk_k(k // cfg.warps, group, spans, cfg.kc) > 0)  # fmt: skip
+    return (1 <= m <= MAX_ROWS and n % cfg.tile() == 0 and k % (cfg.split or cfg.warps) == 0
+            and chunk_k(cfg.k_share(k), group, spans, cfg.kc) > 0
+            and cfg.stages * cfg.warps * cfg.rows * cfg.kc // 2 <= SMEM_BYTES)  # fmt: skip
 
 
 def w4a16_mma(
@@ -245,9 +343,15 @@ def w4a16_mma(
     assert qweight.stride(1) == 1 and scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
     magic, offset = MAGIC[x.dtype]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles = n // cfg.tile()
+    cnt, part = None, None
+    if cfg.split > 1:  # unsplit where no ticket counters can be had (a capture before the pool exists)
+        split, cnt, part = split_scratch(x.device, "w4a16_mma", tiles, cfg.split, m, n)
+        cfg = replace(cfg, split=split)
     z = zeros if zeros is not None else scales  # stands in when absent (never read)
-    _w4a16_mma_kernel[(n // cfg.rows,)](
-        x, qweight, scales, z, bias if bias is not None else scales, y, magic, offset, m,
+    _w4a16_mma_kernel[(tiles, max(1, cfg.split))](
+        x, qweight, scales, z, bias if bias is not None else scales, y, part if part is not None else y,
+        cnt if cnt is not None else qweight, magic, offset, m, n,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         **constexprs(m, k, group, zeros is not None, bias is not None, cfg), num_warps=cfg.warps,
         **pdl_launch(x.device),
@@ -258,7 +362,8 @@ def w4a16_mma(
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: MmaLinearConfig) -> dict:
     """The kernel's compile-time arguments for M rows of x, K, the group and cfg (supported shapes)."""
     tok, spans = tokens_and_spans(m)
-    ks = k // cfg.warps
+    ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
-                ROWS=cfg.rows, W=cfg.warps, **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
+                ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, STAGES=cfg.stages,
+                **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
