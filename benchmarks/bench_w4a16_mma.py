@@ -6,7 +6,8 @@ Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros 
 the copy bandwidth measured in this run; each time is the median of a CUDA graph of products over enough
 weight copies to exceed L2 several times. Every timed config is first checked against quant_linear_ref
 (||y - ref|| / ||ref|| < 1e-2). `--sweep M,..` also times every config of gluon_w4a16_mma.SWEEP on the
-int4-asym weights at those row counts (`--sweep-only split|staged`: a subset). Kernels are compiled first in a process pool.
+int4-asym weights at those row counts (`--sweep-split`: only those whose warps split N). Kernels are
+compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]
 """
@@ -78,9 +79,7 @@ def pct(nbytes: int, t: float | str, bw: float) -> str:
 
 
 def cname(c: mma.MmaLinearConfig) -> str:
-    return (
-        f"r{c.rows} w{c.warps} kc{c.kc}" + (f" s{c.split}" if c.split else "") + (f" st{c.stages}" if c.stages else "")
-    )
+    return f"r{c.rows} w{c.warps} kc{c.kc}" + (f" s{c.split}" if c.split else "")
 
 
 def main() -> None:
@@ -90,19 +89,14 @@ def main() -> None:
     p.add_argument("--variants", default="int4-sym,int4-asym")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--sweep", default="", help="row counts at which to time every SWEEP config (int4-asym)")
-    p.add_argument(
-        "--sweep-only",
-        choices=["split", "staged"],
-        default=None,
-        help="sweep only the configs whose warps split N, or those with a ring of shared memory",
-    )
+    p.add_argument("--sweep-split", action="store_true", help="sweep only the configs whose warps split N")
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
     shapes, variants = args.shapes.split(","), args.variants.split(",")
     rows = [int(m) for m in args.rows.split(",")]
     sweep_rows = [int(m) for m in args.sweep.split(",") if m]
     jobs: list[Job] = [(v, *SHAPES[s], m, None) for s in shapes for v in variants for m in rows]
-    sweep = [c for c in mma.SWEEP if {None: True, "split": c.split > 0, "staged": c.stages > 0}[args.sweep_only]]
+    sweep = [c for c in mma.SWEEP if c.split or not args.sweep_split]
     jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in sweep]
     run_pool(_compile_job, jobs, args.workers)
 

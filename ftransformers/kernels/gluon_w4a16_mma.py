@@ -37,9 +37,9 @@ from dataclasses import dataclass, replace
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, pdl_enter
+from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, mma_capable, word_offsets
 from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
 from ftransformers.kernels.pdl import pdl_launch
@@ -109,9 +109,8 @@ def _w4a16_mma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
     stride_xm, stride_qn, stride_sn, stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
-    TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
-    STAGES: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr, mma: gl.constexpr,
+    a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # SPLIT 0: y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
     # SPLIT >= 1: warp w's rows [n0 + w ROWS, n0 + (w + 1) ROWS) over K [k0, k0 + KS), k0 = program_id(1) KS
@@ -154,41 +153,16 @@ def _w4a16_mma_kernel(
 
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
-    if STAGES == 0:  # words and x one chunk ahead in registers
-        q = gl.load(q_ptrs)
-        x = gl.load(x_ptrs)
-        for c in range(CHUNKS):
-            q_c, x_c = q, x
-            if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
-                q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
-            g = (span_k + c * KC) // GROUP
-            tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
-                         W, ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
-    else:
-        # words STAGES - 1 chunks ahead through a ring of shared memory (cp.async, in w_l's own thread order,
-        # so each thread reads back the words it copied); x one chunk ahead in registers (it comes from L2)
-        ring = gl.allocate_shared_memory(  # [STAGES, W, ROWS, 4, RW]; the layout is a stage's
-            gl.int32, [STAGES, W, ROWS, 4, RW], gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
-        )
-        for st in gl.static_range(STAGES - 1):
-            _cp_async(ring.index(st), q_ptrs + st * (KC // 8), mask=gl.full(q_ptrs.shape, st, gl.int32, w_l) < CHUNKS)
-            async_copy.commit_group()
-        x = gl.load(x_ptrs)
-        for c in range(CHUNKS):
-            ahead = c + STAGES - 1  # into the stage chunk c - 1 was read from
-            live = gl.full(q_ptrs.shape, 0, gl.int32, w_l) + ahead < CHUNKS
-            _cp_async(ring.index(ahead % STAGES), q_ptrs + ahead * (KC // 8), mask=live)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)  # chunk c's words have landed
-            q_c = ring.index(c % STAGES).load(w_l)
-            x_c = x
-            if CHUNKS > 1:
-                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
-            g = (span_k + c * KC) // GROUP
-            tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
-                         W, ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
-        async_copy.wait_group(0)
+    q = gl.load(q_ptrs)
+    x = gl.load(x_ptrs)
+    for c in range(CHUNKS):
+        q_c, x_c = q, x
+        if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
+            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+        g = (span_k + c * KC) // GROUP
+        tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
+                     W, ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
 
     if SPLIT == 0:
         y = gl.sum(tot, axis=0)  # [ROWS, NCOL]
@@ -225,14 +199,12 @@ def _w4a16_mma_kernel(
 class MmaLinearConfig:
     """ROWS rows of W a warp (16, 32 or 64), W warps a program, chunks of at most KC. split 0: the warps
     split K (a program takes ROWS rows over all of K); split s >= 1: the warps split N (a program takes W x
-    ROWS rows and shares x among its warps) and s programs split K (module docstring). stages 0: each warp
-    requests its next chunk's words into registers; stages s >= 2: s - 1 chunks ahead through shared memory."""
+    ROWS rows and shares x among its warps) and s programs split K (module docstring)."""
 
     rows: int = 32
     warps: int = 8
     kc: int = 256
     split: int = 0
-    stages: int = 0
 
     def tile(self) -> int:
         """Rows of W a program takes."""
@@ -251,12 +223,6 @@ SWEEP += [MmaLinearConfig(64, warps, 128) for warps in (4, 8)]
 SWEEP += [
     MmaLinearConfig(rows, warps, 128, split) for rows in (16, 32) for warps in (4, 8) for split in (1, 2, 4, 8, 16)
 ]
-# words through a ring of shared memory, 2-5 chunks ahead
-STAGED = [MmaLinearConfig(*c) for c in [(16, 4, 128), (16, 8, 128), (32, 4, 256), (32, 8, 256), (32, 8, 128),
-                                        (32, 4, 512), (64, 4, 128), (64, 8, 128), (32, 8, 128, 8), (16, 8, 128, 16)]]  # fmt: skip
-SWEEP += [replace(c, stages=st) for c in STAGED for st in (3, 4, 6)]
-# shared memory a program may take (of the H100's 227 KB; the cross-warp sum needs a little more)
-SMEM_BYTES = 200 << 10
 
 
 # Weights from 2^25 elements (Qwen3-8B's MLP, DeepSeek-V3's o and shared experts) are "large" (`takes`)
@@ -319,12 +285,10 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: MmaLinear
 
 
 def fits(m: int, n: int, k: int, group: int, cfg: MmaLinearConfig) -> bool:
-    """The shape part of `supported`: 1 <= M <= 16, N a multiple of a program's rows, a chunk for a warp's K,
-    the ring of words (stages x W x ROWS x KC / 2 bytes) within SMEM_BYTES."""
+    """The shape part of `supported`: 1 <= M <= 16, N a multiple of a program's rows, a chunk for a warp's K."""
     _, spans = tokens_and_spans(max(m, 1))
     return (1 <= m <= MAX_ROWS and n % cfg.tile() == 0 and k % (cfg.split or cfg.warps) == 0
-            and chunk_k(cfg.k_share(k), group, spans, cfg.kc) > 0
-            and cfg.stages * cfg.warps * cfg.rows * cfg.kc // 2 <= SMEM_BYTES)  # fmt: skip
+            and chunk_k(cfg.k_share(k), group, spans, cfg.kc) > 0)  # fmt: skip
 
 
 def w4a16_mma(
@@ -365,5 +329,4 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
-                ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, STAGES=cfg.stages,
-                **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
+                ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
