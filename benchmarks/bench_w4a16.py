@@ -44,7 +44,8 @@ DT = torch.bfloat16
 SHAPES = {  # name: (N, K) of the weight [N, K]
     "qwen3-30b qkv": (5120, 2048), "qwen3-30b o": (2048, 4096), "qwen3-8b gate_up": (24576, 4096),
     "qwen3-8b down": (4096, 12288), "dsv3 q_b": (24576, 1536), "dsv3 o": (7168, 16384),
-    "dsv3 shared gate_up": (4096, 7168),
+    "dsv3 shared gate_up": (4096, 7168), "dsv3 shared down": (7168, 2048), "qwen3-8b qkv": (6144, 4096),
+    "qwen3-8b o": (4096, 4096),
 }  # fmt: skip
 VARIANTS = {"int4-sym": ("int4", 128, False), "int4-asym": ("int4", 128, True), "mxfp4": ("mxfp4", 32, False),
             "nvfp4": ("nvfp4", 16, False)}  # fmt: skip

@@ -32,11 +32,23 @@ def test_default_config_fits_wherever_the_kernel_takes_the_product(group: int) -
 def test_rule_takes_the_measured_wins_only() -> None:
     assert mma.takes(4, 24576, 4096, False) and mma.takes(16, 7168, 16384, False)  # large: 2-16 rows
     assert mma.takes(1, 7168, 16384, True) and not mma.takes(1, 7168, 16384, False)  # one row: zero points only
-    assert mma.takes(3, 5120, 2048, True) and not mma.takes(2, 5120, 2048, True)  # small: 3-4 rows
-    assert not mma.takes(8, 2048, 4096, True) and not mma.takes(17, 24576, 4096, True)
+    assert mma.takes(3, 5120, 2048, True) and not mma.takes(2, 5120, 2048, True)  # small: 3-8 rows
+    assert (
+        mma.takes(8, 2048, 4096, True) and not mma.takes(9, 2048, 4096, True) and not mma.takes(17, 24576, 4096, True)
+    )
+    assert mma.takes(16, 6144, 4096, False) and not mma.takes(2, 4096, 7168, True)  # medium: 3-16 rows
     assert mma.takes(8, 24576, 1536, True) and not mma.takes(12, 24576, 1536, True)  # shallow K: 2-8 rows
 
 
 def test_rule_uses_64_rows_where_they_measured_faster() -> None:
     assert mma.default_config(8, 24576, 4096).rows == 64 and mma.default_config(16, 7168, 16384).rows == 64
     assert mma.default_config(4, 24576, 4096).rows != 64 and mma.default_config(16, 4096, 12288).rows != 64
+
+
+def test_medium_weights_split_k_in_one_wave() -> None:
+    """Medium weights past 8 rows: warps over N, K split into the most programs of one wave (<= WAVE); at 3-8
+    rows only where K >= N (measured faster there, slower on Qwen3-8B qkv)."""
+    for n, k in [(6144, 4096), (4096, 4096), (4096, 7168)]:
+        cfg = mma.default_config(16, n, k)
+        assert cfg.split >= 1 and n // cfg.tile() * cfg.split <= mma.WAVE < n // cfg.tile() * cfg.split * 2, (n, k, cfg)
+    assert mma.default_config(4, 4096, 7168).split == 8 and mma.default_config(4, 6144, 4096).split == 0

@@ -225,8 +225,12 @@ SWEEP += [
 ]
 
 
-# Weights from 2^25 elements (Qwen3-8B's MLP, DeepSeek-V3's o and shared experts) are "large" (`takes`)
+# Weights from 2^25 elements (Qwen3-8B's MLP, DeepSeek-V3's o and q_b) are "large" (`takes`); from 2^24
+# "medium" (Qwen3-8B's qkv and o, DeepSeek-V3's shared-expert gate_up)
 LARGE = 1 << 25
+MEDIUM = 1 << 24
+# Programs of 8 warps that run in one wave (the H100's and H200's 132 SMs, one such program an SM at 9-16 rows)
+WAVE = 132
 
 
 def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
@@ -241,12 +245,23 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
     (benchmarks/results/w4a16_mma_rows64_h100.{json,log}): 5-8 rows on wide weights, 4 warps (Qwen3-8B
     gate_up at 8 rows 28.1 us against 30.6 for the next config and 34.6 for 32 rows, 4 warps), and 9-16 rows
     on deep ones, 8 warps (DeepSeek-V3 o at 16 rows 39.8 against 46.8); not at 4 rows or on Qwen3-8B down,
-    where they were not faster."""
+    where they were not faster.
+    Medium weights take the form whose warps split N (benchmarks/results/w4a16_mma_split_medium_h100.*):
+    32 rows a warp, 8 warps (256 rows a program); at 9-16 rows K split into the most programs that still run
+    in one wave (Qwen3-8B qkv 24 tiles x 4: 14.3 us against 16.4 for the 16-row form; o and DeepSeek-V3's
+    shared gate_up 16 x 8: 10.8 / 14.7 against 10.9 / 16.4); at 3-8 rows K in 8 where K >= N (Qwen3-8B o 8.5
+    / 8.9 against 9.2 / 9.2 at 4 / 8 rows, shared gate_up 12.8 / 12.5 against 14.9 / 14.5), not where K < N
+    (Qwen3-8B qkv 10.7 / 11.2 against 10.1 / 10.1)."""
     if n * k >= LARGE:
         if n % 64 == 0 and ((4 < m <= 8 and n // 64 >= 256) or (m > 8 and k >= 16384)):
             return MmaLinearConfig(rows=64, warps=4 if m <= 8 else 8, kc=128)
         warps = 4 if n // 32 >= 256 or (m == 1 and k // 4 >= 4096) else 8
         return MmaLinearConfig(rows=32, warps=warps, kc=512 if m == 1 and k // warps >= 4096 else 256)
+    if n * k >= MEDIUM and n % 256 == 0 and m > 2 and (m > 8 or k >= n):
+        split = 8
+        while split > 1 and (m > 8 and n // 256 * split > WAVE or k % (128 * split)):
+            split //= 2
+        return MmaLinearConfig(rows=32, warps=8, kc=128, split=split)
     return MmaLinearConfig(rows=16, warps=4 if n // 16 >= 256 else 8, kc=128)
 
 
@@ -259,10 +274,18 @@ def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     Smaller weights only at 3-4 rows (Qwen3-30B-A3B qkv 6.0 against 7.5 us): at 1-2 rows the GEMV is
     faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows were not swept.
     Past 8 rows only with K >= 4096: on DeepSeek-V3's q_b (24576 x 1536) the codes kernel is as fast or
-    faster there (17.5 / 17.6 against 17.7 / 18.5 us at 12 / 16 rows; benchmarks/results/w4a16_mma_rule64_h100.*)."""
+    faster there (17.5 / 17.6 against 17.7 / 18.5 us at 12 / 16 rows; benchmarks/results/w4a16_mma_rule64_h100.*).
+    From benchmarks/results/w4a16_mma_split_medium_h100.*: medium weights at 3-16 rows (`default_config`; at
+    4 / 8 / 16 rows Qwen3-8B qkv 10.1 / 10.1 / 14.3 us against 15.0 / 15.2 / 15.9, o 8.5 / 8.9 / 10.8 against
+    11.6 / 11.9 / 12.4, DeepSeek-V3 shared gate_up 12.8 / 12.5 / 14.7 against 17.3 / 17.3 / 17.8); not at 2
+    rows, where neither form wins on all four medium weights. Small weights at 3-8 rows (5-8 rows pad x to the
+    same 8 columns as 4: Qwen3-30B-A3B qkv 6.0 / 6.2 against 7.6 at 5 / 8 rows, o 6.1 / 6.0 against 7.3,
+    DeepSeek-V3 shared down 6.8 / 7.0 against 10.2 / 10.4)."""
     if n * k >= LARGE:
         return 2 <= m <= (MAX_ROWS if k >= 4096 else 8) or (m == 1 and has_zero)
-    return 3 <= m <= 4
+    if n * k >= MEDIUM:
+        return 3 <= m <= MAX_ROWS
+    return 3 <= m <= 8
 
 
 def chunk_k(ks: int, group: int, spans: int, most: int) -> int:
