@@ -271,8 +271,8 @@ def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     Large weights at 2-16 rows: 1.2-1.8x faster (Qwen3-8B down 16.3 against 27.9 us at 4 rows, DeepSeek-V3 o
     32.2 against 57.6); at one row only with zero points (DeepSeek-V3 o 28.5 against 39.2, Qwen3-8B down 15.8
     against 17.2): symmetric weights' GEMV is as fast or faster there (Qwen3-8B down 14.2 against 15.6).
-    Smaller weights only at 3-4 rows (Qwen3-30B-A3B qkv 6.0 against 7.5 us): at 1-2 rows the GEMV is
-    faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows were not swept.
+    Smaller weights at 3-4 rows in that sweep (Qwen3-30B-A3B qkv 6.0 against 7.5 us): at 1-2 rows the GEMV is
+    faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows are below.
     Past 8 rows only with K >= 4096: on DeepSeek-V3's q_b (24576 x 1536) the codes kernel is as fast or
     faster there (17.5 / 17.6 against 17.7 / 18.5 us at 12 / 16 rows; benchmarks/results/w4a16_mma_rule64_h100.*).
     From benchmarks/results/w4a16_mma_split_medium_h100.*: medium weights at 3-16 rows (`default_config`; at
