@@ -90,6 +90,11 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--sweep", default="", help="row counts at which to time every SWEEP config (int4-asym)")
     p.add_argument("--sweep-split", action="store_true", help="sweep only the configs whose warps split N")
+    p.add_argument(
+        "--ab-warp-sum",
+        action="store_true",
+        help="also time each row's default config with gl.sum's own cross-warp exchange",
+    )
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
     shapes, variants = args.shapes.split(","), args.variants.split(",")
@@ -125,9 +130,16 @@ def main() -> None:
                 t_mma = checked(x, qws, lambda x, qw: run_mma(x, qw, None)) if mma.supported(
                     x, probe.qweight, probe.group_size, cfg) else "not supported"  # fmt: skip
                 t_before = checked(x, qws, before)
+                t_plain = None
+                if args.ab_warp_sum and not isinstance(t_mma, str):
+                    mma.PADDED_WARP_SUM = False
+                    t_plain = checked(x, qws, lambda x, qw: run_mma(x, qw, None))
+                    mma.PADDED_WARP_SUM = True
                 row = {"shape": name, "N": n, "K": k, "M": m, "fmt": v, "bytes": nbytes, "floor_ms": nbytes / bw / 1e6,
                        "mma_config": asdict(cfg), "mma_ms": t_mma, "before_ms": t_before, "gemv_bf16_ms": peers[m][0],
                        "cublas_bf16_ms": peers[m][1]}  # fmt: skip
+                if t_plain is not None:
+                    row["mma_plain_sum_ms"] = t_plain
                 for key, t in (("mma", t_mma), ("before", t_before)):
                     if not isinstance(t, str):
                         row[f"{key}_pct_copy"] = 100 * nbytes / t / 1e6 / bw
@@ -136,7 +148,9 @@ def main() -> None:
                 speed = f"x{t_before / t_mma:.2f}" if both else ""
                 print(f"{name:20s} {v:9s} M={m:<3d} floor {nbytes / bw / 1e3:6.1f} us  mma {pct(nbytes, t_mma, bw)}  "
                       f"before {pct(nbytes, t_before, bw)} {speed:6s} bf16 gemv {pct(b16, peers[m][0], bw)}  "
-                      f"cublas {pct(b16, peers[m][1], bw)}", flush=True)  # fmt: skip
+                      f"cublas {pct(b16, peers[m][1], bw)}"
+                      + (f"  mma with gl.sum {pct(nbytes, t_plain, bw)}" if t_plain is not None else ""),
+                      flush=True)  # fmt: skip
                 Path(args.out).write_text(json.dumps(out, indent=1))
             if v != "int4-asym":
                 continue

@@ -37,12 +37,16 @@ def test_rule_takes_the_measured_wins_only() -> None:
         mma.takes(8, 2048, 4096, True) and not mma.takes(9, 2048, 4096, True) and not mma.takes(17, 24576, 4096, True)
     )
     assert mma.takes(16, 6144, 4096, False) and not mma.takes(2, 4096, 7168, True)  # medium: 3-16 rows
-    assert mma.takes(8, 24576, 1536, True) and not mma.takes(12, 24576, 1536, True)  # shallow K: 2-8 rows
+    assert mma.takes(12, 24576, 1536, True) and mma.takes(16, 24576, 1536, False)  # shallow K too, since _warp_sum
 
 
 def test_rule_uses_64_rows_where_they_measured_faster() -> None:
     assert mma.default_config(8, 24576, 4096).rows == 64 and mma.default_config(16, 7168, 16384).rows == 64
     assert mma.default_config(4, 24576, 4096).rows != 64 and mma.default_config(16, 4096, 12288).rows != 64
+    # 9-16 rows: wide weights too (4 warps where K < 4096), and 16 warps on narrow, deep ones
+    assert mma.default_config(12, 24576, 4096) == mma.MmaLinearConfig(64, 8, 128)
+    assert mma.default_config(16, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128)
+    assert mma.default_config(16, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
 
 
 def test_medium_weights_split_k_in_one_wave() -> None:

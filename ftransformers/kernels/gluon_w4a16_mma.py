@@ -46,6 +46,9 @@ from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
 
 MAX_ROWS = 16
+# The cross-warp sum of the split-0 form through `_warp_sum`'s padded shared memory (False: gl.sum's own
+# exchange; kept for benchmarks/bench_w4a16_mma.py --ab-warp-sum)
+PADDED_WARP_SUM = True
 
 
 def tokens_and_spans(m: int) -> tuple[int, int]:
@@ -97,6 +100,28 @@ def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexp
 
 
 @gluon.jit
+def _warp_sum(tot, W: gl.constexpr, ROWS: gl.constexpr, NCOL: gl.constexpr):
+    # tot [W, ROWS, NCOL] summed over the warps through shared memory whose rows of 16 columns are padded to 24
+    # words, so that by bank arithmetic the C fragments' 8-byte stores meet no conflict and the row-contiguous
+    # loads 2-way at most (rows of 8 need no padding). gl.sum's own exchange had 8.5-way conflicts at 16 rows
+    # (88% of its shared wavefronts excess, benchmarks/results/ncu_w4_l1_dense_dsv3_o_16_h100.txt); a
+    # swizzle tried first, 50% on its stores (ncu_w4_warpsum_dense_dsv3_o_16_h100.txt). Partials are added
+    # warp by warp, in a fixed order.
+    if NCOL == 16:
+        lay: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[16, 8]], [W, ROWS, NCOL], [2, 1, 0])
+    else:
+        lay: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    red = gl.allocate_shared_memory(gl.float32, [W, ROWS, NCOL], lay)
+    red.store(tot)
+    _cta_barrier()
+    back: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32 // NCOL, NCOL], [1, W, 1], [2, 1, 0])
+    y = red.slice(0, 1).load(back)
+    for w in gl.static_range(1, W):
+        y += red.slice(w, 1).load(back)
+    return gl.sum(y, axis=0)  # [1, ROWS, NCOL] -> [ROWS, NCOL]
+
+
+@gluon.jit
 def _store_y(y, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS: gl.constexpr):
     # y [.., TOK] float32 at rows n_idx (broadcast over tok) and rows of x tok < M
     if HAS_BIAS:
@@ -109,8 +134,9 @@ def _w4a16_mma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
     stride_xm, stride_qn, stride_sn, stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
-    TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr, mma: gl.constexpr,
-    a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
+    PADDED_SUM: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
+    x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # SPLIT 0: y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
     # SPLIT >= 1: warp w's rows [n0 + w ROWS, n0 + (w + 1) ROWS) over K [k0, k0 + KS), k0 = program_id(1) KS
@@ -165,7 +191,10 @@ def _w4a16_mma_kernel(
                      W, ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
 
     if SPLIT == 0:
-        y = gl.sum(tot, axis=0)  # [ROWS, NCOL]
+        if PADDED_SUM:
+            y = _warp_sum(tot, W, ROWS, NCOL)  # [ROWS, NCOL]
+        else:
+            y = gl.sum(tot, axis=0)
         if S > 1:
             y = gl.sum(gl.reshape(y, [ROWS, TOK, S]), axis=2)  # [ROWS, TOK]
         rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, y.type.layout)), 1)
@@ -245,7 +274,12 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
     (benchmarks/results/w4a16_mma_rows64_h100.{json,log}): 5-8 rows on wide weights, 4 warps (Qwen3-8B
     gate_up at 8 rows 28.1 us against 30.6 for the next config and 34.6 for 32 rows, 4 warps), and 9-16 rows
     on deep ones, 8 warps (DeepSeek-V3 o at 16 rows 39.8 against 46.8); not at 4 rows or on Qwen3-8B down,
-    where they were not faster.
+    where they were not faster. At 9-16 rows, re-swept with `_warp_sum`
+    (benchmarks/results/w4a16_mma_padsum_h100.*): 64 rows a warp on deep or wide weights, 8 warps (4 where
+    K < 4096; at 12 / 16 rows DeepSeek-V3 o 35.3 / 36.1 us, Qwen3-8B gate_up 32.0 / 33.3 against 33.3 / 35.1
+    for 32 rows, 4 warps, DeepSeek-V3 q_b 15.8 / 16.7 against 16.6 / 17.8), else 32 rows, 16 warps (Qwen3-8B
+    down 17.4 / 18.5 against 22.3 / 22.7 for 8; 512 threads cap ptxas at 128 registers, so it spills 16
+    bytes, and is still the fastest swept).
     Medium weights take the form whose warps split N (benchmarks/results/w4a16_mma_split_medium_h100.*):
     32 rows a warp, 8 warps (256 rows a program); at 9-16 rows K split into the most programs that still run
     in one wave (Qwen3-8B qkv 24 tiles x 4: 14.3 us against 16.4 for the 16-row form; o and DeepSeek-V3's
@@ -253,8 +287,12 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
     / 8.9 against 9.2 / 9.2 at 4 / 8 rows, shared gate_up 12.8 / 12.5 against 14.9 / 14.5), not where K < N
     (Qwen3-8B qkv 10.7 / 11.2 against 10.1 / 10.1)."""
     if n * k >= LARGE:
-        if n % 64 == 0 and ((4 < m <= 8 and n // 64 >= 256) or (m > 8 and k >= 16384)):
-            return MmaLinearConfig(rows=64, warps=4 if m <= 8 else 8, kc=128)
+        if m > 8:
+            if n % 64 == 0 and (k >= 16384 or n // 64 >= 256):
+                return MmaLinearConfig(rows=64, warps=8 if k >= 4096 else 4, kc=128)
+            return MmaLinearConfig(rows=32, warps=16, kc=128)
+        if n % 64 == 0 and 4 < m <= 8 and n // 64 >= 256:
+            return MmaLinearConfig(rows=64, warps=4, kc=128)
         warps = 4 if n // 32 >= 256 or (m == 1 and k // 4 >= 4096) else 8
         return MmaLinearConfig(rows=32, warps=warps, kc=512 if m == 1 and k // warps >= 4096 else 256)
     if n * k >= MEDIUM and n % 256 == 0 and m > 2 and (m > 8 or k >= n):
@@ -273,8 +311,9 @@ def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     against 17.2): symmetric weights' GEMV is as fast or faster there (Qwen3-8B down 14.2 against 15.6).
     Smaller weights at 3-4 rows in that sweep (Qwen3-30B-A3B qkv 6.0 against 7.5 us): at 1-2 rows the GEMV is
     faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows are below.
-    Past 8 rows only with K >= 4096: on DeepSeek-V3's q_b (24576 x 1536) the codes kernel is as fast or
-    faster there (17.5 / 17.6 against 17.7 / 18.5 us at 12 / 16 rows; benchmarks/results/w4a16_mma_rule64_h100.*).
+    Past 8 rows on DeepSeek-V3's q_b (24576 x 1536), where the codes kernel was as fast or faster (17.5 /
+    17.6 against 17.7 / 18.5 us at 12 / 16 rows; benchmarks/results/w4a16_mma_rule64_h100.*), only since
+    `_warp_sum` and 64 rows a warp there (15.8 / 16.7 against 17.7 / 17.8; w4a16_mma_padsum_h100.*).
     From benchmarks/results/w4a16_mma_split_medium_h100.*: medium weights at 3-16 rows (`default_config`; at
     4 / 8 / 16 rows Qwen3-8B qkv 10.1 / 10.1 / 14.3 us against 15.0 / 15.2 / 15.9, o 8.5 / 8.9 / 10.8 against
     11.6 / 11.9 / 12.4, DeepSeek-V3 shared gate_up 12.8 / 12.5 / 14.7 against 17.3 / 17.3 / 17.8); not at 2
@@ -282,7 +321,7 @@ def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     same 8 columns as 4: Qwen3-30B-A3B qkv 6.0 / 6.2 against 7.6 at 5 / 8 rows, o 6.1 / 6.0 against 7.3,
     DeepSeek-V3 shared down 6.8 / 7.0 against 10.2 / 10.4)."""
     if n * k >= LARGE:
-        return 2 <= m <= (MAX_ROWS if k >= 4096 else 8) or (m == 1 and has_zero)
+        return 2 <= m <= MAX_ROWS or (m == 1 and has_zero)
     if n * k >= MEDIUM:
         return 3 <= m <= MAX_ROWS
     return 3 <= m <= 8
@@ -352,4 +391,5 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
-                ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
+                ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM,
+                **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
