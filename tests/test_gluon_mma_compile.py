@@ -49,9 +49,9 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
     from ftransformers.kernels import gluon_w4a16_mma as lin
 
     jobs = []
-    # the last: 64 rows a warp (default_config's deep-weight form)
+    # the last two: 64 rows a warp (default_config's form for deep and for wide weights past 8 rows)
     dense = [(1, 7168, 16384, 128), (2, 24576, 4096, 128), (4, 5120, 2048, 128), (8, 4096, 12288, 128),
-             (16, 1024, 2048, 32), (16, 7168, 16384, 128)]  # fmt: skip
+             (16, 1024, 2048, 32), (16, 7168, 16384, 128), (16, 24576, 1536, 128)]  # fmt: skip
     # and the form whose warps split N (split 1, and split K with the last-one-out sum)
     split = [(16, 7168, 16384, 128, lin.MmaLinearConfig(32, 8, 128, 8)),
              (2, 4096, 12288, 128, lin.MmaLinearConfig(16, 4, 128, 1))]  # fmt: skip
@@ -96,7 +96,7 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 12
+    assert len(kernels) == 13
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]
