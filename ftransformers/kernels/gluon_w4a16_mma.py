@@ -20,11 +20,11 @@ Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
   is B's register layout (no data movement).
 
 Two ways to split the work (MmaLinearConfig.split):
-  split 0: a program takes ROWS rows of W from n0; its W warps each take K / W of K in chunks, summed in
-    shared memory (gl.sum over axis 0) at the end. Every program reads all of x from L2: N / ROWS x M x K
-    x 2 bytes, as many as the weight's at 16 rows and 32 rows a warp.
+  split 0: a program takes ROWS rows of W from n0; its W warps each take K / W of K in chunks, summed at
+    the end through padded shared memory (`_warp_sum`). Every program reads all of x from L2: N / ROWS x M
+    x K x 2 bytes, as many as the weight's at 16 rows and 32 rows a warp.
   split s >= 1: a program takes W x ROWS rows (warp w the w-th ROWS) over K / s of K; its warps load the
-    same x chunk, so L1 serves all but the first, and x leaves L2 s x N / (W ROWS) times instead. The s
+    same x chunk, so L1 can serve all but the first, and x leaves L2 s x N / (W ROWS) times instead. The s
     programs of a row tile publish float32 partials [s, M, N] and the last one out (kernels/tickets.py's
     protocol) adds them in split order (deterministic) and stores y.
 Then the S spans of each row of x are added and y stored.
