@@ -13,6 +13,8 @@ Variants (comma-separated `--variants`):
   no-prefetch           PDL on, but no L2 prefetch ahead of the wait (kernels/pdl.py, l2_prefetch)
   prefetch=F/G          L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES); the families
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
+  set=MOD.NAME=V        the module-level toggle ftransformers.kernels.MOD.NAME set to int(V), e.g.
+                        set=triton_w4a16.PRELOAD_FIRST_TILE=0
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
 
 `--timeline` adds, per variant and batch, a CUPTI trace of a few replays (torch.profiler) read as the
@@ -32,6 +34,7 @@ the shared copy ceiling). `--format` builds the model with quantized weights as 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import statistics
@@ -92,6 +95,22 @@ def _prefetch(spec: str) -> Callable[[], Callable[[], None]]:
     return apply
 
 
+def _set(spec: str) -> Callable[[], Callable[[], None]]:
+    # spec: "module.NAME=value" under ftransformers.kernels
+    target, _, value = spec.partition("=")
+    mod_name, _, attr = target.rpartition(".")
+
+    def apply() -> Callable[[], None]:
+        mod = importlib.import_module(f"ftransformers.kernels.{mod_name}")
+        if not hasattr(mod, attr):
+            raise SystemExit(f"ab_decode: ftransformers.kernels.{mod_name} has no {attr}")
+        was = getattr(mod, attr)
+        setattr(mod, attr, type(was)(int(value)))
+        return lambda: setattr(mod, attr, was)
+
+    return apply
+
+
 def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
     """Critical-path time per kernel name of `reps` graph replays (module docstring), per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -144,7 +163,12 @@ def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
         return _prefetch(name.partition("=")[2])
     if name.startswith("router="):
         return _router_from(name.partition("=")[2])
-    raise SystemExit(f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, prefetch=F/G, router=PATH)")
+    if name.startswith("set="):
+        return _set(name.partition("=")[2])
+    raise SystemExit(
+        f"ab_decode: unknown variant {name!r} (base, separate-rope, no-pdl, no-prefetch, prefetch=F/G, router=PATH, "
+        "set=MOD.NAME=V)"
+    )
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
+from ftransformers.kernels import triton_w4a16
 from ftransformers.kernels.quant_formats import QuantizedWeight, pack_int4, quant_linear_ref
 from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
 
@@ -89,9 +90,12 @@ def test_perm_bias_and_leading_dims(fmt: str, M: int) -> None:
     assert rel_err(w4a16_linear(xf, qw, b.float()), quant_linear_ref(xf, qw, b.float())) < 1e-5
 
 
+@pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
-def test_every_tile_path(fmt: str) -> None:
-    """FMA and tensor-core tiles, several programs along N and M, masked K tails and split-K."""
+def test_every_tile_path(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FMA and tensor-core tiles, several programs along N and M, masked K tails and split-K; the GEMV with its
+    first tile of words loaded ahead of the PDL wait (the default) and without."""
+    monkeypatch.setattr(triton_w4a16, "PRELOAD_FIRST_TILE", preload)
     gen = torch.Generator().manual_seed(3)
     qw = random_weight(fmt, 40, 384, gen, group=64, zeros=True)
     base = {"SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}

@@ -50,6 +50,9 @@ from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
 
 GEMV_MAX_M = 4
+# The GEMV's first K tile of words loaded before the PDL wait (its PRELOAD; benchmarks/ab_decode.py
+# `set=triton_w4a16.PRELOAD_FIRST_TILE=0` turns it off for an A/B)
+PRELOAD_FIRST_TILE = True
 DECODE_MAX_M = 16
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -85,25 +88,30 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
     # along W only; a thread holds all N, M and J of its word column, so x (one 16-byte vector per word and
     # row), q and the scales meet in one layout without shuffles. `unit` (== 1, never specialized) hides
     # q's contiguity so that its load takes that one-word-per-thread layout too.
-    pdl_enter(USE_PDL)
+    # PRELOAD: the first K tile's words (constant: no kernel writes them) are loaded before the PDL wait, so that
+    # they stream in while the predecessor finishes; each iteration then loads the next tile's words ahead.
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     w4 = tl.arange(0, BW)[:, None, None, None]
     n4 = offs_n[None, :, None, None]
-    j4 = tl.arange(0, 8)[None, None, None, :]
     mask_n4 = n4 < N
-    mask_m4 = offs_m[None, None, :, None] < M
     q_ptrs = q_ptr + n4 * stride_qn + w4 * unit  # [BW, BN, 1, 1]
+    STEP: tl.constexpr = SPLIT_K * BLOCK_K
+    if PRELOAD:
+        q_next = tl.load(q_ptrs + pid_k * BW, mask=mask_n4 & (pid_k * BW + w4 < K // 8), other=0)
+    pdl_enter(USE_PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    j4 = tl.arange(0, 8)[None, None, None, :]
+    mask_m4 = offs_m[None, None, :, None] < M
     x_ptrs = x_ptr + offs_m[None, None, :, None] * stride_xm + w4 * 8 + j4  # [BW, 1, BM, 8]
     s_rows = s_ptr + n4 * stride_sn
     z_rows = z_ptr + n4 * stride_zn
@@ -115,7 +123,7 @@ def _w4a16_gemv_kernel(
     if FMT == 2:
         gs = tl.load(gs_ptr + n4, mask=mask_n4, other=0.0)
     acc = tl.zeros([BW, BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, STEP):
         if EVEN_K:
             mask_q = mask_n4
             mask_x = mask_m4
@@ -124,7 +132,11 @@ def _w4a16_gemv_kernel(
             mask_q = mask_n4 & mask_w4
             mask_x = mask_m4 & mask_w4
         x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
-        q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
+        if PRELOAD:
+            q = q_next
+            q_next = tl.load(q_ptrs + (k0 + STEP) // 8, mask=mask_n4 & ((k0 + STEP) // 8 + w4 < K // 8), other=0)
+        else:
+            q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
         grp = (k0 + w4 * 8) // GROUP
         scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])
         if FMT == 2:
@@ -359,7 +371,9 @@ def w4a16_linear(
     pdl = pdl_launch(x.device)
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
-        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](*args, 1, *strides, **flags, **cfg, **pdl)
+        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
+            *args, 1, *strides, **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, **pdl
+        )
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         ieee = x.dtype == torch.float32 or _INTERPRET
