@@ -32,6 +32,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_moe_w4 as bm
+import bench_w4_b1 as b1
 from ceilings import copy_bandwidth
 
 from ftransformers.kernels import triton_fused_moe_w4 as w4
@@ -131,12 +132,9 @@ DOWN = [("down slots8 blk32 box32x32", 8, 1, 32, 32, 32, 4), ("down slots8 blk16
 
 def cases(fname: str) -> list[tuple[str, Any, int]]:
     """(name, call(i), bytes) for the pair path's two kernels and every staging config, on fresh weights."""
-    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
-    fmt, group, zeros = bm.FORMATS[fname]
-    w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
-    w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
-    hiddens = [torch.randn(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
-    routes = bm.routings(1, e, k, REPS)
+    d, _, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    fmt = bm.FORMATS[fname][0]
+    w13, w2, hiddens, routes, _ = b1.pair_inputs(fname, REPS)
     ids = [r[1].reshape(-1).to(torch.int32).contiguous() for r in routes]
     cfg = w4.default_w4_pair_config(1, d, fmt)
     acts = [w4.pair_gate_up(hiddens[i], w13, routes[i][1], cfg) for i in range(REPS)]
