@@ -13,7 +13,6 @@ import torch
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
 from ftransformers.kernels.triton_gemv import GEMV_MAX_M, gemv, gemv_config, gemv_ref
-from ftransformers.kernels.triton_norm import fused_norm, fused_norm_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): K not a multiple of any BLOCK_K exercises the masked path; N not a multiple of BLOCK_N too.
@@ -40,31 +39,6 @@ def test_gemv_matches_reference(dtype: torch.dtype, M: int, bias: bool) -> None:
         b = torch.randn(N, generator=gen).to(DEV, dtype) if bias else None
         out = gemv(x, w, b)
         assert rel_err(out, gemv_ref(x, w, b)) < tol(dtype), (M, N, K)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 3, 5])
-@pytest.mark.parametrize("residual", [False, True])
-def test_gemv_with_fused_norm(dtype: torch.dtype, M: int, residual: bool) -> None:
-    """norm(x + residual) @ W^T with the RMSNorm inside the GEMV against RMSNorm then the reference product;
-    the new stream x + residual exactly as the RMSNorm kernel rounds it. The fused form scales by 1 / rms at the
-    end instead of rounding the normed row to x's dtype first: bf16 tolerance as above."""
-    gen = torch.Generator().manual_seed(M * 3 + residual)
-    for N, K in SHAPES:
-        x = (3 * torch.randn(M, K, generator=gen)).to(DEV, dtype)
-        r = torch.randn(M, K, generator=gen).to(DEV, dtype) if residual else None
-        nw = (1 + 0.5 * torch.randn(K, generator=gen)).to(DEV, dtype)
-        w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, dtype)
-        b = torch.randn(N, generator=gen).to(DEV, dtype)
-        norm = fused_norm(x, nw, 1e-6, r)
-        h, stream = fused_norm_ref(x, norm)
-        out = gemv(x, w, b, config={**gemv_config(M, N, K), "BLOCK_K": 64} if DEV == "cpu" else None, norm=norm)
-        assert rel_err(out, gemv_ref(h, w, b)) < tol(dtype), (M, N, K)
-        assert residual or norm.stream is x
-        if DEV == "cuda":
-            assert torch.equal(norm.stream, stream)
-        else:  # the interpreter rounds float32 -> bfloat16 toward zero: one ulp apart at most
-            assert rel_err(norm.stream, stream) <= tol(dtype)
 
 
 def test_gemv_every_tile_path() -> None:

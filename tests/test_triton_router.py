@@ -21,8 +21,7 @@ pytest.importorskip("triton")  # conftest runs it through the interpreter withou
 import torch.nn.functional as F
 
 from ftransformers.kernels import triton_router
-from ftransformers.kernels.triton_norm import fused_norm, fused_norm_ref
-from ftransformers.kernels.triton_router import can_fuse_router, fused_router_topk, grouped_topk_sigmoid, softmax_topk
+from ftransformers.kernels.triton_router import fused_router_topk, grouped_topk_sigmoid, softmax_topk
 from ftransformers.layers.moe.grouped_topk import grouped_topk, grouped_topk_torch
 from ftransformers.layers.moe.topk import select_experts_softmax, select_experts_softmax_torch
 
@@ -31,10 +30,6 @@ DEV = "cuda" if CUDA else "cpu"
 TOKENS = [1, 7, 64]
 TOKENS_GROUPED = TOKENS if CUDA else [1, 64]  # the CPU interpreter is slow: fewer cases
 TOL = {"atol": 1e-6, "rtol": 1e-6}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def logits_for(t: int, e: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -169,42 +164,6 @@ def test_fused_router_grouped(t: int, e: int, d: int, groups, topk_group, k: int
     ids_ref_s, order_ref = ids_ref.sort(dim=-1)
     assert torch.equal(ids_s, ids_ref_s)
     torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), **FUSED_TOL)
-
-
-@pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("softmax", [True, False])
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_router_with_norm(t: int, softmax: bool, residual: bool, dtype: torch.dtype) -> None:
-    """The RMSNorm inside the router (kernels/triton_norm.FusedNorm): its output and the new stream against the
-    norm's reference (bf16: the interpreter's casts truncate, and the row sums' order differs from torch's), the
-    selection against the reference run on the output the kernel wrote (so that near-ties cannot differ)."""
-    e, d, k = 128, 320, 8
-    x, weight = router_inputs(t, e, d, dtype, 11 * t + residual)
-    gen = torch.Generator().manual_seed(t)
-    r = torch.randn(t, d, generator=gen).to(DEV, dtype) if residual else None
-    norm = fused_norm(3 * x, (1 + 0.5 * torch.randn(d, generator=gen)).to(DEV, dtype), 1e-6, r, normed=True)
-    assert can_fuse_router(3 * x, weight, norm=True)
-    corr = (torch.randn(e, generator=gen) * 0.5).to(DEV)
-    kw = {"softmax": True, "round_logits": True} if softmax else {
-        "softmax": False, "num_expert_group": 8, "topk_group": 4, "correction_bias": corr, "routed_scaling_factor": 2.5}
-    w, ids = fused_router_topk(3 * x, weight, k, renormalize=True, norm=norm, **kw)
-    h_ref, stream_ref = fused_norm_ref(3 * x, norm)
-    exact = DEV == "cuda" or dtype == torch.float32
-    torch.testing.assert_close(norm.normed, h_ref, **({"atol": 1e-5, "rtol": 1e-5} if exact else {"atol": 0.05, "rtol": 0.02}))
-    if residual:
-        assert torch.equal(norm.stream, stream_ref) if exact else rel_err(norm.stream, stream_ref) < 1e-2
-    logits = F.linear(norm.normed.float(), weight.float())
-    if softmax:
-        w_ref, ids_ref = select_experts_softmax_torch(logits.to(dtype), k, True)
-    else:
-        w_ref, ids_ref = grouped_topk_torch(logits, k, 8, 4, corr, True, 2.5)
-    ids_s, order = ids.sort(dim=-1)
-    ids_ref_s, order_ref = ids_ref.sort(dim=-1)
-    assert torch.equal(ids_s, ids_ref_s)
-    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), **FUSED_TOL)
-    big, gate = torch.empty(5, 2048, device=DEV), torch.empty(e, 2048, device=DEV)  # 5 rows of 2048: past the bound
-    assert can_fuse_router(big, gate) and not can_fuse_router(big, gate, norm=True)
 
 
 def test_fused_router_counter_resets() -> None:

@@ -16,8 +16,7 @@ pytest.importorskip("triton")  # conftest runs it through the interpreter withou
 
 from ftransformers.kernels import triton_w4a16
 from ftransformers.kernels.quant_formats import QuantizedWeight, pack_int4, quant_linear_ref
-from ftransformers.kernels.triton_norm import fused_norm, fused_norm_ref
-from ftransformers.kernels.triton_w4a16 import takes_norm, w4a16_config, w4a16_linear
+from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): N not a multiple of any BLOCK_N, K not a multiple of the default BLOCK_K, large-weight tiles
@@ -112,50 +111,6 @@ def test_every_tile_path(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatc
         b = torch.randn(40, generator=gen).to(DEV)
         out = w4a16_linear(x, qw, b, config={**base, **cfg})
         assert rel_err(out, quant_linear_ref(x, qw, b)) < 1e-5, cfg
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("M", [1, 2])
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("weight", [WEIGHTS[1], WEIGHTS[3], WEIGHTS[5]], ids=["int4-g64-z", "int4-g128-sym", "nvfp4"])
-def test_gemv_with_fused_norm(weight: tuple, M: int, residual: bool, dtype: torch.dtype) -> None:
-    """The GEMV with RMSNorm(x + residual) inside (kernels/triton_norm.FusedNorm) against the norm's reference
-    then quant_linear_ref, several programs and K tiles (and a masked K tail on CPU); the new stream as the norm
-    kernel rounds it (exact on the GPU, one ulp on the interpreter's truncating casts)."""
-    fmt, group, zeros, sdt = weight
-    gen = torch.Generator().manual_seed(M * 5 + residual + group)
-    taken = 0
-    for N, K in SHAPES:
-        qw = random_weight(fmt, N, K, gen, group, zeros, sdt)
-        if DEV == "cuda" and not takes_norm(M, qw, dtype):  # the mma kernel takes it (large int4, 16-bit x)
-            continue
-        taken += 1
-        x = (3 * torch.randn(M, K, generator=gen)).to(DEV, dtype)
-        r = torch.randn(M, K, generator=gen).to(DEV, dtype) if residual else None
-        nw = (1 + 0.5 * torch.randn(K, generator=gen)).to(DEV, dtype)
-        b = torch.randn(N, generator=gen).to(DEV, dtype)
-        cfg = None if DEV == "cuda" else {**w4a16_config(M, N, K, fmt, qw.group_size), "BLOCK_K": 256}
-        assert takes_norm(M, qw, dtype, cfg), (M, N, K)
-        norm = fused_norm(x, nw, 1e-6, r)
-        h, stream = fused_norm_ref(x, norm)
-        out = w4a16_linear(x, qw, b, config=cfg, norm=norm)
-        assert rel_err(out, quant_linear_ref(h, qw, b)) < tol(dtype), (N, K)
-        if DEV == "cuda" or dtype == torch.float32:
-            assert torch.equal(norm.stream, stream)
-        else:
-            assert rel_err(norm.stream, stream) <= tol(dtype)
-    assert taken >= 2
-
-
-def test_fused_norm_only_on_the_gemv() -> None:
-    gen = torch.Generator().manual_seed(2)
-    qw = random_weight("int4", 37, 256, gen)
-    x = torch.randn(8, 256, generator=gen).to(DEV, torch.bfloat16)
-    norm = fused_norm(x, torch.ones(256, device=DEV, dtype=torch.bfloat16), 1e-6, None)
-    assert not takes_norm(8, qw, torch.bfloat16)
-    with pytest.raises(ValueError, match="takes_norm"):
-        w4a16_linear(x, qw, norm=norm)
-    assert not takes_norm(1, random_weight("int4", 37, 256, gen, perm=True), torch.bfloat16)
 
 
 def test_config_paths() -> None:

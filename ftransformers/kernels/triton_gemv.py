@@ -26,27 +26,19 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.triton_norm import FusedNorm, residual_tile
 
 GEMV_MAX_M = 16
-# Output rows a program with a fused RMSNorm (0: gemv_config's); benchmarks/ab_decode.py set=triton_gemv.NORM_BLOCK_N=V
-NORM_BLOCK_N = 0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, new_res_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    stride_rm, stride_nrm, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-    NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
-    # NORM: x is RMSNorm's input instead (kernels/triton_norm.py's fused form), applied as the tiles load:
-    # r = x + residual (HAS_RES; rounded to x's dtype and stored to new_res by program 0), products with
-    # r * norm_weight, and since every program walks all of K, the row's 1 / rms(r) scales acc at the end.
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -57,25 +49,14 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # summed over K once, at the end
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            mask_x = mask_m[:, None]
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_x, other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         else:
             mask_k = (k0 + offs_k) < K
-            mask_x = mask_m[:, None] & mask_k[None, :]
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_x, other=0.0)
-        if NORM:
-            cols = k0 + offs_k
-            r = residual_tile(x, res_ptr + offs_m[:, None] * stride_rm + cols[None, :],
-                              new_res_ptr + offs_m[:, None] * stride_nrm + cols[None, :], mask_x, pid == 0, HAS_RES)  # fmt: skip
-            sumsq += r * r
-            x = r * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-            if DOT and not IEEE:
-                x = x.to(w.dtype)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
             if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -85,8 +66,6 @@ def _gemv_kernel(
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if NORM:
-        acc *= tl.rsqrt(tl.sum(sumsq, axis=1) / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -113,26 +92,19 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,  # [M, N] x.dtype, unit stride along N: written and returned
-    norm: FusedNorm | None = None,  # x is RMSNorm's input: y = norm(x + residual) @ W^T, norm.stream written
 ) -> torch.Tensor:  # [M, N], x.dtype
     M, K = x.shape
     N = weight.shape[0]
     assert weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
     assert 1 <= M <= GEMV_MAX_M, M
     cfg = dict(config or gemv_config(M, N, K))
-    if norm is not None and config is None and NORM_BLOCK_N:
-        cfg["BLOCK_N"] = NORM_BLOCK_N
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (M, N) and y.dtype == x.dtype and y.stride(1) == 1, (y.shape, y.dtype)
-    res = norm.residual if norm is not None and norm.residual is not None else x
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     _gemv_kernel[grid](
-        x, weight, bias if bias is not None else weight, y, res, norm.weight if norm else x, norm.stream if norm else x,
-        M, N, K, x.stride(0), weight.stride(0), y.stride(0), res.stride(0), norm.stream.stride(0) if norm else 0,
-        norm.eps if norm else 0.0,
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
-        IEEE=x.dtype == torch.float32 or _INTERPRET, NORM=norm is not None,
-        HAS_RES=norm is not None and norm.residual is not None,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
         **cfg,
         **pdl_launch(x.device),
     )  # fmt: skip

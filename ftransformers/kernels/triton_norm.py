@@ -6,8 +6,6 @@ dtype before the weight multiplies, the output in promote(weight, x) dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -40,61 +38,6 @@ def _rmsnorm_kernel(
     y = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# Decoder layers let the kernel that reads a norm's output compute it (layers/norm.py fuses_norm); off, every
-# norm runs as `rms_norm` (benchmarks/ab_decode.py `set=triton_norm.FUSE_INTO_CONSUMERS=0`). By consumer:
-# the one-row linears' GEMVs (layers/linear.py normed_linear) and the MoE routers (layers/moe/topk.py router_norm)
-FUSE_INTO_CONSUMERS = False  # measured slower (session 23): see docs/performance.md
-FUSE_INTO_LINEAR = True
-FUSE_INTO_ROUTER = True
-
-
-@dataclass(frozen=True)
-class FusedNorm:
-    """RMSNorm(x + residual) * weight computed inside the kernel that consumes it (decode: a GEMV, the fused
-    router), instead of by a launch of its own. The consumer reads x, `residual` and `weight`, and one of its
-    programs writes x + residual to `stream`, the residual of the next layer (x itself when residual is None:
-    the first layer, whose stream is the embeddings). Make it with `fused_norm`."""
-
-    weight: torch.Tensor  # [K]
-    eps: float
-    residual: torch.Tensor | None  # [M, K], x's dtype, unit stride along K
-    stream: torch.Tensor  # [M, K]: x + residual, written by the consumer (or x)
-    normed: torch.Tensor | None = None  # [M, K]: the norm's output, for consumers that pass it on (the router)
-
-
-def fused_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, normed: bool = False
-) -> FusedNorm:
-    """x [M, K] with unit stride along K; weight [K]; residual like x or None; `normed`: a buffer for the output."""
-    if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
-        raise ValueError(f"fused_norm: x {tuple(x.shape)} {x.dtype} (unit stride along K) and weight "
-                         f"{tuple(weight.shape)} {weight.dtype} (x's dtype)")  # fmt: skip
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
-        raise ValueError(f"fused_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
-                         f"{tuple(x.shape)} {x.dtype} with unit stride along K")  # fmt: skip
-    stream = torch.empty_like(x) if residual is not None else x
-    return FusedNorm(weight, float(eps), residual, stream, torch.empty_like(x) if normed else None)
-
-
-def fused_norm_ref(x: torch.Tensor, norm: FusedNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm's output, the new stream) in plain PyTorch, as layers/norm.py computes them."""
-    r = x if norm.residual is None else (x.float() + norm.residual.float()).to(x.dtype)
-    r32 = r.float()
-    y = (r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
-    return norm.weight * y, r
-
-
-@triton.jit
-def residual_tile(x, r_ptrs, nr_ptrs, mask, STORE, HAS_RES: tl.constexpr):
-    """A tile of RMSNorm's stream inside a consumer kernel, as float32: x, or with HAS_RES x + residual rounded
-    to x's dtype as `_rmsnorm_kernel` does, stored at nr_ptrs where STORE (one program of the consumer)."""
-    if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        if STORE:
-            tl.store(nr_ptrs, x, mask=mask)
-    return x.to(tl.float32)
 
 
 def rms_norm(

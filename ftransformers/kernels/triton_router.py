@@ -28,15 +28,11 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
 from ftransformers.kernels.tickets import last_one_out, ticket_counters
-from ftransformers.kernels.triton_norm import FusedNorm, residual_tile
 
 MAX_EXPERTS = 1024
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_FUSED_TOKENS = 16
 MAX_FUSED_EXPERTS = 512
-# Rows x next_pow2(D) a program of the fused router reads for the RMSNorm inside it (kernels/triton_norm.FusedNorm):
-# Qwen3-30B-A3B (D 2048) to 4 tokens, DeepSeek-V3 (7168) one
-NORM_MAX_ELEMENTS = 8192
 _ROUND = {torch.bfloat16: 1, torch.float16: 2}  # logits rounding modes of the fused router
 
 
@@ -183,21 +179,15 @@ def grouped_topk_sigmoid(
 
 @triton.jit
 def _fused_router_kernel(
-    x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, res_ptr, nw_ptr, nr_ptr, h_ptr,
-    T, D, stride_xt, stride_we, scale, stride_rt, eps,
+    x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
     E: tl.constexpr, G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
     ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, NORM_T: tl.constexpr = 1, NORM_D: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
-    # NORM: x is RMSNorm's input (kernels/triton_norm.FusedNorm). Every program first reads whole rows
-    # ([NORM_T, NORM_D] >= [T, D]) for their 1 / rms, then forms its D range of the norm's output exactly as
-    # `_rmsnorm_kernel` rounds it; the programs of expert block 0 store that range of x + residual (nr, the
-    # next stream) and of the output (h, the experts' input). res, nr and h have x's row stride.
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
     if PREFETCH:  # this program's gate rows to L2 ahead of the wait
@@ -214,26 +204,9 @@ def _fused_router_kernel(
     x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_d[None, :]
     w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_d[:, None]
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    if NORM:
-        tn = tl.arange(0, NORM_T)[:, None]
-        dn = tl.arange(0, NORM_D)[None, :]
-        rows = residual_tile(tl.load(x_ptr + tn * stride_xt + dn, mask=(tn < T) & (dn < D), other=0.0),
-                             res_ptr + tn * stride_rt + dn, nr_ptr, (tn < T) & (dn < D), False, HAS_RES)  # fmt: skip
-        rstd = tl.rsqrt(tl.sum(rows * rows, axis=1) / D + eps)  # [NORM_T]
-        # to BLOCK_T rows (NORM_T <= BLOCK_T): row t takes rstd[t]
-        rstd = tl.sum(tl.where(offs_t[:, None] == tl.arange(0, NORM_T)[None, :], rstd[None, :], 0.0), axis=1)
-        nd_ptrs = offs_t[:, None].to(tl.int64) * stride_rt + offs_d[None, :]  # [BLOCK_T, BLOCK_D] in res, nr, h
     for dt in range(D_TILES):
         d_ok = offs_d < D - dt * BLOCK_D
         x = tl.load(x_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
-        if NORM:
-            t_ok = (offs_t[:, None] < T) & d_ok[None, :]
-            r = residual_tile(x, res_ptr + nd_ptrs, nr_ptr + nd_ptrs, t_ok, pid_e == 0, HAS_RES)
-            g = tl.load(nw_ptr + offs_d + dt * BLOCK_D, mask=d_ok, other=0.0).to(tl.float32)
-            x = (g[None, :] * (r * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
-            if pid_e == 0:
-                tl.store(h_ptr + nd_ptrs, x, mask=t_ok)
-            nd_ptrs += BLOCK_D
         w = tl.load(w_ptrs, mask=d_ok[:, None] & (offs_e[None, :] < E), other=0.0)
         if IEEE:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -316,13 +289,11 @@ def max_fused_tokens(weight: torch.Tensor) -> int:
     return MAX_FUSED_TOKENS if weight.numel() * weight.element_size() >= 2 << 20 else MAX_FUSED_TOKENS // 2
 
 
-def can_fuse_router(hidden: torch.Tensor, weight: torch.Tensor, norm: bool = False) -> bool:
-    """Whether fused_router_topk takes this call: small T, on a GPU (or the interpreter in tests); with the
-    RMSNorm inside (`norm`), only while every program's read of the whole rows stays small."""
+def can_fuse_router(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fused_router_topk takes this call: small T, on a GPU (or the interpreter in tests)."""
     return (
         hidden.dim() == 2
         and 0 < hidden.shape[0] <= max_fused_tokens(weight)
-        and (not norm or hidden.shape[0] * triton.next_power_of_2(hidden.shape[1]) <= NORM_MAX_ELEMENTS)
         and weight.shape[0] <= MAX_FUSED_EXPERTS
         and hidden.shape[1] == weight.shape[1]
         and hidden.device == weight.device
@@ -344,22 +315,15 @@ def fused_router_topk(
     correction_bias: torch.Tensor | None = None,  # [E], sigmoid scoring only
     routed_scaling_factor: float = 1.0,
     ids_dtype: torch.dtype = torch.int64,
-    norm: FusedNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits = hidden @ weight^T (float32 accumulation; `round_logits` rounds them to hidden's dtype as
     nn.Linear would), then softmax_topk (softmax=True) or grouped_topk_sigmoid semantics.
-    Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router.
-    With `norm` (made with normed=True), hidden is RMSNorm's input: the router runs on the norm's output, which
-    it writes to norm.normed, and writes the new stream to norm.stream (can_fuse_router(..., norm=True))."""
+    Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router."""
     t, d = hidden.shape
     e = weight.shape[0]
     grouped = not softmax and num_expert_group is not None and num_expert_group > 1
     groups = num_expert_group if grouped else 1
     assert e % groups == 0 and 0 < top_k <= e and 0 < t <= MAX_FUSED_TOKENS, (e, groups, top_k, t)
-    if norm is not None:
-        assert norm.normed is not None and t * triton.next_power_of_2(d) <= NORM_MAX_ELEMENTS, (t, d)
-        for buf in (norm.residual, norm.stream, norm.normed):
-            assert buf is None or buf.is_contiguous(), "the fused norm's buffers are contiguous [T, D]"
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
     if weight.stride(1) != 1:
@@ -379,18 +343,14 @@ def fused_router_topk(
     block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
     ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
     sel_t = max(4, triton.next_power_of_2(t))  # H100: a [1, G, S] selection tile ran slower than [4, G, S]
-    res = norm.residual if norm is not None and norm.residual is not None else hidden
-    nw, nr, h = (norm.weight, norm.stream, norm.normed) if norm is not None else (hidden, hidden, hidden)
     _fused_router_kernel[(e_blocks * n_split,)](
-        hidden, weight, bias, part, counter, out_w, out_ids, res, nw, nr, h, t, d, hidden.stride(0), weight.stride(0),
-        float(routed_scaling_factor), d, norm.eps if norm is not None else 0.0,
+        hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
+        float(routed_scaling_factor),
         E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
         SOFTMAX=softmax, HAS_BIAS=correction_bias is not None and not softmax, GROUPED=grouped,
         RENORM=bool(renormalize), ROUND=_ROUND.get(hidden.dtype, 0) if round_logits else 0, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
-        NORM=norm is not None, HAS_RES=norm is not None and norm.residual is not None,
-        NORM_T=triton.next_power_of_2(t), NORM_D=triton.next_power_of_2(d),
         num_warps=8 if sel_t * block_g * block_s >= 4096 else 4,
         **prefetch_lines(tiles_per_split * block_d, weight.element_size()), **pdl_launch(hidden.device, prefetch="router"),
     )  # fmt: skip

@@ -47,15 +47,12 @@ from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tiling import grouped_tile
-from ftransformers.kernels.triton_norm import FusedNorm, residual_tile
 from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
 
 GEMV_MAX_M = 4
 # The GEMV's first K tile of words loaded before the PDL wait (its PRELOAD; benchmarks/ab_decode.py
 # `set=triton_w4a16.PRELOAD_FIRST_TILE=0` turns it off for an A/B)
 PRELOAD_FIRST_TILE = True
-# Output rows a GEMV program with a fused RMSNorm (0: w4a16_config's); ab_decode set=triton_w4a16.NORM_BLOCK_N=V
-NORM_BLOCK_N = 0
 DECODE_MAX_M = 16
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -87,11 +84,11 @@ def _scale_f32(s, FMT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["unit"])
 def _w4a16_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, res_ptr, nw_ptr, nr_ptr, M, N, K, unit,
-    stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym, stride_rm, stride_nrm, eps,
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, M, N, K, unit,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
@@ -100,8 +97,6 @@ def _w4a16_gemv_kernel(
     # q's contiguity so that its load takes that one-word-per-thread layout too.
     # PRELOAD: the first K tile's words (constant: no kernel writes them) are loaded before the PDL wait, so that
     # they stream in while the predecessor finishes; each iteration then loads the next tile's words ahead.
-    # NORM (SPLIT_K == 1): x is RMSNorm's input, applied as in triton_gemv._gemv_kernel (x + residual stored by
-    # program 0, products with it times the norm weight, 1 / rms scaling the sums at the end).
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -128,7 +123,6 @@ def _w4a16_gemv_kernel(
     if FMT == 2:
         gs = tl.load(gs_ptr + n4, mask=mask_n4, other=0.0)
     acc = tl.zeros([BW, BLOCK_N, BLOCK_M], dtype=tl.float32)
-    sumsq = tl.zeros([BW, 1, BLOCK_M], dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, STEP):
         if EVEN_K:
             mask_q = mask_n4
@@ -137,16 +131,7 @@ def _w4a16_gemv_kernel(
             mask_w4 = (k0 // 8 + w4) < K // 8
             mask_q = mask_n4 & mask_w4
             mask_x = mask_m4 & mask_w4
-        x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0)
-        if NORM:
-            cols = k0 + w4 * 8 + j4  # [BW, 1, 1, 8]
-            rows = offs_m[None, None, :, None]
-            x = residual_tile(x, res_ptr + rows * stride_rm + cols, nr_ptr + rows * stride_nrm + cols, mask_x,
-                              pid_n == 0, HAS_RES)  # fmt: skip
-            sumsq += tl.sum(x * x, axis=3)
-            x = x * tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        else:
-            x = x.to(tl.float32)
+        x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
         if PRELOAD:
             q = q_next
             q_next = tl.load(q_ptrs + (k0 + STEP) // 8, mask=mask_n4 & ((k0 + STEP) // 8 + w4 < K // 8), other=0)
@@ -171,8 +156,6 @@ def _w4a16_gemv_kernel(
             d = ((qs >> 6) & -0x7E400000).to(tl.float32, bitcast=True)  # e2m1 * 2^-126; mask 0x81C00000
             acc += scale * tl.sum((x * _TWO_64) * d, axis=3)  # 2^-62 * sum_j x_j e2m1_j
     out = tl.sum(acc, axis=0) * (_TWO_49 if FMT == 0 else _TWO_62)  # [BN, BM]
-    if NORM:
-        out *= tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)  # [1, BM]
     if HAS_BIAS:  # added once, by the first K split (a tensor mask: Triton 3.9's interpreter takes no scalar & tensor)
         first = (offs_n < N) & (tl.zeros_like(offs_n) + pid_k == 0)
         out += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[:, None]
@@ -341,31 +324,15 @@ def _check(x: torch.Tensor, qw: QuantizedWeight) -> None:
         raise ValueError(f"w4a16_linear: x dtype {x.dtype} not in bfloat16 / float16 / float32")
 
 
-def takes_norm(rows: int, qw: QuantizedWeight, x_dtype: torch.dtype, config: dict[str, int] | None = None) -> bool:
-    """Whether w4a16_linear runs `rows` rows of x on the CUDA-core GEMV unsplit and without a column permutation,
-    the one path that takes a FusedNorm (RMSNorm inside the product)."""
-    M, N, K = rows, qw.out_features, qw.in_features
-    if qw.perm is not None or M < 1 or x_dtype not in _X_DTYPES:
-        return False
-    if config is None and qw.fmt == "int4" and mma_path.takes(M, N, K, qw.zeros is not None):
-        return False
-    cfg = config or w4a16_config(M, N, K, qw.fmt, qw.group_size, x_dtype != torch.float32)
-    return bool(cfg.get("GEMV")) and cfg["SPLIT_K"] == 1
-
-
 def w4a16_linear(
     x: torch.Tensor,  # [..., K] bf16 / fp16 / fp32
     qw: QuantizedWeight,  # 2-D "int4" / "mxfp4" / "nvfp4"
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
-    norm: FusedNorm | None = None,  # x [M, K] is RMSNorm's input (where `takes_norm`): norm.stream is written
 ) -> torch.Tensor:  # [..., N], x.dtype
     _check(x, qw)
     lead = x.shape[:-1]
     x = x.reshape(-1, qw.in_features)
-    if norm is not None and not takes_norm(x.shape[0], qw, x.dtype, config):
-        raise ValueError(f"w4a16_linear: {x.shape[0]} rows on this {qw.fmt} weight do not run the GEMV that "
-                         "takes a fused RMSNorm (check takes_norm)")  # fmt: skip
     if qw.perm is not None:
         x = x.index_select(1, qw.perm)
     if x.stride(1) != 1:
@@ -374,7 +341,7 @@ def w4a16_linear(
     N = qw.out_features
     if M == 0:
         return x.new_empty(*lead, N)
-    if norm is None and config is None and qw.fmt == "int4" and mma_path.takes(M, N, K, qw.zeros is not None):
+    if config is None and qw.fmt == "int4" and mma_path.takes(M, N, K, qw.zeros is not None):
         cfg_mma = mma_path.default_config(M, N, K)
         if mma_path.supported(x, qw.qweight, qw.group_size, cfg_mma):
             y = mma_path.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_mma)
@@ -404,16 +371,9 @@ def w4a16_linear(
     pdl = pdl_launch(x.device)
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
-        if norm is not None and config is None and NORM_BLOCK_N:
-            cfg["BLOCK_N"] = NORM_BLOCK_N
-        res = norm.residual if norm is not None and norm.residual is not None else x
-        nw, nr = (norm.weight, norm.stream) if norm is not None else (x, x)
         _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
-            *args[:7], res, nw, nr, *args[7:], 1, *strides, res.stride(0), nr.stride(0),
-            norm.eps if norm is not None else 0.0,
-            **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, NORM=norm is not None,
-            HAS_RES=norm is not None and norm.residual is not None, **pdl,
-        )  # fmt: skip
+            *args, 1, *strides, **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, **pdl
+        )
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         ieee = x.dtype == torch.float32 or _INTERPRET

@@ -17,17 +17,13 @@ Every loader sets `param.ft_loaded = True` once a tensor reached it.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftransformers.layers.norm import RMSNorm, fuses_norm, norm_input
 from ftransformers.layers.weight_utils import WeightShapeError, check_shape, new_weight
-
-if TYPE_CHECKING:
-    from ftransformers.kernels.triton_norm import FusedNorm
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -104,37 +100,6 @@ class LinearBase(nn.Module):
             y = gemv(x.reshape(1, -1), w, self.bias)
             return y.view(*x.shape[:-1], w.shape[0])
         return F.linear(x, self.weight, self.bias)
-
-
-    def takes_norm(self, x: torch.Tensor) -> bool:
-        """Whether forward_normed can run an RMSNorm of x [M, K] inside this layer's kernel (one launch)."""
-        if self.quant_method is not None:
-            takes = getattr(self.quant_method, "takes_norm", None)
-            return takes is not None and takes(self, x)
-        return one_row_gemv(x, self.weight)
-
-    def forward_normed(self, x: torch.Tensor, norm: FusedNorm) -> torch.Tensor:
-        """self(RMSNorm(x + residual)) with the norm inside the kernel, x [M, K] its input; where takes_norm."""
-        if self.quant_method is not None:
-            return self.quant_method.apply_normed(self, x, norm)
-        from ftransformers.kernels.triton_gemv import gemv
-
-        return gemv(x, self.weight, self.bias, norm=norm)
-
-
-def normed_linear(
-    linear: LinearBase, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(norm(x + residual)), x + residual): the RMSNorm of a decoder layer's stream and the linear that
-    reads it, in one launch where the linear's one-row kernel takes the norm (kernels/triton_norm.FusedNorm),
-    else as norm_input then the linear. residual None: x is the stream (the first layer)."""
-    if fuses_norm(x, residual, norm, "linear") and linear.takes_norm(x):
-        from ftransformers.kernels.triton_norm import fused_norm
-
-        fn = fused_norm(x, norm.weight, norm.variance_epsilon, residual)
-        return linear.forward_normed(x, fn), fn.stream
-    h, residual = norm_input(norm, x, residual)
-    return linear(h), residual
 
 
 class ReplicatedLinear(LinearBase):

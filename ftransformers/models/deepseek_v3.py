@@ -37,7 +37,7 @@ from ftransformers.cache.kv_pool import MLAKVSpec
 from ftransformers.layers.linear import ReplicatedLinear, RowParallelLinear
 from ftransformers.layers.moe.experts import FusedMoE
 from ftransformers.layers.moe.grouped_topk import DeepseekTopkRouter
-from ftransformers.layers.norm import RMSNorm, norm_input
+from ftransformers.layers.norm import RMSNorm
 from ftransformers.layers.rotary_yarn import get_deepseek_rope
 from ftransformers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from ftransformers.models.moe_weights import load_moe_model_weights
@@ -99,13 +99,6 @@ class DeepseekV3Attention(nn.Module):
             return self.prefill_form
         return mla_extend_form(batch, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
 
-    def forward_normed(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(positions, norm(x + residual)), x + residual): the norm runs first (two projections read it)."""
-        hidden, residual = norm_input(norm, x, residual)
-        return self(positions, hidden), residual
-
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> [T, D]
         T = hidden.shape[0]
@@ -161,20 +154,6 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> [T, D]
         topk_weights, topk_ids = self.gate(hidden)  # [T, k] float32, [T, k]
-        return self._experts(hidden, topk_weights, topk_ids)
-
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), the norm inside the fused router where it can be."""
-        routed = self.gate.forward_normed(x, residual, norm)
-        if routed is None:
-            hidden, residual = norm_input(norm, x, residual)
-            return self(hidden), residual
-        topk_weights, topk_ids, hidden, residual = routed
-        return self._experts(hidden, topk_weights, topk_ids), residual
-
-    def _experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)

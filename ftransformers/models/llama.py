@@ -13,12 +13,7 @@ from ftransformers.cache.kv_pool import MHAKVSpec
 from ftransformers.layers.activation import SiluAndMul
 from ftransformers.layers.attention import Attention, QKNorm
 from ftransformers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ftransformers.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    normed_linear,
-)
+from ftransformers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ftransformers.layers.norm import RMSNorm
 from ftransformers.layers.rotary import get_rope, rope_parameters_of
 from ftransformers.layers.weight_utils import LoadTracker, load_with_mapping
@@ -39,13 +34,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, 2I] -> [T, I] -> [T, D]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), the norm inside gate_up's kernel where it can be."""
-        y, residual = normed_linear(self.gate_up_proj, x, residual, norm)
-        return self.down_proj(self.act_fn(y)), residual
 
 
 class LlamaAttention(nn.Module):
@@ -76,19 +64,8 @@ class LlamaAttention(nn.Module):
         return None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [T, D] -> [T, D]
-        return self.attend(positions, self.qkv_proj(hidden))
-
-    def forward_normed(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(positions, norm(x + residual)), x + residual), the norm inside qkv's kernel where it can be."""
-        qkv, residual = normed_linear(self.qkv_proj, x, residual, norm)
-        return self.attend(positions, qkv), residual
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        # qkv: [T, (H + 2 H_kv) Dh] -> q [T, H*Dh], k/v [T, H_kv*Dh] -> [T, D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # hidden: [T, D] -> q [T, H*Dh], k/v [T, H_kv*Dh]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params())
         if out is None:
             q, k = self.qk_norm(q, k)
@@ -113,10 +90,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # residual carries the un-normed stream; the first layer starts it from the embeddings. Each norm runs
-        # inside the kernel that reads its output where one can (layers/norm.py fuses_norm), else first.
-        hidden, residual = self.self_attn.forward_normed(positions, hidden, residual, self.input_layernorm)
-        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
+        # residual carries the un-normed stream; the first layer starts it from the embeddings.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

@@ -11,8 +11,6 @@ from transformers import PretrainedConfig
 
 from ftransformers.layers.linear import ReplicatedLinear
 from ftransformers.layers.moe import FusedMoE, router_softmax_topk
-from ftransformers.layers.moe.topk import router_softmax_topk_normed
-from ftransformers.layers.norm import RMSNorm, norm_input
 from ftransformers.models.llama import LlamaMLP
 from ftransformers.models.moe_weights import load_moe_model_weights
 from ftransformers.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -46,17 +44,6 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         # the softmax top-k run as one kernel.
         topk_weights, topk_ids = router_softmax_topk(hidden, self.gate.weight, self.top_k, self.renormalize)
         return self.experts(hidden, topk_weights, topk_ids)
-
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), the norm inside the fused router where it can be."""
-        routed = router_softmax_topk_normed(x, residual, norm, self.gate.weight, self.top_k, self.renormalize)
-        if routed is None:
-            hidden, residual = norm_input(norm, x, residual)
-            return self(hidden), residual
-        topk_weights, topk_ids, hidden, residual = routed
-        return self.experts(hidden, topk_weights, topk_ids), residual
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

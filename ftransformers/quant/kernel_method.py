@@ -30,7 +30,6 @@ from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeigh
 from ftransformers.quant.base import LinearQuantMethod, QuantError, Scheme, Shard, TensorSpec
 
 if TYPE_CHECKING:
-    from ftransformers.kernels.triton_norm import FusedNorm
     from ftransformers.layers.linear import LinearBase
     from ftransformers.layers.moe.experts import FusedMoE
 
@@ -167,21 +166,6 @@ class KernelLinearMethod(LinearQuantMethod):
         # x: [..., K] -> [..., N]
         y = quant_linear(x.reshape(-1, x.shape[-1]), layer.qw, layer.bias)  # type: ignore[arg-type]
         return y.view(*x.shape[:-1], y.shape[-1])
-
-    def takes_norm(self, layer: LinearBase, x: torch.Tensor) -> bool:
-        """Whether apply_normed can run RMSNorm inside this product (x [M, K]): the 4-bit GEMV on CUDA."""
-        qw: QuantizedWeight = layer.qw  # type: ignore[assignment]
-        if not x.is_cuda or qw.fmt not in FOUR_BIT_FORMATS:
-            return False
-        from ftransformers.kernels.triton_w4a16 import takes_norm
-
-        return takes_norm(x.shape[0], qw, x.dtype)
-
-    def apply_normed(self, layer: LinearBase, x: torch.Tensor, norm: FusedNorm) -> torch.Tensor:
-        """x [M, K] is RMSNorm's input (norm.stream is written); where takes_norm."""
-        from ftransformers.kernels.triton_w4a16 import w4a16_linear
-
-        return w4a16_linear(x, layer.qw, layer.bias, norm=norm)  # type: ignore[arg-type]
 
 
 class KernelMoEMethod:

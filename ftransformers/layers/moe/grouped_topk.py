@@ -11,9 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ftransformers.layers.moe.topk import Routed, router_norm
-from ftransformers.layers.norm import RMSNorm
-
 
 def grouped_topk(
     router_logits: torch.Tensor,  # [T, E]
@@ -92,22 +89,6 @@ class DeepseekTopkRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         # The bias stays float32 whatever the model dtype (HF keeps it in fp32 too).
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
-
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> Routed | None:
-        """self(norm(x + residual)) in one launch with the norm inside (layers/moe/topk.py router_norm):
-        (weights, ids, the norm's output, x + residual); None where it cannot."""
-        fn = router_norm(x, residual, norm, self.weight)
-        if fn is None:
-            return None
-        from ftransformers.kernels.triton_router import fused_router_topk
-
-        w, ids = fused_router_topk(
-            x, self.weight, self.top_k, softmax=False, renormalize=self.renormalize,
-            num_expert_group=self.num_expert_group, topk_group=self.topk_group,
-            correction_bias=self.e_score_correction_bias, routed_scaling_factor=self.routed_scaling_factor, norm=fn,
-        )  # fmt: skip
-        assert fn.normed is not None
-        return w, ids, fn.normed, fn.stream
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden: [T, D] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)

@@ -2,46 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-from ftransformers.layers.norm import RMSNorm, fuses_norm
-
-if TYPE_CHECKING:
-    from ftransformers.kernels.triton_norm import FusedNorm
-
-Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # weights, ids, normed hidden, new stream
-
-
-def router_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, gate_weight: torch.Tensor) -> FusedNorm | None:
-    """The decoder layer's RMSNorm of x (+ residual) for the fused router to compute inside it (it writes the
-    norm's output for the experts and the new stream), or None where it cannot: then the norm runs first."""
-    if not fuses_norm(x, residual, norm, "router"):
-        return None
-    from ftransformers.kernels.triton_norm import fused_norm
-    from ftransformers.kernels.triton_router import can_fuse_router
-
-    if not can_fuse_router(x, gate_weight, norm=True):
-        return None
-    return fused_norm(x, norm.weight, norm.variance_epsilon, residual, normed=True)
-
-
-def router_softmax_topk_normed(
-    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, gate_weight: torch.Tensor, top_k: int,
-    renormalize: bool,
-) -> Routed | None:  # fmt: skip
-    """router_softmax_topk(norm(x + residual)) in one launch with the norm inside, where `router_norm` allows:
-    (weights, ids, the norm's output, x + residual); None elsewhere."""
-    fn = router_norm(x, residual, norm, gate_weight)
-    if fn is None:
-        return None
-    from ftransformers.kernels.triton_router import fused_router_topk
-
-    w, ids = fused_router_topk(x, gate_weight, top_k, softmax=True, renormalize=renormalize, round_logits=True, norm=fn)
-    assert fn.normed is not None
-    return w, ids, fn.normed, fn.stream
 
 
 def router_softmax_topk(
