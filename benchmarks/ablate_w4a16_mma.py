@@ -38,11 +38,16 @@ NEXT_Q = "q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))"
 ABLATIONS = {"no-x-loads": (NEXT_X, "x = x_c"), "no-weight-loads": (NEXT_Q, "q = q_c")}
 
 
-def ablated(name: str, old: str, new: str, tmp: Path) -> ModuleType:
-    src = Path(mma.__file__).read_text()
-    assert src.count(old) == 1, f"{name}: the line to replace is not in the kernel once"
-    path = tmp / f"w4a16_mma_{name.replace('-', '_')}.py"
-    path.write_text(src.replace(old, new))
+def ablated(
+    name: str, old: str, new: str, tmp: Path, module: ModuleType = mma, more: tuple[tuple[str, str], ...] = ()
+) -> ModuleType:
+    """`module`'s source with `old` replaced by `new` (and each pair of `more`), imported as a module of its own."""
+    src = Path(module.__file__ or "").read_text()
+    for a, b in ((old, new), *more):
+        assert src.count(a) == 1, f"{name}: the line to replace is not in the kernel once: {a}"
+        src = src.replace(a, b)
+    path = tmp / f"{Path(module.__file__ or '').stem}_{name.replace('-', '_')}.py"
+    path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
