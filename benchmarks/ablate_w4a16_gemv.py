@@ -42,8 +42,8 @@ from ftransformers.kernels import triton_w4a16
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
 
-SCALE = "scale = tl.reshape(_scale_f32(s_raw, FMT), [BW, BLOCK_N, 1])"  # the loads left unused are removed
-ZERO = "zero = tl.reshape(z_raw.to(tl.float32), [BW, BLOCK_N, 1])"
+SCALE = "scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])"
+ZERO = "zero = tl.reshape(tl.load(z_rows + grp, mask=mask_q, other=0).to(tl.float32), [BW, BLOCK_N, 1])"
 UNPACK = "d = (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)"
 X = "x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)"
 CONST_SCALE = "scale = tl.full([BW, BLOCK_N, 1], 0.01, tl.float32)"

@@ -90,13 +90,12 @@ def test_perm_bias_and_leading_dims(fmt: str, M: int) -> None:
     assert rel_err(w4a16_linear(xf, qw, b.float()), quant_linear_ref(xf, qw, b.float())) < 1e-5
 
 
-@pytest.mark.parametrize("preload", ["words+scales", "words", "none"])
+@pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
-def test_every_tile_path(fmt: str, preload: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_tile_path(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """FMA and tensor-core tiles, several programs along N and M, masked K tails and split-K; the GEMV with its
-    first tile of words, scales and zeros loaded ahead of the PDL wait (the default), of words only, and without."""
-    monkeypatch.setattr(triton_w4a16, "PRELOAD_FIRST_TILE", preload != "none")
-    monkeypatch.setattr(triton_w4a16, "PRELOAD_SCALES", preload == "words+scales")
+    first tile of words loaded ahead of the PDL wait (the default) and without."""
+    monkeypatch.setattr(triton_w4a16, "PRELOAD_FIRST_TILE", preload)
     gen = torch.Generator().manual_seed(3)
     qw = random_weight(fmt, 40, 384, gen, group=64, zeros=True)
     base = {"SPLIT_K": 1, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
@@ -112,19 +111,6 @@ def test_every_tile_path(fmt: str, preload: str, monkeypatch: pytest.MonkeyPatch
         b = torch.randn(40, generator=gen).to(DEV)
         out = w4a16_linear(x, qw, b, config={**base, **cfg})
         assert rel_err(out, quant_linear_ref(x, qw, b)) < 1e-5, cfg
-
-
-@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-def test_one_row_rule_of_the_chain(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ONE_ROW_RULE = 1 (the GEMV's tiles measured in a chain of launches): two K tiles, 2 words a lane."""
-    monkeypatch.setattr(triton_w4a16, "ONE_ROW_RULE", 1)
-    assert w4a16_config(1, 5120, 2048, "int4") == {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "SPLIT_K": 1,
-                                                   "num_warps": 2, "num_stages": 2}  # fmt: skip
-    assert w4a16_config(1, 2048, 4096, "int4")["num_warps"] == 4 and w4a16_config(1, 8192, 8192, "int4")["BLOCK_K"] == 1024
-    gen = torch.Generator().manual_seed(4)
-    qw = random_weight(fmt, 37, 384, gen, group=32 if fmt == "mxfp4" else 64, zeros=fmt == "int4")
-    x = torch.randn(2, 384, generator=gen).to(DEV)
-    assert rel_err(w4a16_linear(x, qw), quant_linear_ref(x, qw)) < 1e-5
 
 
 def test_config_paths() -> None:

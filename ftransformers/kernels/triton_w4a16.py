@@ -53,13 +53,6 @@ GEMV_MAX_M = 4
 # The GEMV's first K tile of words loaded before the PDL wait (its PRELOAD; benchmarks/ab_decode.py
 # `set=triton_w4a16.PRELOAD_FIRST_TILE=0` turns it off for an A/B)
 PRELOAD_FIRST_TILE = True
-# With it, the first tile's scales and zeros too, and each iteration the next tile's (session 23: the GEMV without
-# its scale and zero loads ran 1.2 us faster in a chain of launches, benchmarks/ablate_w4a16_gemv.py);
-# ab_decode `set=triton_w4a16.PRELOAD_SCALES=0`
-PRELOAD_SCALES = False  # measured no faster (session 23), removed in the next commit
-# The GEMV's tiles on weights under 2^25 elements: 0 as measured on the kernel alone (sessions 5-7), 1 as measured in
-# a chain of launches (benchmarks/ablate_w4a16_gemv.py); ab_decode `set=triton_w4a16.ONE_ROW_RULE=1`
-ONE_ROW_RULE = 0
 DECODE_MAX_M = 16
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -95,7 +88,7 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, PRELOAD_S: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
@@ -104,7 +97,6 @@ def _w4a16_gemv_kernel(
     # q's contiguity so that its load takes that one-word-per-thread layout too.
     # PRELOAD: the first K tile's words (constant: no kernel writes them) are loaded before the PDL wait, so that
     # they stream in while the predecessor finishes; each iteration then loads the next tile's words ahead.
-    # PRELOAD_S (with PRELOAD): the same for the scales and zeros.
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -114,21 +106,15 @@ def _w4a16_gemv_kernel(
     mask_n4 = n4 < N
     q_ptrs = q_ptr + n4 * stride_qn + w4 * unit  # [BW, BN, 1, 1]
     STEP: tl.constexpr = SPLIT_K * BLOCK_K
-    s_rows = s_ptr + n4 * stride_sn
-    z_rows = z_ptr + n4 * stride_zn
     if PRELOAD:
-        mask_first = mask_n4 & (pid_k * BW + w4 < K // 8)
-        q_next = tl.load(q_ptrs + pid_k * BW, mask=mask_first, other=0)
-        if PRELOAD_S:  # and its scales and zeros, constant too
-            grp_next = (pid_k * BLOCK_K + w4 * 8) // GROUP
-            s_next = tl.load(s_rows + grp_next, mask=mask_first, other=0)
-            if HAS_ZEROS:
-                z_next = tl.load(z_rows + grp_next, mask=mask_first, other=0)
+        q_next = tl.load(q_ptrs + pid_k * BW, mask=mask_n4 & (pid_k * BW + w4 < K // 8), other=0)
     pdl_enter(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     j4 = tl.arange(0, 8)[None, None, None, :]
     mask_m4 = offs_m[None, None, :, None] < M
     x_ptrs = x_ptr + offs_m[None, None, :, None] * stride_xm + w4 * 8 + j4  # [BW, 1, BM, 8]
+    s_rows = s_ptr + n4 * stride_sn
+    z_rows = z_ptr + n4 * stride_zn
     if FMT == 0:
         # nibble j is bits 4e.. of q (j < 5) or of q >> 12 (j >= 5); as float32 bits, code * 16^e * 2^-149
         e4 = tl.where(j4 < 5, j4, j4 - 3)
@@ -146,25 +132,13 @@ def _w4a16_gemv_kernel(
             mask_q = mask_n4 & mask_w4
             mask_x = mask_m4 & mask_w4
         x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
-        grp = (k0 + w4 * 8) // GROUP
         if PRELOAD:
-            mask_next = mask_n4 & ((k0 + STEP) // 8 + w4 < K // 8)
             q = q_next
-            q_next = tl.load(q_ptrs + (k0 + STEP) // 8, mask=mask_next, other=0)
+            q_next = tl.load(q_ptrs + (k0 + STEP) // 8, mask=mask_n4 & ((k0 + STEP) // 8 + w4 < K // 8), other=0)
         else:
             q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
-        if PRELOAD and PRELOAD_S:
-            s_raw = s_next
-            grp_next = (k0 + STEP + w4 * 8) // GROUP
-            s_next = tl.load(s_rows + grp_next, mask=mask_next, other=0)
-            if HAS_ZEROS:
-                z_raw = z_next
-                z_next = tl.load(z_rows + grp_next, mask=mask_next, other=0)
-        else:
-            s_raw = tl.load(s_rows + grp, mask=mask_q, other=0)
-            if HAS_ZEROS:
-                z_raw = tl.load(z_rows + grp, mask=mask_q, other=0)
-        scale = tl.reshape(_scale_f32(s_raw, FMT), [BW, BLOCK_N, 1])
+        grp = (k0 + w4 * 8) // GROUP
+        scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])
         if FMT == 2:
             scale = scale * tl.reshape(gs, [1, BLOCK_N, 1])
         if FMT == 0:
@@ -172,7 +146,7 @@ def _w4a16_gemv_kernel(
             t = tl.sum((x * x_mul) * d, axis=3)  # [BW, BN, BM]: 2^-49 * sum_j x_j code_j
             xsum = tl.sum(x, axis=3) * _TWO_M49  # [BW, 1, BM]
             if HAS_ZEROS:
-                zero = tl.reshape(z_raw.to(tl.float32), [BW, BLOCK_N, 1])
+                zero = tl.reshape(tl.load(z_rows + grp, mask=mask_q, other=0).to(tl.float32), [BW, BLOCK_N, 1])
             else:
                 zero = 8.0
             acc += scale * t
@@ -314,10 +288,6 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     if codes_cfg is not None:
         return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
-        if ONE_ROW_RULE and not large and K >= 256:  # two K tiles (the first loaded ahead of the PDL wait), 2 words a lane
-            bk = min(2048, triton.next_power_of_2(K) // 2)
-            return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 4, "BLOCK_K": bk, "SPLIT_K": 1,
-                    "num_warps": max(1, bk // 8 // 64), "num_stages": 2}  # fmt: skip
         return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": 1024,
                 "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
@@ -402,7 +372,7 @@ def w4a16_linear(
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
         _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
-            *args, 1, *strides, **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PRELOAD_S=PRELOAD_SCALES, **pdl
+            *args, 1, *strides, **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, **pdl
         )
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
