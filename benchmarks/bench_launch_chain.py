@@ -18,10 +18,11 @@ G: 1 program and 1, 2, 4, 8 an SM (132 SMs on the H100); R: 0, 2, 4.
 Then what a weight-streaming link costs in such a chain, by how many programs share its bytes:
 
   stream   48 launches (a layer each), each reading its own S bytes (no L2 reuse between links) with G
-           programs of S / G bytes, every load of a program issued at once (static unroll), PDL on; beside
-           S over the copy bandwidth measured in the same run, and beside the engine's one-row 4-bit GEMV
-           (`w4a16_linear`, Qwen3-30B-A3B's qkv: 5120 x 2048 int4 g128 asym, 5.6 MB with its scales and
-           zeros) in the same chain. S: that GEMV's bytes, and the MoE gate-up's at one token (12.6 MB).
+           programs of S / G bytes, a program's loads in one unrolled block, PDL on; beside S over the copy
+           bandwidth measured in the same run, and beside the engine's one-row 4-bit GEMV (`w4a16_linear`,
+           Qwen3-30B-A3B's qkv: 5120 x 2048 int4 g128 asym, 5.49 MB with its scales and zeros) in the same
+           chain. S: 10 or 24 chunks of 4 KB an SM, 5.41 MB (about that GEMV's bytes) and 12.98 MB (about the
+           MoE gate-up's at one token, 12.6 MB of words).
 
     PYTHONPATH=$PWD python benchmarks/bench_launch_chain.py --out $OUT/r/launch_chain_h100.json
 """
@@ -29,6 +30,7 @@ Then what a weight-streaming link costs in such a chain, by how many programs sh
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -187,7 +189,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth(dev)
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     streams = stream_rows(dev, sms, copy_gbs)
-    result = {"device": name, "sms": sms, "links": LINKS, "round_trip_us": trip, "rows": rows,
+    result = {"device": name, "date": datetime.date.today().isoformat(), "sms": sms, "links": LINKS, "round_trip_us": trip, "rows": rows,
               "copy_gbs": copy_gbs, "stream_links": STREAM_LINKS, "streams": streams,
               "command": "PYTHONPATH=$PWD python benchmarks/bench_launch_chain.py --out ..."}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
