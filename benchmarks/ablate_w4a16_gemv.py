@@ -22,25 +22,22 @@ Then the GEMV's tiles in the chain: BLOCK_N 4, 8, 16 x BLOCK_K 512, 1024, 2048 x
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 import tempfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ablate_w4a16_mma import ablated
-from bench_launch_chain import CHUNK, STREAM_LINKS, _stream_kernel, us_per
+from bench_launch_chain import CHUNK, STREAM_LINKS, gemv_us, stream_us
 from bench_w4a16 import make_weight, rel_err
-from ceilings import copy_bandwidth
+from ceilings import Report
 
 from ftransformers.kernels import triton_w4a16
 from ftransformers.kernels.pdl import pdl_launch
-from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
+from ftransformers.kernels.quant_formats import quant_linear_ref
 
 SCALE = "scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])"
 ZERO = "zero = tl.reshape(tl.load(z_rows + grp, mask=mask_q, other=0).to(tl.float32), [BW, BLOCK_N, 1])"
@@ -67,25 +64,11 @@ def gemv_config(
             **({"num_warps": warps} if warps else {})}  # fmt: skip
 
 
-def chain_us(mod: ModuleType, x: torch.Tensor, qws: list[QuantizedWeight], cfg: dict[str, int]) -> float:
-    def chain() -> None:
-        for qw in qws:
-            mod.w4a16_linear(x, qw, config=cfg)
-
-    return us_per(chain, len(qws))
-
-
-def stream_us(size: int, dev: str) -> float:
+def stream_chain_us(size: int, dev: str) -> float:
+    """µs a link of a pure stream of `size` bytes in the chain, one 4 KB chunk a program."""
     chunks = -(-size // (CHUNK * 4))
     pool = torch.randint(0, 1000, (STREAM_LINKS, chunks * CHUNK), device=dev, dtype=torch.int32)
-    out = torch.zeros(chunks, dtype=torch.int32, device=dev)
-    kw = pdl_launch(torch.device(dev))
-
-    def chain() -> None:
-        for i in range(STREAM_LINKS):
-            _stream_kernel[(chunks,)](pool[i], out, PER=CHUNK, CHUNK=CHUNK, num_warps=4, **kw)
-
-    return us_per(chain, STREAM_LINKS)
+    return stream_us(pool, chunks, CHUNK, 4, pdl_launch(torch.device(dev)))
 
 
 def main() -> None:
@@ -93,16 +76,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dev = "cuda"
-    bw = copy_bandwidth(dev)
-    name = torch.cuda.get_device_name()
-    out: dict[str, Any] = {"device": name, "date": datetime.date.today().isoformat(), "copy_gbs": bw, "shapes": []}
-    lines: list[str] = []
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    log(f"{name}  copy {bw:.0f} GB/s")
+    report = Report(dev, shapes=[])
+    bw, out, log = report.copy_gbs, report.out, report.log
     tmp = Path(tempfile.mkdtemp())
     mods = {"kernel": triton_w4a16}
     for k, reps in ABLATIONS.items():
@@ -116,12 +91,12 @@ def main() -> None:
         assert err < 1e-2, f"{shape}: the GEMV is off the reference ({err:.2e})"
         size = sum(t.numel() * t.element_size() for t in (qws[0].qweight, qws[0].scales, qws[0].zeros))
         floor = size / bw / 1e3
-        peer = stream_us(size, dev)
+        peer = stream_chain_us(size, dev)
         row: dict[str, Any] = {"shape": shape, "n": n, "k": k, "bytes": size, "floor_us": floor, "stream_us": peer,
                                "default_config": cfg, "variants": {}, "configs": []}  # fmt: skip
         log(f"{shape} {n}x{k}: floor {floor:.2f} us, a pure stream of its {size / 1e6:.2f} MB {peer:.2f} us a link")
         for label, mod in mods.items():
-            us = chain_us(mod, x, qws, cfg)
+            us = gemv_us(mod.w4a16_linear, x, qws, cfg)
             row["variants"][label] = us
             log(f"  {label:22s} {us:6.2f} us a link ({floor / us:4.0%} of copy)")
         for bn in (4, 8, 16):
@@ -130,13 +105,11 @@ def main() -> None:
                     if bk // 8 < 32 * warps:  # a warp's lanes each take one word column of the tile
                         continue
                     c = gemv_config(n, k, bn, bk, warps)
-                    us = chain_us(triton_w4a16, x, qws, c)
+                    us = gemv_us(triton_w4a16.w4a16_linear, x, qws, c)
                     row["configs"].append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "us": us})
                     log(f"  BLOCK_N {bn:2d} BLOCK_K {bk:4d} {warps} warps  {us:6.2f} us")
         out["shapes"].append(row)
-    out["log"] = lines
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    report.save(args.out)
 
 
 if __name__ == "__main__":

@@ -15,20 +15,17 @@ one process; floor = bytes (words + scales + zeros + x + y) / the copy bandwidth
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
 import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, time_per_call
-from ceilings import copy_bandwidth
+from ceilings import Report
 
 from ftransformers.kernels import gluon_w4a16_mma as mma
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
@@ -67,16 +64,8 @@ def main() -> None:
     p.add_argument("--shapes", default="dsv3 o,qwen3-8b gate_up,qwen3-8b down,qwen3-8b qkv")
     p.add_argument("--rows", default="1,4,8,16")
     args = p.parse_args()
-    bw = copy_bandwidth("cuda")
-    name = torch.cuda.get_device_name()
-    out: dict[str, Any] = {"device": name, "date": datetime.date.today().isoformat(), "copy_gbs": bw, "rows": []}
-    lines: list[str] = []
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        lines.append(s)
-
-    log(f"{name}  copy {bw:.0f} GB/s")
+    report = Report(rows=[])
+    bw, out, log = report.copy_gbs, report.out, report.log
     tmp = Path(tempfile.mkdtemp())
     mods = {"kernel": mma, **{k: ablated(k, *v, tmp) for k, v in ABLATIONS.items()}}
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -99,8 +88,7 @@ def main() -> None:
                                 "rel_err": err, "us": times})  # fmt: skip
             log(f"{shape:20s} M={m:2d} floor {floor:5.1f} us  " + "  ".join(
                 f"{lab} {t:6.1f} ({100 * floor / t:3.0f}%)" for lab, t in times.items()) + f"  err {err:.1e}")  # fmt: skip
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")
+    report.save(args.out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 A batch-1 decode step is a chain of ~9 kernels a layer, each waiting for the one before (programmatic
 dependent launch, kernels/pdl.py) and then paying a few dependent trips to L2 (its inputs, a reduction,
-its stores). Three chains of L links, each a CUDA graph timed by triton's do_bench_cudagraph, µs per link:
+its stores). Three chains of L links, each a CUDA graph timed by bench_router.per_call_us (triton's do_bench_cudagraph),
+µs per link:
 
   launch   L launches of `_link_kernel`: G programs, each waits for the previous launch (PDL on, or plain
            stream order with PDL off), then R dependent loads through L2 (`.cg`: a pointer chase, each address
@@ -30,21 +31,20 @@ Then what a weight-streaming link costs in such a chain, by how many programs sh
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_router import per_call_us
 from bench_w4a16 import make_weight
-from ceilings import copy_bandwidth
+from ceilings import Report
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import exit_ticket, grid_barrier
@@ -101,22 +101,30 @@ STREAM_LINKS = 48
 CHUNK = 1024  # int32 a chunk: 4 KB, two 16-byte loads a thread at 4 warps
 
 
-def stream_rows(dev: str, sms: int, copy_gbs: float) -> list[dict]:
+def stream_us(pool: torch.Tensor, programs: int, per: int, warps: int, kw: dict) -> float:
+    """µs a link of len(pool) launches: link i reads pool[i] with `programs` programs of `per` int32 each."""
+    out = torch.empty(programs, dtype=torch.int32, device=pool.device)
+    return per_call_us(
+        lambda i: _stream_kernel[(programs,)](pool[i], out, PER=per, CHUNK=CHUNK, num_warps=warps, **kw), len(pool)
+    )
+
+
+def gemv_us(linear: Callable[..., torch.Tensor], x: torch.Tensor, qws: list, config: dict | None = None) -> float:
+    """µs a link of len(qws) launches: link i is linear(x, qws[i]) (`w4a16_linear`, or an ablated copy of it)."""
+    return per_call_us(lambda i: linear(x, qws[i], config=config), len(qws))
+
+
+def stream_rows(dev: str, sms: int, report: Report) -> list[dict]:
     rows: list[dict] = []
-    out = torch.zeros(8 * 4096, dtype=torch.int32, device=dev)
+    copy_gbs = report.copy_gbs
     kw = pdl_launch(torch.device(dev))
     gen = torch.Generator(device=dev).manual_seed(0)
     n, k = 5120, 2048
     qws = [make_weight("int4-asym", n, k, gen) for _ in range(STREAM_LINKS)]
     gemv_bytes = sum(t.numel() * t.element_size() for t in (qws[0].qweight, qws[0].scales, qws[0].zeros))
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-
-    def gemv_chain() -> None:
-        for qw in qws:
-            w4a16_linear(x, qw)
-
-    gemv_us = us_per(gemv_chain, STREAM_LINKS)
-    print(f"one-row 4-bit GEMV 5120x2048 (qkv): {gemv_us:.2f} us a link, floor {gemv_bytes / copy_gbs / 1e3:.2f} us")
+    gemv = gemv_us(w4a16_linear, x, qws)
+    report.log(f"one-row 4-bit GEMV 5120x2048 (qkv): {gemv:.2f} us a link, floor {gemv_bytes / copy_gbs / 1e3:.2f} us")
     for label, total_chunks, programs in (("qkv-sized", 10 * sms, (sms, 2 * sms, 5 * sms, 10 * sms)),
                                           ("gate-up-sized", 24 * sms, (sms, 2 * sms, 4 * sms, 8 * sms, 24 * sms))):  # fmt: skip
         size = total_chunks * CHUNK * 4
@@ -125,17 +133,12 @@ def stream_rows(dev: str, sms: int, copy_gbs: float) -> list[dict]:
         for g in programs:
             per = total_chunks // g * CHUNK
             warps = 4 if per <= 8 * CHUNK else 8
-
-            def chain(g: int = g, pool: torch.Tensor = pool, per: int = per, warps: int = warps) -> None:
-                for i in range(STREAM_LINKS):
-                    _stream_kernel[(g,)](pool[i], out, PER=per, CHUNK=CHUNK, num_warps=warps, **kw)
-
-            us = us_per(chain, STREAM_LINKS)
+            us = stream_us(pool, g, per, warps, kw)
             row = {"stream": label, "bytes": size, "programs": g, "bytes_a_program": per * 4, "num_warps": warps,
-                   "us": us, "floor_us": floor, "gemv_qkv_us": gemv_us, "gemv_qkv_bytes": gemv_bytes}  # fmt: skip
+                   "us": us, "floor_us": floor, "gemv_qkv_us": gemv, "gemv_qkv_bytes": gemv_bytes}  # fmt: skip
             rows.append(row)
-            print(f"{label:13s} {size / 1e6:5.2f} MB  G={g:5d} ({per * 4 // 1024:3d} KB a program, {warps} warps)  "
-                  f"{us:6.2f} us a link  floor {floor:5.2f} us  ({floor / us:4.0%} of copy)")  # fmt: skip
+            report.log(f"{label:13s} {size / 1e6:5.2f} MB  G={g:5d} ({per * 4 // 1024:3d} KB a program, {warps} warps)  "
+                       f"{us:6.2f} us a link  floor {floor:5.2f} us  ({floor / us:4.0%} of copy)")  # fmt: skip
         del pool
     return rows
 
@@ -144,10 +147,6 @@ def chase_buffer(device: str) -> torch.Tensor:
     """buf[i] = the next slot, 33 lines (of 32 int32) on, so that consecutive loads never share a line."""
     idx = torch.arange(CHASE, device=device, dtype=torch.int32)
     return (idx + 33 * 32) % CHASE
-
-
-def us_per(fn, count: int) -> float:
-    return do_bench_cudagraph(fn, rep=200) * 1e3 / count
 
 
 def main() -> None:
@@ -159,41 +158,36 @@ def main() -> None:
     out = torch.zeros(2048, dtype=torch.int32, device=dev)
     counter = torch.zeros(2, dtype=torch.int32, device=dev)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    name = torch.cuda.get_device_name(0)
-    rows: list[dict] = []
+    report = Report(dev, sms=sms, links=LINKS, rows=[], stream_links=STREAM_LINKS,
+                    command="PYTHONPATH=$PWD python benchmarks/bench_launch_chain.py --out ...")  # fmt: skip
 
     chase_steps = LINKS * 16
-    trip = us_per(lambda: _chase_kernel[(1,)](buf, out, CHASE, chase_steps, num_warps=4), chase_steps)
-    print(f"{name}: one dependent L2 round trip (pointer chase, one program) {trip:.3f} us")
+    trip = per_call_us(lambda _i: _chase_kernel[(1,)](buf, out, CHASE, chase_steps, num_warps=4), 1) / chase_steps
+    report.out["round_trip_us"] = trip
+    report.log(f"one dependent L2 round trip (pointer chase, one program) {trip:.3f} us")
 
     for g in (1, sms, 2 * sms, 4 * sms, 8 * sms):
         for r in (0, 2, 4):
             row = {"programs": g, "round_trips": r}
             for pdl in (True, False):
                 kw = pdl_launch(torch.device(dev)) if pdl else {}
-
-                def chain(g: int = g, r: int = r, kw: dict = kw) -> None:
-                    for _ in range(LINKS):
-                        _link_kernel[(g,)](buf, out, CHASE, R=r, num_warps=4, **kw)
-
-                row["launch_pdl_us" if pdl else "launch_plain_us"] = us_per(chain, LINKS)
-            row["barrier_us"] = us_per(
-                lambda g=g, r=r: _barrier_kernel[(g,)](buf, out, counter, CHASE, g, LINKS, R=r, num_warps=4), LINKS
+                row["launch_pdl_us" if pdl else "launch_plain_us"] = per_call_us(
+                    lambda _i, g=g, r=r, kw=kw: _link_kernel[(g,)](buf, out, CHASE, R=r, num_warps=4, **kw), LINKS
+                )
+            row["barrier_us"] = (
+                per_call_us(
+                    lambda _i, g=g, r=r: _barrier_kernel[(g,)](buf, out, counter, CHASE, g, LINKS, R=r, num_warps=4), 1
+                )
+                / LINKS
             )
             assert int(counter.sum().item()) == 0, "the barrier counters must be back at zero"
-            rows.append(row)
-            print(
+            report.out["rows"].append(row)
+            report.log(
                 f"G={g:5d} R={r}  launch, PDL {row['launch_pdl_us']:6.2f} us  plain {row['launch_plain_us']:6.2f} us"
                 f"  grid barrier {row['barrier_us']:6.2f} us  (R round trips alone {r * trip:5.2f} us)"
             )
-    copy_gbs = copy_bandwidth(dev)
-    print(f"copy bandwidth {copy_gbs:.0f} GB/s")
-    streams = stream_rows(dev, sms, copy_gbs)
-    result = {"device": name, "date": datetime.date.today().isoformat(), "sms": sms, "links": LINKS, "round_trip_us": trip, "rows": rows,
-              "copy_gbs": copy_gbs, "stream_links": STREAM_LINKS, "streams": streams,
-              "command": "PYTHONPATH=$PWD python benchmarks/bench_launch_chain.py --out ..."}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    report.out["streams"] = stream_rows(dev, sms, report)
+    report.save(args.out)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ kernels (default config at one token) are timed the same way on the same weights
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_moe_w4 as bm
 import bench_w4_b1 as b1
-from ceilings import copy_bandwidth
+from ceilings import Report
 
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels.gluon_mla_decode import pdl_enter
@@ -162,16 +160,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    bw = copy_bandwidth(bm.DEV)
-    name = torch.cuda.get_device_name()
-    out: dict[str, Any] = {"device": name, "date": datetime.date.today().isoformat(), "copy_gbs": bw, "rows": []}
-    log_lines: list[str] = []
-
-    def log(s: str) -> None:
-        print(s, flush=True)
-        log_lines.append(s)
-
-    log(f"{name}  copy {bw:.0f} GB/s")
+    report = Report(bm.DEV, rows=[])
+    bw, out, log = report.copy_gbs, report.out, report.log
     fname = "int4-g128-asym"
     for cname, call, nbytes in cases(fname):
         try:
@@ -182,8 +172,7 @@ def main() -> None:
         floor = nbytes / bw / 1e3
         out["rows"].append({"format": fname, "case": cname, "bytes": nbytes, "floor_us": floor, "us": us})
         log(f"{fname} {cname:40s} {us:6.2f} us  floor {floor:5.2f} us  {100 * floor / us:4.0f}% of copy")
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    Path(args.out).with_suffix(".log").write_text("\n".join(log_lines) + "\n")
+    report.save(args.out)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ wall-clock medians stand in.
 
 from __future__ import annotations
 
+import datetime
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +74,28 @@ def matmul_rate(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, size:
 
 def ceilings(device: str = "cuda") -> dict[str, float]:
     return {"copy_GBps": copy_bandwidth(device), "matmul_TFLOPs": matmul_rate(device)}
+
+
+class Report:
+    """A benchmark's results: `out` starts with the device, the date and the copy ceiling measured now (the floors'
+    divisor), `log` prints a line and keeps it, `save` writes `out` as JSON and the lines beside it as .log."""
+
+    def __init__(self, device: str = "cuda", **fields: Any) -> None:
+        self.copy_gbs = copy_bandwidth(device)
+        name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+        self.out: dict[str, Any] = {"device": name, "date": datetime.date.today().isoformat(),
+                                    "copy_gbs": self.copy_gbs, **fields}  # fmt: skip
+        self.lines: list[str] = []
+        self.log(f"{name}  copy {self.copy_gbs:.0f} GB/s")
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def save(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.out, indent=1))
+        Path(path).with_suffix(".log").write_text("\n".join(self.lines) + "\n")
 
 
 def main() -> None:
