@@ -14,7 +14,8 @@ Variants (comma-separated `--variants`):
   prefetch=F/G          L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES); the families
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
   set=MOD.NAME=V        the module-level toggle ftransformers.kernels.MOD.NAME set to int(V), e.g.
-                        set=triton_w4a16.PRELOAD_FIRST_TILE=0
+                        set=triton_w4a16.PRELOAD_FIRST_TILE=0; a dotted MOD names a module under
+                        ftransformers instead (set=attention.triton_backend.GQA_BLOCK_N=32)
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
 
 `--timeline` adds, per variant and batch, a CUPTI trace of a few replays (torch.profiler) read as the
@@ -96,14 +97,15 @@ def _prefetch(spec: str) -> Callable[[], Callable[[], None]]:
 
 
 def _set(spec: str) -> Callable[[], Callable[[], None]]:
-    # spec: "module.NAME=value" under ftransformers.kernels
+    # spec: "module.NAME=value" under ftransformers.kernels, or "package.module.NAME=value" under ftransformers
     target, _, value = spec.partition("=")
     mod_name, _, attr = target.rpartition(".")
+    path = f"ftransformers.{mod_name}" if "." in mod_name else f"ftransformers.kernels.{mod_name}"
 
     def apply() -> Callable[[], None]:
-        mod = importlib.import_module(f"ftransformers.kernels.{mod_name}")
+        mod = importlib.import_module(path)
         if not hasattr(mod, attr):
-            raise SystemExit(f"ab_decode: ftransformers.kernels.{mod_name} has no {attr}")
+            raise SystemExit(f"ab_decode: {path} has no {attr}")
         was = getattr(mod, attr)
         setattr(mod, attr, type(was)(int(value)))
         return lambda: setattr(mod, attr, was)

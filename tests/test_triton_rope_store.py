@@ -185,6 +185,7 @@ def test_backend_fused_matches_unfused(mode: ForwardMode, norm: bool) -> None:
 DECODE_FUSED = [  # (lens, H, H_kv, D, splits); 0 = a padded CUDA-graph row
     ([1, 37, 0, 16], 4, 2, 32, 4),
     ([3, 50], 64, 2, 16, 2),  # group 32: two head blocks per KV head (block 0 stores)
+    ([70, 49], 4, 2, 32, 4),  # splits of two tiles (70); a split holding the new token alone (49 = 3 x 16 + 1)
 ] if not CUDA else [([1, 17, 300, 4097, 0, 64], 32, 4, 128, 16), ([9, 1000], 64, 8, 64, 8), ([513], 16, 16, 128, 1)]
 
 
@@ -193,7 +194,8 @@ DECODE_FUSED = [  # (lens, H, H_kv, D, splits); 0 = a padded CUDA-graph row
 @pytest.mark.parametrize("case", range(len(DECODE_FUSED)))
 def test_decode_attention_fused_rope(dtype: torch.dtype, norm: bool, case: int) -> None:
     """decode_attention_fwd(rope=...) == rope_store then decode_attention_fwd: output, pool, and the
-    new token's K/V slot; a padded row (seq_len 0) gives zeros and stores nothing."""
+    new token's K/V slot; a padded row (seq_len 0) gives zeros and stores nothing. The fused kernel with its
+    first K/V tile read before the PDL wait (the default) and after it."""
     from ftransformers.kernels.triton_decode_attention import DecodeRope, decode_attention_fwd, decode_scratch
 
     lens, H, H_kv, D, splits = DECODE_FUSED[case]
@@ -217,14 +219,14 @@ def test_decode_attention_fused_rope(dtype: torch.dtype, norm: bool, case: int) 
     seq_lens = torch.tensor(lens, device=DEV)
     block_n = 16 if not CUDA else 64
     outs, pools = [], []
-    for fused in (False, True):
+    for fused, preload in ((False, False), (True, True), (True, False)):
         pk, pv = pool_k.clone(), pool_v.clone()
         out = torch.full((B, H, D), float("nan"), dtype=dtype, device=DEV)
         mid_o, mid_lse = decode_scratch(B, H, D, splits, DEV)
         if fused:
             fr = DecodeRope(k, v, positions, rope.cos_sin_cache, loc, qw, kw, 1e-6, 1e-5)
             decode_attention_fwd(q, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,
-                                 block_n=block_n, rope=fr)  # fmt: skip
+                                 block_n=block_n, rope=fr, preload=preload)  # fmt: skip
         else:
             qr, _ = rope_store(q, k, v, positions, rope.cos_sin_cache, pk, pv, loc, qw, kw, 1e-6, 1e-5)
             decode_attention_fwd(qr, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,
@@ -233,12 +235,13 @@ def test_decode_attention_fused_rope(dtype: torch.dtype, norm: bool, case: int) 
         pools.append((pk, pv))
     tol = TOL[dtype]
     live = torch.tensor(lens, device=DEV) > 0
-    assert rel_err(outs[1][live], outs[0][live]) <= tol
-    assert not outs[1][~live].any()
     written = loc[live]
-    assert rel_err(pools[1][0][written], pools[0][0][written]) <= tol
-    assert torch.equal(pools[1][1][written], pools[0][1][written])
     keep = torch.ones(N + 1, dtype=torch.bool, device=DEV)
     keep[written] = False
     keep[0] = False  # the padded row's slot: rope_store writes it, the fused kernel does not
-    assert torch.equal(pools[1][0][keep], pool_k[keep]) and torch.equal(pools[1][1][keep], pool_v[keep])
+    for i in (1, 2):
+        assert rel_err(outs[i][live], outs[0][live]) <= tol, i
+        assert not outs[i][~live].any()
+        assert rel_err(pools[i][0][written], pools[0][0][written]) <= tol
+        assert torch.equal(pools[i][1][written], pools[0][1][written])
+        assert torch.equal(pools[i][0][keep], pool_k[keep]) and torch.equal(pools[i][1][keep], pool_v[keep])

@@ -30,6 +30,13 @@ from ftransformers.kernels.triton_rope_store import rope_store
 
 MAX_KV_SPLITS = 64
 GQA_WAVES = 2  # H100: 2 waves of decode programs beat 4 by up to 9% from batch 32 (attention_h100.json)
+GQA_BLOCK_N = 64  # KV tokens a tile of the GQA decode kernel on CUDA
+# Up to this batch size the fused-rope GQA decode reads its first K/V tile before the PDL wait
+# (kernels/triton_decode_attention.py, PRELOAD_FIRST_TILE). H100, Qwen3-30B-A3B, step ms with against without
+# (benchmarks/results/ab_preload_attn_*_h100.*): W4A16 ctx 512 B=1 2.105 / 2.131, B=8 4.851 / 4.847, B=32
+# 12.546 / 12.450; ctx 4096 B=1 2.290 / 2.325, B=8 5.743 / 6.004; bf16 ctx 512 B=1 3.215 / 3.253, B=8 10.342 /
+# 10.313. At 195 registers a thread (156 without) fewer programs fit an SM, which costs where many are live.
+GQA_PRELOAD_MAX_BS = 8
 MLA_MAX_KV_SPLITS = 64
 # MLA decode on the 64-head kernels with at most this many heads a GPU (DeepSeek-V3 / Kimi-K2 at tensor
 # parallel 8): up to 128 splits, so that batch 1 puts a program on nearly every SM (H100, batch 1 x 32K, 8 / 16
@@ -253,7 +260,8 @@ class TritonAttentionBackend(AttentionBackend):
             )
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_n=64 if q.is_cuda else 16, rope=rope,
+                mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, rope=rope,
+                preload=None if T <= GQA_PRELOAD_MAX_BS else False,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return extend_attention_fwd(

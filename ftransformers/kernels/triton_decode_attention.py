@@ -40,11 +40,27 @@ import triton.language as tl
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.triton_rope_store import norm_rope
 
+# With the fused rope (DecodeRope), stage 1 reads its first K/V tile before the PDL wait
+# (`set=triton_decode_attention.PRELOAD_FIRST_TILE=0` in benchmarks/ab_decode.py reads it after, for an A/B)
+PRELOAD_FIRST_TILE = True
+
 
 @triton.jit
 def _split_len(seq_len, num_kv_splits, min_split_len, ALIGN: tl.constexpr):
     # an even share rounded up to ALIGN, at least min_split_len (a multiple of ALIGN)
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_kv_splits), ALIGN) * ALIGN, min_split_len)
+
+
+@triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    # one tile's base-2 scores qk [BLOCK_H, BLOCK_N] (masked ones -inf) and values v [BLOCK_N, BLOCK_DV] into
+    # the running max m_i, sum l_i and output acc
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -59,7 +75,7 @@ def _decode_stage1_kernel(
     D: tl.constexpr, DPE: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
-    DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+    DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
@@ -73,6 +89,9 @@ def _decode_stage1_kernel(
     # PDL: the batch metadata (seq_lens, req_pool_indices, req_to_token, positions, out_cache_loc) is
     # written before the step by host copies and torch ops, never by a kernel of the step, and the
     # cos|sin cache is constant, so they are read before the wait
+    # PRELOAD (with ROPE, GQA): the first tile's K and V are read before the wait too. The pool's slots of
+    # positions below seq_len - 1 hold earlier steps' tokens (no kernel of this step writes them; the new token's,
+    # stored by this kernel, is never read back), so the tile's HBM round trip overlaps the predecessor.
     pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     req = tl.load(req_pool_indices + b)  # issued with seq_len: one round trip less before the KV loads
@@ -84,18 +103,27 @@ def _decode_stage1_kernel(
     loc = tl.load(r2t_row + start + offs_n, mask=start + offs_n < end, other=0)  # the first tile's KV slots
     HALF: tl.constexpr = BLOCK_D // 2
     offs_half = tl.arange(0, HALF)
+    kv_head = pid_hb // heads_per_kv_blocks
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
     if ROPE:
         new_pos = tl.load(positions + b).to(tl.int64)
         new_slot = tl.load(out_cache_loc + b).to(tl.int64)
         cos = tl.load(cos_sin + new_pos * s_cs + offs_half)
         sin = tl.load(cos_sin + new_pos * s_cs + HALF + offs_half)
+    if PRELOAD:
+        first_ok = start + offs_n < end - (end == seq_len).to(tl.int32)  # positions below seq_len - 1
+        k_first = tl.load(K + loc[None, :] * s_k_n + kv_head * s_k_h + offs_d[:, None],
+                          mask=first_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
+        v_first = tl.load(V + loc[:, None] * s_v_n + kv_head * s_v_h + offs_dv[None, :],
+                          mask=first_ok[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        second = start + BLOCK_N + offs_n
+        loc = tl.load(r2t_row + second, mask=second < end, other=0)  # the second tile's KV slots
     pdl_enter(USE_PDL)
-    kv_head = pid_hb // heads_per_kv_blocks
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
     h_mask = local < group
     heads = kv_head * group + local  # [BLOCK_H]
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_mask = offs_dv < DV
     if end <= start:
         if DIRECT:
             if split_id == 0:  # seq_len 0
@@ -103,7 +131,6 @@ def _decode_stage1_kernel(
                          tl.zeros([BLOCK_H, BLOCK_DV], O.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
         return
 
-    offs_d = tl.arange(0, BLOCK_D)
     if ROPE:
         q1, q2 = norm_rope(Q + b * s_q_t + heads[:, None] * s_q_h, QW, eps_q, cos[None, :], sin[None, :],
                             offs_half[None, :], h_mask[:, None], HALF, QK_NORM)  # fmt: skip
@@ -138,7 +165,13 @@ def _decode_stage1_kernel(
         l_i = tl.where(has_new, 1.0, l_i)
         acc = tl.where(has_new, acc + v_new.to(tl.float32)[None, :], acc)
         loop_end = end - has_new.to(tl.int32)
-    for start_n in range(start, loop_end, BLOCK_N):
+    first = start
+    if PRELOAD:  # the first tile, read before the wait
+        qk = tl.dot(q, k_first.to(q.dtype), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N]
+        qk = tl.where(first_ok[None, :], qk * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v_first, m_i, l_i, acc, DOT_PREC)
+        first = start + BLOCK_N
+    for start_n in range(first, loop_end, BLOCK_N):
         pos = start_n + offs_n
         n_mask = pos < loop_end
         if SHARED_KV:
@@ -157,12 +190,7 @@ def _decode_stage1_kernel(
         if not SHARED_KV:
             v = tl.load(V + loc[:, None] * s_v_n + kv_head * s_v_h + offs_dv[None, :],
                         mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BLOCK_N, BLOCK_DV]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PREC)
         nxt = pos + BLOCK_N
         loc = tl.load(r2t_row + nxt, mask=nxt < end, other=0)  # [BLOCK_N] the next tile's KV slots
 
@@ -286,6 +314,7 @@ def decode_attention_fwd(
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
     direct: bool = True,  # False: every row goes through the partials and stage 2 (the pre-2026-11 behaviour)
     rope: DecodeRope | None = None,  # norm + rope q and the new k, store k/v, here (seq_lens count it)
+    preload: bool | None = None,  # the first K/V tile before the PDL wait (with `rope` only); None: PRELOAD_FIRST_TILE
 ) -> torch.Tensor:
     B, H, D = q.shape
     H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
@@ -314,6 +343,8 @@ def decode_attention_fwd(
         qw = rope.q_norm_weight if rope.q_norm_weight is not None else cs
         kw = rope.k_norm_weight if rope.k_norm_weight is not None else cs
         eps_q, eps_k = float(rope.eps_q), float(rope.eps_k)
+    preload = (PRELOAD_FIRST_TILE if preload is None else preload) and rope is not None
+    assert not preload or (dpe == 0 and not shared_kv), "the first-tile preload is for GQA with fused rope"
     _decode_stage1_kernel[grid](
         q, q_pe, k_buf, kpe_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         knew, vnew, pos, cs, qw, kw, new_loc,
@@ -328,7 +359,7 @@ def decode_attention_fwd(
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, triton.next_power_of_2(dpe)),
         BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
-        ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None,
+        ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(q.device),
     )  # fmt: skip
