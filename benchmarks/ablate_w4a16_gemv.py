@@ -14,7 +14,10 @@ wrong by design and never checked, the unablated kernel is checked against quant
                        (the FMAs stay)
   no-x-reloads         every K tile reads the first tile's x (L1 hits after the first)
   words-only           no-scale-zero-loads and no-unpack together
-Then the GEMV's tiles in the chain: BLOCK_N 4, 8, 16 x BLOCK_K 512, 1024, 2048 x 2, 4 or 8 warps (a lane a word column).
+Beside them, "scale-zero-copy": the unablated kernel on weights that carry QuantizedWeight.scale_zero (as the
+engine's dense int4 layers do on CUDA), so that a thread's rows' scales and zeros are one vector load.
+Then the GEMV's tiles in the chain: BLOCK_N 4, 8, 16 x BLOCK_K 512, 1024, 2048 x 2, 4 or 8 warps (a lane a word
+column), on the weights as the engine holds them (with the copy; `--tiles-without-copy` for the row-major ones).
 
     PYTHONPATH=$PWD python benchmarks/ablate_w4a16_gemv.py --out $OUT/r/ablate_w4a16_gemv_h100.json
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,7 @@ from ceilings import Report
 
 from ftransformers.kernels import triton_w4a16
 from ftransformers.kernels.pdl import pdl_launch
-from ftransformers.kernels.quant_formats import quant_linear_ref
+from ftransformers.kernels.quant_formats import quant_linear_ref, scale_zero_copy
 
 SCALE = "scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])"
 ZERO = "zero = tl.reshape(tl.load(z_rows + grp, mask=mask_q, other=0).to(tl.float32), [BW, BLOCK_N, 1])"
@@ -74,6 +78,7 @@ def stream_chain_us(size: int, dev: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--tiles-without-copy", action="store_true", help="sweep the tiles on the row-major scales")
     args = p.parse_args()
     dev = "cuda"
     report = Report(dev, shapes=[])
@@ -85,27 +90,34 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     for shape, (n, k) in SHAPES.items():
         qws = [make_weight("int4-asym", n, k, gen) for _ in range(STREAM_LINKS)]
+        copies = [replace(qw, scale_zero=scale_zero_copy(qw)) for qw in qws]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=gen)
         cfg = gemv_config(n, k)
-        err = rel_err(triton_w4a16.w4a16_linear(x, qws[0], config=cfg), quant_linear_ref(x, qws[0]))
-        assert err < 1e-2, f"{shape}: the GEMV is off the reference ({err:.2e})"
+        for w in (qws[0], copies[0]):
+            err = rel_err(triton_w4a16.w4a16_linear(x, w, config=cfg), quant_linear_ref(x, qws[0]))
+            assert err < 1e-2, f"{shape}: the GEMV is off the reference ({err:.2e})"
         size = sum(t.numel() * t.element_size() for t in (qws[0].qweight, qws[0].scales, qws[0].zeros))
         floor = size / bw / 1e3
         peer = stream_chain_us(size, dev)
+        size_copy = sum(t.numel() * t.element_size() for t in (copies[0].qweight, copies[0].scale_zero))
         row: dict[str, Any] = {"shape": shape, "n": n, "k": k, "bytes": size, "floor_us": floor, "stream_us": peer,
+                               "bytes_with_copy": size_copy, "floor_with_copy_us": size_copy / bw / 1e3,
                                "default_config": cfg, "variants": {}, "configs": []}  # fmt: skip
-        log(f"{shape} {n}x{k}: floor {floor:.2f} us, a pure stream of its {size / 1e6:.2f} MB {peer:.2f} us a link")
-        for label, mod in mods.items():
-            us = gemv_us(mod.w4a16_linear, x, qws, cfg)
+        log(f"{shape} {n}x{k}: floor {floor:.2f} us, a pure stream of its {size / 1e6:.2f} MB {peer:.2f} us a link; "
+            f"words + scale_zero {size_copy / 1e6:.2f} MB, floor {size_copy / bw / 1e3:.2f} us")
+        variants = [(label, mod, qws) for label, mod in mods.items()] + [("scale-zero-copy", triton_w4a16, copies)]
+        for label, mod, ws in variants:
+            us = gemv_us(mod.w4a16_linear, x, ws, cfg)
             row["variants"][label] = us
             log(f"  {label:22s} {us:6.2f} us a link ({floor / us:4.0%} of copy)")
+        swept = qws if args.tiles_without_copy else copies
         for bn in (4, 8, 16):
             for bk in (512, 1024, 2048):
                 for warps in (2, 4, 8):
                     if bk // 8 < 32 * warps:  # a warp's lanes each take one word column of the tile
                         continue
                     c = gemv_config(n, k, bn, bk, warps)
-                    us = gemv_us(triton_w4a16.w4a16_linear, x, qws, c)
+                    us = gemv_us(triton_w4a16.w4a16_linear, x, swept, c)
                     row["configs"].append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "us": us})
                     log(f"  BLOCK_N {bn:2d} BLOCK_K {bk:4d} {warps} warps  {us:6.2f} us")
         out["shapes"].append(row)

@@ -17,6 +17,7 @@ from ftransformers.kernels.quant_formats import (
     quant_moe_ref,
     quantize_act_fp8,
     quantize_act_int8,
+    scale_zero_copy,
     unpack_int4,
 )
 
@@ -30,6 +31,26 @@ def test_pack_int4_round_trip_and_nibble_order() -> None:
     # element k of a word sits at bits 4*(k%8): element 0 in the low nibble, element 7 in the top one
     assert int(pack_int4(torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0]]))) == 1
     assert int(pack_int4(torch.tensor([[0, 0, 0, 0, 0, 0, 0, 15]]))) == -(2**28)  # 0xF0000000 as int32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("zeros", [True, False])
+def test_scale_zero_copy_holds_each_group_scale_and_zero(dtype: torch.dtype, zeros: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    n, k, group = 7, 256, 64
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 - 0.01).to(dtype)  # both signs
+    z = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8) if zeros else None
+    qw = QuantizedWeight("int4", pack_int4(torch.randint(0, 16, (n, k), generator=g)), scales, n, k, group, zeros=z)
+    sz = scale_zero_copy(qw)
+    assert sz is not None and sz.shape == (2, k // group, 4) and sz.dtype == torch.int32 and sz.is_contiguous()
+    rows = sz.transpose(1, 2).reshape(8, k // group)  # [N padded to 8, K // G]
+    assert torch.equal(rows[n:], torch.zeros(1, k // group, dtype=torch.int32).expand(8 - n, -1))
+    assert torch.equal((rows[:n] & 0xFFFF).to(torch.int16).view(dtype), scales)
+    assert torch.equal(rows[:n] >> 16, z.to(torch.int32) if z is not None else torch.full((n, k // group), 8))
+    fp32 = QuantizedWeight("int4", qw.qweight, scales.float(), n, k, group)
+    fp4 = QuantizedWeight("mxfp4", qw.qweight, torch.full((n, k // 32), 127, dtype=torch.uint8), n, k, 32)
+    stacked = QuantizedWeight("int4", qw.qweight[None], scales[None], n, k, group)
+    assert scale_zero_copy(fp32) is None and scale_zero_copy(fp4) is None and scale_zero_copy(stacked) is None
 
 
 def test_pack_int4_is_the_little_endian_view_of_fp4_byte_pairs() -> None:

@@ -53,6 +53,8 @@ def _check_layers(model: torch.nn.Module, what: str) -> int:
     for name, m in model.named_modules():
         qw = getattr(m, "qw", None)
         if qw is not None:
+            if qw.fmt == "int4" and qw.scales.dtype in (torch.float16, torch.bfloat16):
+                assert qw.scale_zero is not None, (what, name)  # the GEMV's copy (tiny weights; rows = 1 below)
             for rows in (1, 5, 70):
                 x = torch.randn(rows, qw.in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
                 err = _rel(m(x), quant_linear_ref(x, qw, m.bias))

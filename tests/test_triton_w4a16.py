@@ -9,13 +9,15 @@ interpreter does by truncation)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
 from ftransformers.kernels import triton_w4a16
-from ftransformers.kernels.quant_formats import QuantizedWeight, pack_int4, quant_linear_ref
+from ftransformers.kernels.quant_formats import QuantizedWeight, pack_int4, quant_linear_ref, scale_zero_copy
 from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,6 +113,46 @@ def test_every_tile_path(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatc
         b = torch.randn(40, generator=gen).to(DEV)
         out = w4a16_linear(x, qw, b, config={**base, **cfg})
         assert rel_err(out, quant_linear_ref(x, qw, b)) < 1e-5, cfg
+
+
+@pytest.mark.parametrize("weight", [w for w in WEIGHTS if w[0] == "int4"], ids=lambda w: f"g{w[1]}-{'z' if w[2] else 'sym'}")
+def test_gemv_reads_the_scale_zero_copy(weight: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMV on QuantizedWeight.scale_zero (one vector load of a thread's rows' scales and zeros) computes
+    what it computes from the row-major scales and zeros (the same float32 scale and zero), including K tails
+    and split K, and USE_SCALE_ZERO = False reads the row-major ones."""
+    _, group, zeros, sdt = weight
+    gen = torch.Generator().manual_seed(11 + group)
+    qw = random_weight("int4", 40, 384, gen, group, zeros, sdt)
+    packed = replace(qw, scale_zero=scale_zero_copy(qw))
+    base = {"GEMV": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+    cases = [
+        (1, {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 128}),
+        (2, {"BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 256, "SPLIT_K": 2}),
+    ]
+    for M, cfg in cases:
+        x = torch.randn(M, 384, generator=gen).to(DEV)
+        b = torch.randn(40, generator=gen).to(DEV)
+        out = w4a16_linear(x, packed, b, config={**base, **cfg})
+        assert rel_err(out, w4a16_linear(x, qw, b, config={**base, **cfg})) < 1e-6, cfg
+        assert rel_err(out, quant_linear_ref(x, qw, b)) < 1e-5, cfg
+        xb = x.to(torch.bfloat16)
+        assert rel_err(w4a16_linear(xb, packed, config={**base, **cfg}), quant_linear_ref(xb, qw)) < 1e-2, cfg
+    monkeypatch.setattr(triton_w4a16, "USE_SCALE_ZERO", False)
+    broken = replace(packed, scale_zero=torch.zeros_like(packed.scale_zero))  # read it and the result is 0
+    x = torch.randn(1, 384, generator=gen).to(DEV)
+    assert rel_err(w4a16_linear(x, broken), quant_linear_ref(x, qw)) < 1e-5
+
+
+def test_gemv_scale_zero_only_where_the_gemv_runs() -> None:
+    gen = torch.Generator().manual_seed(2)
+    small = random_weight("int4", 64, 256, gen, 64, zeros=True)
+    assert triton_w4a16.gemv_scale_zero(small) is not None
+    q = torch.zeros(8192, 16384 // 8, dtype=torch.int32)  # DeepSeek-V3 o: the mma kernel's from one row with zeros
+    s = torch.ones(8192, 128, dtype=torch.float16)
+    large = QuantizedWeight("int4", q, s, 8192, 16384, 128, zeros=torch.full((8192, 128), 8, dtype=torch.uint8))
+    assert triton_w4a16.gemv_scale_zero(large) is None
+    assert triton_w4a16.gemv_scale_zero(replace(large, zeros=None)) is not None  # symmetric: the GEMV's at one row
+    assert triton_w4a16.gemv_scale_zero(random_weight("mxfp4", 64, 256, gen)) is None
 
 
 def test_config_paths() -> None:

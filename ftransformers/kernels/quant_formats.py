@@ -63,6 +63,9 @@ class QuantizedWeight:
     global_scale: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     block_n: int = 128  # fp8_block only: rows per scale
+    # int4 [N, K] with 16-bit scales: the one-row GEMV's copy of scales and zeros, int32 [ceil(N / 4), K // G, 4]
+    # of scale bits | zero << 16 (scale_zero_copy); None: the kernels read `scales` and `zeros`
+    scale_zero: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -86,6 +89,26 @@ class QuantizedWeight:
         """Bytes a kernel streams to read the whole weight."""
         tensors = (self.qweight, self.scales, self.zeros, self.global_scale)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+SCALE_ZERO_ROWS = 4  # rows of a scale_zero block: one 16-byte load
+
+
+def scale_zero_copy(qw: QuantizedWeight) -> torch.Tensor | None:
+    """QuantizedWeight.scale_zero for a 2-D int4 weight with fp16 / bf16 scales (zero 8 where it has no
+    zeros); None for any other weight. Element [n // 4, g, n % 4] holds row n's group g: each group's 4 rows
+    are 16 contiguous bytes, and a block of 4 rows' groups is contiguous (a GEMV program's scales are one
+    span of memory, as in `scales`). Four bytes a group and row, beside the scales and zeros the other
+    kernels read; padded rows past N hold zeros."""
+    if qw.fmt != "int4" or qw.qweight.dim() != 2 or qw.scales.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    n, groups = qw.scales.shape
+    bits = qw.scales.view(torch.int16).to(torch.int32) & 0xFFFF  # [N, K // G]
+    zeros = torch.full_like(bits, 8) if qw.zeros is None else qw.zeros.to(torch.int32)
+    r = SCALE_ZERO_ROWS
+    out = torch.zeros(-(-n // r) * r, groups, dtype=torch.int32, device=bits.device)
+    out[:n] = bits | (zeros << 16)
+    return out.view(-1, r, groups).transpose(1, 2).contiguous()  # [ceil(N / 4), K // G, 4]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

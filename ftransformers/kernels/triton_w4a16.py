@@ -9,7 +9,9 @@ kernels, chosen by `w4a16_config` from M, the format and the weight size:
   [word, n, m, nibble]; each thread owns word columns of a K tile for all its n, m and the 8 nibbles,
   so qweight (4-byte words, coalesced along K), x (one 16-byte vector per word and row) and the
   scales meet in one register layout with no shared-memory round trip. Per weight element it costs
-  one LOP3 and one FMA per row (int4) or three integer ops and one FMA per row (FP4).
+  one LOP3 and one FMA per row (int4) or three integer ops and one FMA per row (FP4). int4 weights loaded
+  by the engine carry `QuantizedWeight.scale_zero` (`gemv_scale_zero`), which the GEMV reads instead of
+  the scales and zeros: a thread's 4 rows of a group in one 16-byte load.
 - `triton_w4a16_codes` (int4, 3 <= M <= 16): tensor cores on the raw codes, scales applied per group
   after the dot, split K with a last-one-out sum (its module docstring).
 - `_w4a16_gemm_kernel` (FP4 with M > 2, int4 groups the codes kernel cannot take, prefill): tensor
@@ -45,7 +47,7 @@ import triton.language as tl
 
 from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
+from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight, scale_zero_copy
 from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
 
@@ -53,6 +55,9 @@ GEMV_MAX_M = 4
 # The GEMV's first K tile of words loaded before the PDL wait (its PRELOAD; benchmarks/ab_decode.py
 # `set=triton_w4a16.PRELOAD_FIRST_TILE=0` turns it off for an A/B)
 PRELOAD_FIRST_TILE = True
+# The GEMV reads a weight's scales and zeros from its QuantizedWeight.scale_zero copy where it has one
+# (`set=triton_w4a16.USE_SCALE_ZERO=0` reads the row-major scales and zeros instead, for an A/B)
+USE_SCALE_ZERO = True
 DECODE_MAX_M = 16
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -84,11 +89,11 @@ def _scale_f32(s, FMT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["unit"])
 def _w4a16_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, M, N, K, unit,
-    stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym,
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, sz_ptr, M, N, K, unit,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym, stride_szg,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, PACKED: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
@@ -97,6 +102,9 @@ def _w4a16_gemv_kernel(
     # q's contiguity so that its load takes that one-word-per-thread layout too.
     # PRELOAD: the first K tile's words (constant: no kernel writes them) are loaded before the PDL wait, so that
     # they stream in while the predecessor finishes; each iteration then loads the next tile's words ahead.
+    # PACKED (int4, 16-bit scales): scales and zeros come from sz_ptr, QuantizedWeight.scale_zero's int32
+    # [N / 4, K / G, 4] of scale bits | zero << 16 (stride_szg = 4 K / G), so that a thread's rows of a group
+    # are one 16-byte load for each 4 (instead of a scale and a zero load per row).
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -138,14 +146,24 @@ def _w4a16_gemv_kernel(
         else:
             q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
         grp = (k0 + w4 * 8) // GROUP
-        scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])
+        if PACKED:
+            sz_ptrs = sz_ptr + (n4 // 4) * stride_szg + grp * 4 + n4 % 4  # [BW, BN, 1, 1]
+            sz = tl.reshape(tl.load(sz_ptrs, mask=mask_q, other=0), [BW, BLOCK_N, 1])
+            if s_ptr.dtype.element_ty == tl.bfloat16:
+                scale = (sz << 16).to(tl.float32, bitcast=True)
+            else:
+                scale = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])
         if FMT == 2:
             scale = scale * tl.reshape(gs, [1, BLOCK_N, 1])
         if FMT == 0:
             d = (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)  # [BW, BN, 1, 8]
             t = tl.sum((x * x_mul) * d, axis=3)  # [BW, BN, BM]: 2^-49 * sum_j x_j code_j
             xsum = tl.sum(x, axis=3) * _TWO_M49  # [BW, 1, BM]
-            if HAS_ZEROS:
+            if PACKED:
+                zero = ((sz >> 16) & 0xFF).to(tl.float32)
+            elif HAS_ZEROS:
                 zero = tl.reshape(tl.load(z_rows + grp, mask=mask_q, other=0).to(tl.float32), [BW, BLOCK_N, 1])
             else:
                 zero = 8.0
@@ -301,6 +319,14 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
             "num_warps": warps, "num_stages": stages}  # fmt: skip
 
 
+def gemv_scale_zero(qw: QuantizedWeight) -> torch.Tensor | None:
+    """QuantizedWeight.scale_zero for a weight whose one- and two-row products run on the GEMV (int4 with
+    16-bit scales, not taken by the mma kernel at one row); None for the others, which never read it."""
+    if mma_path.takes(1, qw.out_features, qw.in_features, qw.zeros is not None):
+        return None
+    return scale_zero_copy(qw)
+
+
 def _check(x: torch.Tensor, qw: QuantizedWeight) -> None:
     if qw.fmt not in FOUR_BIT_FORMATS:
         raise ValueError(
@@ -371,9 +397,12 @@ def w4a16_linear(
     pdl = pdl_launch(x.device)
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
+        sz = qw.scale_zero if USE_SCALE_ZERO else None
+        assert sz is None or (qw.fmt == "int4" and sz.shape[1:] == (K // qw.group_size, 4) and sz.is_contiguous())
         _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
-            *args, 1, *strides, **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, **pdl
-        )
+            *args[:7], s if sz is None else sz, *args[7:], 1, *strides, 0 if sz is None else sz.stride(0),
+            **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, **pdl,
+        )  # fmt: skip
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         ieee = x.dtype == torch.float32 or _INTERPRET

@@ -129,6 +129,10 @@ class KernelLinearMethod(LinearQuantMethod):
             self._dequantize_into_weight(layer, specs, n, k, shards, where)
             return
         qw = dense_strides(self.scheme.to_kernel(_loaded(layer, "", specs), n, k, shards, where))
+        if qw.qweight.is_cuda and qw.fmt == "int4":
+            from ftransformers.kernels.triton_w4a16 import gemv_scale_zero
+
+            qw = replace(qw, scale_zero=gemv_scale_zero(qw))
         for spec in specs:
             del layer._parameters[spec.suffix]
         del layer.quant_specs
