@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight, scale_zero_copy
+from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
 from ftransformers.kernels.tiling import grouped_tile
 from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
 
@@ -93,7 +93,7 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_zn, stride_ys, stride_ym, stride_szg,
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, PACKED: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, PACKED: tl.constexpr = False, SZ_ROWS: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
@@ -103,8 +103,8 @@ def _w4a16_gemv_kernel(
     # PRELOAD: the first K tile's words (constant: no kernel writes them) are loaded before the PDL wait, so that
     # they stream in while the predecessor finishes; each iteration then loads the next tile's words ahead.
     # PACKED (int4, 16-bit scales): scales and zeros come from sz_ptr, QuantizedWeight.scale_zero's int32
-    # [N / 4, K / G, 4] of scale bits | zero << 16 (stride_szg = 4 K / G), so that a thread's rows of a group
-    # are one 16-byte load for each 4 (instead of a scale and a zero load per row).
+    # [N / SZ_ROWS, K / G, SZ_ROWS] of scale bits | zero << 16 (stride_szg = SZ_ROWS K / G), so that a thread's
+    # rows of a group are one vector load for each SZ_ROWS (instead of a scale and a zero load per row).
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -147,7 +147,7 @@ def _w4a16_gemv_kernel(
             q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
         grp = (k0 + w4 * 8) // GROUP
         if PACKED:
-            sz_ptrs = sz_ptr + (n4 // 4) * stride_szg + grp * 4 + n4 % 4  # [BW, BN, 1, 1]
+            sz_ptrs = sz_ptr + (n4 // SZ_ROWS) * stride_szg + grp * SZ_ROWS + n4 % SZ_ROWS  # [BW, BN, 1, 1]
             sz = tl.reshape(tl.load(sz_ptrs, mask=mask_q, other=0), [BW, BLOCK_N, 1])
             if s_ptr.dtype.element_ty == tl.bfloat16:
                 scale = (sz << 16).to(tl.float32, bitcast=True)
@@ -398,10 +398,11 @@ def w4a16_linear(
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
         sz = qw.scale_zero if USE_SCALE_ZERO else None
-        assert sz is None or (qw.fmt == "int4" and sz.shape[1:] == (K // qw.group_size, 4) and sz.is_contiguous())
+        if sz is not None:
+            assert qw.fmt == "int4" and sz.shape[1:] == (K // qw.group_size, SCALE_ZERO_ROWS) and sz.is_contiguous()
         _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
             *args[:7], s if sz is None else sz, *args[7:], 1, *strides, 0 if sz is None else sz.stride(0),
-            **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, **pdl,
+            **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, SZ_ROWS=SCALE_ZERO_ROWS, **pdl,
         )  # fmt: skip
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
