@@ -10,6 +10,9 @@ and waves. Every config is checked against the plain-PyTorch reference first.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4_b1.py --out $OUT/w4_b1_h100.json
 
+The "token" section runs one token's int4 MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) over
+a sweep of their tiles beside the pair path, and times their two kernels alone.
+
 The "codes" section runs the MoE at one token on the aligned path's int4 codes kernels (tensor cores)
 beside the pair path, and times their four kernels alone.
 """
@@ -17,6 +20,7 @@ beside the pair path, and times their four kernels alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -32,6 +36,7 @@ import bench_moe_w4 as bm
 import bench_w4a16 as bw
 
 from ftransformers.kernels import triton_fused_moe_w4 as w4
+from ftransformers.kernels import triton_moe_w4_gemv as tok
 from ftransformers.kernels import triton_w4a16 as tw
 from ftransformers.kernels.quant_formats import quant_moe_ref
 from ftransformers.kernels.triton_fused_moe import moe_align, moe_sum
@@ -248,10 +253,79 @@ def codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
         log(f"codes-part {fname:15s} {name:8s} {us:6.2f} us {pct}")
 
 
+def token_configs() -> list[tok.TokenGemvConfig]:
+    """The GEMV-form kernels' tiles around the default: gate-up (rows, K tile, warps), then down (rows, K tile a
+    slot, slots a tile, warps), each with the other kernel's default."""
+    base = tok.TokenGemvConfig()
+    r = lambda **kw: dataclasses.replace(base, **kw)
+    ups = [r(up_n=n, up_k=k, up_warps=w) for n, k, w in
+           [(4, 1024, 4), (4, 512, 2), (8, 256, 1), (4, 256, 1), (8, 1024, 4), (16, 512, 2), (8, 512, 4),
+            (4, 1024, 2)]]  # fmt: skip
+    downs = [r(down_n=n, down_k=k, down_slots=sl, down_warps=w) for n, k, sl, w in
+             [(2, 256, 8, 8), (8, 256, 8, 8), (4, 256, 8, 4), (4, 128, 8, 4), (2, 128, 8, 4), (8, 128, 8, 8),
+              (4, 256, 4, 8), (4, 512, 2, 8)]]  # fmt: skip
+    return [base] + ups + downs + [base]
+
+
+def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
+    """One token's int4 MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) beside the pair path's
+    default in the same process, each config checked against the reference and timed as the pair rows; then
+    the default's two kernels alone beside the pair path's."""
+    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    fns = [tok._token_gate_up_kernel, tok._token_down_kernel]
+    for fname in FORMATS.values():
+        w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
+        nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
+        for cfg in [w4.default_w4_pair_config(1, d, "int4"), *token_configs()]:
+            before = [set(compiled(f)) for f in fns]
+            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
+            ks = new_kernels(fns, before)
+            name = "pair" if isinstance(cfg, w4.W4PairConfig) else "token"
+            if not err < 1e-2:
+                log(f"token {fname} {name} FAILED rel err {err:.3g} {cfg}")
+                continue
+            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
+            us = bm.graph_ms(call, REPS) * 1e3
+            occ = []
+            for kern in ks:
+                kname = kern.name if hasattr(kern, "name") else kern.metadata.name
+                grid = k * triton.cdiv(inter, cfg.up_n) if "gate_up" in kname else triton.cdiv(d, cfg.down_n)
+                occ.append({"kernel": kname, **occupancy(kern, grid)})
+            row = {"kind": "moe_t1_token", "format": fname, "path": name, "T": 1, "config": cfg.__dict__,
+                   "bytes": nbytes, "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err, "kernels": occ}  # fmt: skip
+            out["rows"].append(row)
+            log(f"token {fname:15s} {name:5s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor "
+                f"{row['floor_us']:.2f} err {err:.1e} | "
+                f"{[(o['kernel'][7:14], o['regs'], o['spills'], o['programs_per_sm'], o['waves']) for o in occ]} | {cfg}")  # fmt: skip
+        token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+def token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
+    """The default GEMV-form kernels alone: gate-up, down (on its act), both."""
+    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    cfg = tok.default_config()
+    wts = [routes[i][0].reshape(-1).float().contiguous() for i in range(REPS)]
+    acts = [torch.empty(k, inter, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
+    outs = [torch.empty(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
+    up_bytes, down_bytes = k * w13.nbytes() / e, k * w2.nbytes() / e
+    parts = {
+        "gate_up": (lambda i: tok.token_gate_up(hiddens[i], w13, routes[i][1], cfg, acts[i]), up_bytes),
+        "down": (lambda i: tok.token_down(acts[i], w2, wts[i], routes[i][1], cfg, outs[i]), down_bytes),
+    }
+    for name, (call, nbytes) in parts.items():
+        us = bm.graph_ms(call, REPS) * 1e3
+        out["rows"].append({"kind": "token_part", "format": fname, "part": name, "T": 1, "bytes": nbytes, "us": us,
+                            "floor_us": nbytes / bw_gbs / 1e3})  # fmt: skip
+        log(f"token-part {fname:15s} {name:8s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% "
+            f"floor {nbytes / bw_gbs / 1e3:.2f}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, parts, pair, codes")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, parts, pair, codes, token")
     args = p.parse_args()
     bw_gbs = bw.copy_bandwidth()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -273,6 +347,8 @@ def main() -> None:
         bench_pair(out, bw_gbs, log)
     if "codes" not in skip:
         bench_codes(out, bw_gbs, log)
+    if "token" not in skip:
+        bench_token(out, bw_gbs, log)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")
 

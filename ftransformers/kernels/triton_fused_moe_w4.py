@@ -18,6 +18,10 @@ tl.dot (gate-up with fused SiLU*up; down with the routing weight), and the bf16 
 
 Decoding and the GEMV tiles: kernels/w4_tiles.py.
 
+One int4 token (D <= 4096) goes to kernels/triton_moe_w4_gemv.py instead: the dense GEMV's register layout,
+no shared-memory round trip for x, the down kernel summing every slot in one program (H100, Qwen3-30B-A3B
+asym g128, benchmarks/results/w4_b1_token2_h100.log: 16.2 against the pair path's 18.0 us).
+
 Int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py instead (the pair path's contract on
 mma.sync) wherever its `takes` says: from 2 tokens up to the pair-path limit, and on D > 4096 from one
 token to 256 pairs (measured faster there on the H100; benchmarks/results/moe_w4_mma_h100.log).
@@ -33,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma_path
+from ftransformers.kernels import triton_moe_w4_gemv as token_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
@@ -427,11 +432,13 @@ def fused_moe_w4(
     w2: QuantizedWeight,  # [E, D, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int
-    config: MoEConfig | W4PairConfig | mma_path.MmaMoEConfig | None = None,
+    config: MoEConfig | W4PairConfig | mma_path.MmaMoEConfig | token_path.TokenGemvConfig | None = None,
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
     """quant_moe_ref's function: the int4 mma kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes`
-    the call (or for an MmaMoEConfig); else for T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
+    the call (or for an MmaMoEConfig); else one int4 token on the GEMV-form kernels of
+    kernels/triton_moe_w4_gemv.py where `token_path.takes` it (or for a TokenGemvConfig); else for
+    T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
     else
     the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
     decode-shaped blocks where the group holds whole K tiles, unless `codes` is False (the dequantizing
@@ -449,6 +456,8 @@ def fused_moe_w4(
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids, config)
     if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids)
+    if isinstance(config, token_path.TokenGemvConfig) or (config is None and token_path.takes(hidden, w13, w2, top_k)):
+        return token_path.moe_w4_token(hidden, w13, w2, weights, topk_ids, config)
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)

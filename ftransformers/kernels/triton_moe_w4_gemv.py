@@ -1,0 +1,260 @@
+"""One token's int4 MoE as two GEMV-form kernels (the layout of triton_w4a16's `_w4a16_gemv_kernel`).
+
+The pair path of kernels/triton_fused_moe_w4.py spreads a quantization group over four lanes, decodes each
+nibble with a shift and a mask, and moves x from its load layout to the weights' through shared memory
+(16 barriers a K tile). Here, as in the dense one-row GEMV, tensors are [word, row, nibble]: lanes and
+warps run along the words of a K tile only, each thread holds all rows of its word column, so the 16-byte
+vector of x for a word, the word itself and its rows' scales meet in one register layout; a nibble is
+masked in place and read as a float32 subnormal (code * 16^e * 2^-149) against x * 2^(100 - 4e), one LOP3
+and one FMA a weight; rows are summed over the words once, at the end.
+
+- `_token_gate_up_kernel`, grid (I / BLOCK_N, TOP_K): program (row block, slot) forms its rows of gate and
+  up for expert ids[slot] and stores act[slot, n] = silu(gate) * up rounded to hidden's dtype ([TOP_K, I]).
+- `_token_down_kernel`, grid (D / BLOCK_N,): the word axis runs over (slot, word of I) pairs, SLOTS slots
+  a tile (a power of two dividing top-k), so one program sums all TOP_K slots of its D rows: each lane's slot is fixed, its partial is
+  scaled by that slot's routing weight, and the lanes are summed at the end (no partials, no tickets).
+
+int4 with 16-bit or float32 scales, zeros present or not (symmetric: 8), bf16 / fp16 x; one token only.
+Invariants (as the dense GEMV): |x| < 2^28 and scales < 2^100. Graph-safe: no host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.quant_formats import QuantizedWeight
+from ftransformers.kernels.triton_fused_moe_codes import to_16bit
+from ftransformers.kernels.w4_tiles import masked_load
+
+# fused_moe_w4 takes one token's int4 MoE here (where the CUDA-core pair path took it before);
+# `set=triton_moe_w4_gemv.ENABLED=0` in benchmarks/ab_decode.py restores the pair path for an A/B.
+ENABLED = True
+MAX_HIDDEN = 4096  # wider experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
+
+_TWO_49: tl.constexpr = tl.constexpr(2.0**49)
+_TWO_M49: tl.constexpr = tl.constexpr(2.0**-49)
+_TWO_100: tl.constexpr = tl.constexpr(2.0**100)
+_TWO_96: tl.constexpr = tl.constexpr(2.0**96)
+_TWO_92: tl.constexpr = tl.constexpr(2.0**92)
+_TWO_88: tl.constexpr = tl.constexpr(2.0**88)
+_TWO_84: tl.constexpr = tl.constexpr(2.0**84)
+
+
+@dataclass(frozen=True)
+class TokenGemvConfig:
+    """Rows a program and K tile (elements) of each kernel; down_slots slots share a down tile's word axis."""
+
+    up_n: int = 8
+    up_k: int = 512
+    up_warps: int = 2
+    down_n: int = 4
+    down_k: int = 256
+    down_slots: int = 8
+    down_warps: int = 8
+
+
+# The tiles moe_w4_token runs without a config (module names so that benchmarks/ab_decode.py's `set=` can
+# change them in a whole model): TokenGemvConfig's defaults, from the H100 sweeps in
+# benchmarks/results/w4_b1_token*_h100.log.
+UP_N, UP_K, UP_WARPS = TokenGemvConfig.up_n, TokenGemvConfig.up_k, TokenGemvConfig.up_warps
+DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfig.down_k, TokenGemvConfig.down_slots,
+                                          TokenGemvConfig.down_warps)  # fmt: skip
+
+
+def default_config() -> TokenGemvConfig:
+    return TokenGemvConfig(UP_N, UP_K, UP_WARPS, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS)
+
+
+@triton.jit
+def _x_planes(x):
+    # x [BW, 8] float32 (8 in-thread) -> (x_0..x_7 [BW, 1], each times 2^(100 - 4e_j), sum_j x_j * 2^-49):
+    # nibble j is bits 4e_j.. of q (e_j = j, j < 5) or of q >> 12 (e_j = j - 3, j >= 5)
+    bw: tl.constexpr = x.shape[0]
+    even, odd = tl.split(tl.reshape(x, [bw, 4, 2]))  # j = 0 2 4 6 / 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, [bw, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(odd, [bw, 2, 2]))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    xsum = ((((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))) * _TWO_M49)[:, None]
+    xm = ((x0 * _TWO_100)[:, None], (x1 * _TWO_96)[:, None], (x2 * _TWO_92)[:, None], (x3 * _TWO_88)[:, None],
+          (x4 * _TWO_84)[:, None], (x5 * _TWO_92)[:, None], (x6 * _TWO_88)[:, None], (x7 * _TWO_84)[:, None])  # fmt: skip
+    return xm, xsum
+
+
+@triton.jit
+def _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr):
+    # q [BW, BN] int32 words, xm / xsum from _x_planes -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j.
+    # A nibble masked in place, read as float32, is the subnormal code * 16^e * 2^-149: one LOP3 and one
+    # FMA a weight.
+    h = q >> 12
+    t = (q & 0xF).to(tl.float32, bitcast=True) * xm[0]
+    t += (q & 0xF0).to(tl.float32, bitcast=True) * xm[1]
+    t += (q & 0xF00).to(tl.float32, bitcast=True) * xm[2]
+    t += (q & 0xF000).to(tl.float32, bitcast=True) * xm[3]
+    t += (q & 0xF0000).to(tl.float32, bitcast=True) * xm[4]
+    t += (h & 0xF00).to(tl.float32, bitcast=True) * xm[5]
+    t += (h & 0xF000).to(tl.float32, bitcast=True) * xm[6]
+    t += (h & 0xF0000).to(tl.float32, bitcast=True) * xm[7]
+    scale = masked_load(s_ptrs + grp, mask, EVEN).to(tl.float32)
+    if HAS_ZEROS:
+        zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
+    else:
+        zero = 8.0
+    return scale * t - (scale * zero) * xsum
+
+
+@triton.jit(do_not_specialize=["unit"])
+def _token_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, N, K, unit,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    # act[slot, n] = silu(x @ w13[e, n]) * (x @ w13[e, N + n]), e = ids[slot], n < N = I, rounded to x's
+    # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout.
+    pdl_enter(USE_PDL)
+    BW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w2 = tl.arange(0, BW)[:, None]  # [BW, 1]
+    n2 = offs_n[None, :]  # [1, BN]
+    qg_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
+    sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
+    zg_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
+    x_ptrs = x_ptr + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
+    acc_g = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_x = k0 // 8 + w2 < K // 8  # (both masks unused when EVEN)
+        mask_q = (n2 < N) & mask_x
+        xm, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32))
+        qg = masked_load(qg_ptrs + k0 // 8, mask_q, EVEN)
+        qu = masked_load(qg_ptrs + N * stride_qn + k0 // 8, mask_q, EVEN)
+        grp = (k0 + w2 * 8) // GROUP
+        acc_g += _word_dot(qg, xm, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
+        acc_u += _word_dot(qu, xm, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q, HAS_ZEROS,
+                           EVEN)  # fmt: skip
+    gate = tl.sum(acc_g, axis=0) * _TWO_49  # [BN]
+    up = tl.sum(acc_u, axis=0) * _TWO_49
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + slot * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit(do_not_specialize=["unit"])
+def _token_down_kernel(
+    act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    # out[n] = sum_k tw[k] * (act[k] @ w2[ids[k], n]), n < N = D, over K = I; float32 until the store.
+    # Word axis c = (slot - s0) * WI + word: lane c reads slot s0 + c // WI of each slot group s0.
+    pdl_enter(USE_PDL)
+    WI: tl.constexpr = BLOCK_K // 8
+    BW: tl.constexpr = SLOTS * WI
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c2 = tl.arange(0, BW)[:, None]  # [BW, 1]
+    w2 = c2 % WI
+    n2 = offs_n[None, :]  # [1, BN]
+    acc = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    for s0 in range(0, TOP_K, SLOTS):
+        slot2 = s0 + c2 // WI  # [BW, 1]
+        expert = tl.load(ids_ptr + slot2).to(tl.int64)
+        q_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
+        s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
+        z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
+        a_ptrs = act_ptr + slot2 * K + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
+        part = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_x = k0 // 8 + w2 < K // 8  # (both masks unused when EVEN)
+            mask_q = (n2 < N) & mask_x
+            xm, xsum = _x_planes(masked_load(a_ptrs + k0, mask_x, EVEN).to(tl.float32))
+            q = masked_load(q_ptrs + k0 // 8, mask_q, EVEN)
+            grp = (k0 + w2 * 8) // GROUP
+            part += _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
+        acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
+    out = tl.sum(acc, axis=0) * _TWO_49  # [BN]
+    tl.store(out_ptr + offs_n, to_16bit(out, out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
+    """Whether fused_moe_w4 runs this call here: one token, int4 experts, D <= MAX_HIDDEN."""
+    return (
+        ENABLED
+        and hidden.shape[0] == 1
+        and hidden.shape[1] <= MAX_HIDDEN
+        and w13.fmt == "int4"
+        and w2.fmt == "int4"
+        and hidden.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def _strides(qw: QuantizedWeight) -> tuple[int, ...]:
+    z = qw.zeros if qw.zeros is not None else qw.scales
+    return (
+        qw.qweight.stride(0),
+        qw.qweight.stride(1),
+        qw.scales.stride(0),
+        qw.scales.stride(1),
+        z.stride(0),
+        z.stride(1),
+    )
+
+
+def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenGemvConfig,
+                  act: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The first kernel: act [K, I] in hidden's dtype (into `act` when given)."""
+    d, top_k, inter = hidden.shape[1], ids.numel(), w13.out_features // 2
+    if act is None:
+        act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
+    up_k = min(cfg.up_k, triton.next_power_of_2(d))
+    z = w13.zeros if w13.zeros is not None else w13.scales
+    _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), top_k)](
+        hidden.reshape(-1), w13.qweight, w13.scales, z, act, ids.reshape(-1), inter, d, 1, *_strides(w13),
+        GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
+        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+    )  # fmt: skip
+    return act
+
+
+def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+               cfg: TokenGemvConfig, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The second kernel: [1, D] in act's dtype (into `out` when given)."""
+    d, inter, top_k = w2.out_features, w2.in_features, ids.numel()
+    if cfg.down_slots < 1 or cfg.down_slots & (cfg.down_slots - 1):
+        raise ValueError(f"moe_w4_token: down_slots must be a power of two, got {cfg.down_slots}")
+    slots = min(cfg.down_slots, top_k & -top_k)  # a power of two dividing top-k
+    if out is None:
+        out = torch.empty(1, d, dtype=act.dtype, device=act.device)
+    down_k = min(cfg.down_k, triton.next_power_of_2(inter))
+    z = w2.zeros if w2.zeros is not None else w2.scales
+    _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
+        act, w2.qweight, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2),
+        GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
+        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, num_warps=cfg.down_warps,
+        **pdl_launch(act.device),
+    )  # fmt: skip
+    return out
+
+
+def moe_w4_token(
+    hidden: torch.Tensor,  # [1, D] bf16 / fp16, unit stride
+    w13: QuantizedWeight,  # int4 [E, 2I, D]
+    w2: QuantizedWeight,  # int4 [E, D, I]
+    weights: torch.Tensor,  # [K] float32 contiguous
+    ids: torch.Tensor,  # [1, K] int
+    cfg: TokenGemvConfig | None = None,
+) -> torch.Tensor:  # [1, D] hidden.dtype
+    """quant_moe_ref's function for one token, in the two kernels above."""
+    cfg = cfg or default_config()
+    return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg)

@@ -1,0 +1,117 @@
+"""One token's int4 MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) vs quant_moe_ref.
+
+Fresh random words, scales (bf16 / fp16 / float32), zeros present or not, groups 32-128, top-k 2-8,
+hidden bf16 / fp16; tiles that divide D and I and tiles that leave tails (masked words and rows), the
+down kernel's slots grouped 1 to 8 a tile. CPU: TRITON_INTERPRET=1 on small shapes; CUDA: Qwen3-30B-A3B's
+experts (E=128, D=2048, I=768) too. Tolerance as tests/test_triton_moe_w4.py: ||out - ref|| / ||ref|| <=
+1e-2 (the same float32 weights; the differences are summation order and act's 16-bit rounding, which
+both round identically only up to that order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_triton_moe_w4 import CUDA, DEV, TOL, make_routing, random_qw, rel_err
+
+from ftransformers.kernels import triton_fused_moe_w4 as w4
+from ftransformers.kernels import triton_moe_w4_gemv as token
+from ftransformers.kernels.quant_formats import quant_moe_ref
+
+CFG = token.TokenGemvConfig
+
+
+def run(d: int, inter: int, e: int, k: int, dtype: torch.dtype, seed: int, cfg: CFG | None, **qkw) -> float:
+    gen = torch.Generator(DEV).manual_seed(seed)
+    hidden = torch.randn(1, d, generator=gen, device=DEV).to(dtype)
+    w13 = random_qw("int4", e, 2 * inter, d, gen, **qkw)
+    w2 = random_qw("int4", e, d, inter, gen, **qkw)
+    weights, ids = make_routing(1, e, k, gen)
+    out = token.moe_w4_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids, cfg)
+    assert out.shape == hidden.shape and out.dtype == dtype
+    return rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids))
+
+
+# (D, I, E, top-k, hidden dtype, quantization kwargs, config): the first rows the default tiles, then tails:
+# D and I not multiples of the K tiles nor of the rows a program
+SMALL = [
+    (128, 128, 8, 8, torch.bfloat16, {"group": 128, "zeros": True}, None),
+    (128, 128, 8, 8, torch.float16, {"group": 32}, None),
+    (256, 192, 16, 4, torch.bfloat16, {"group": 64, "zeros": True, "scale_dtype": torch.float16},
+     CFG(up_n=16, up_k=128, up_warps=2, down_n=4, down_k=128, down_slots=2, down_warps=2)),
+    (160, 96, 8, 2, torch.bfloat16, {"group": 32, "zeros": True, "scale_dtype": torch.float32},
+     CFG(up_n=8, up_k=64, up_warps=1, down_n=8, down_k=64, down_slots=1, down_warps=1)),
+    (200, 104, 8, 4, torch.float16, {"group": 8}, CFG(up_n=16, up_k=64, up_warps=1, down_n=16, down_k=32, down_slots=4,
+                                                       down_warps=1)),
+]  # fmt: skip
+QWEN = (2048, 768, 128, 8)
+
+
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: f"{c[0]}x{c[1]}-k{c[3]}-{c[5]}-{c[6] is not None}")
+def test_token_path_matches_reference(case: tuple) -> None:
+    d, inter, e, k, dtype, qkw, cfg = case
+    err = run(d, inter, e, k, dtype, seed=d + inter + k, cfg=cfg, **qkw)
+    assert err <= TOL, (case, err)
+
+
+@pytest.mark.skipif(not CUDA, reason="the real expert shapes are slow in the interpreter")
+@pytest.mark.parametrize("zeros", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "cfg", [None, CFG(up_n=4, up_k=1024, up_warps=4), CFG(up_n=2, up_k=2048, up_warps=2, down_n=8, down_k=1024)]
+)
+def test_token_path_qwen3_experts(zeros: bool, dtype: torch.dtype, cfg: CFG | None) -> None:
+    d, inter, e, k = QWEN
+    err = run(d, inter, e, k, dtype, seed=int(zeros) + 2, cfg=cfg, group=128, zeros=zeros)
+    assert err <= TOL, (zeros, dtype, cfg, err)
+
+
+def test_down_slot_groups_agree() -> None:
+    # The down kernel's word axis holds 1, 2, 4 or 8 slots a tile: the same sums in another order.
+    d, inter, e, k = (128, 64, 8, 8) if not CUDA else QWEN
+    errs = [
+        run(d, inter, e, k, torch.bfloat16, seed=5, cfg=CFG(down_slots=s), group=32, zeros=True) for s in (1, 2, 4, 8)
+    ]
+    assert max(errs) <= TOL, errs
+
+
+def test_fused_moe_w4_takes_one_int4_token_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fused_moe_w4 sends one int4 token here; two tokens, FP4 experts, hidden wider than MAX_HIDDEN or
+    # ENABLED off go elsewhere (and still match the reference).
+    calls: list[int] = []
+    real = token.moe_w4_token
+    monkeypatch.setattr(token, "moe_w4_token", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    gen = torch.Generator(DEV).manual_seed(9)
+    d, inter, e, k = 128, 128, 8, 4
+
+    def moe(t: int, fmt: str = "int4") -> float:
+        hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
+        w13, w2 = random_qw(fmt, e, 2 * inter, d, gen), random_qw(fmt, e, d, inter, gen)
+        weights, ids = make_routing(t, e, k, gen)
+        return rel_err(w4.fused_moe_w4(hidden, w13, w2, weights, ids), quant_moe_ref(hidden, w13, w2, weights, ids))
+
+    assert moe(1) <= TOL and calls == [1]
+    assert moe(2) <= TOL and moe(1, "mxfp4") <= TOL and calls == [1]
+    monkeypatch.setattr(token, "MAX_HIDDEN", d // 2)
+    assert moe(1) <= TOL and calls == [1]
+    monkeypatch.setattr(token, "MAX_HIDDEN", d)
+    monkeypatch.setattr(token, "ENABLED", False)
+    assert moe(1) <= TOL and calls == [1]
+
+
+def test_odd_top_k_and_bad_slot_groups() -> None:
+    # Top-3 and top-6 run with 1 and 2 slots a down tile (the largest power of two dividing top-k); a slot
+    # count that is not a power of two is refused.
+    for k, seed in ((3, 1), (6, 2)):
+        assert run(128, 64, 8, k, torch.bfloat16, seed=seed, cfg=None, group=32, zeros=True) <= TOL
+    gen = torch.Generator(DEV).manual_seed(1)
+    w13, w2 = random_qw("int4", 4, 128, 64, gen, group=32), random_qw("int4", 4, 64, 64, gen, group=32)
+    hidden = torch.randn(1, 64, device=DEV).to(torch.bfloat16)
+    weights, ids = torch.full((2,), 0.5, device=DEV), torch.tensor([[0, 1]], device=DEV)
+    with pytest.raises(ValueError, match="down_slots must be a power of two"):
+        token.moe_w4_token(hidden, w13, w2, weights, ids, dataclasses.replace(CFG(), down_slots=3))
