@@ -276,19 +276,15 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
     for fname in FORMATS.values():
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
-        # the engine's experts carry the scale_zero copy (made at load time); "token" rows read it, the
-        # "token-plain" row the scales and zeros
-        p13, p2 = (dataclasses.replace(w, scale_zero=tok.token_scale_zero(w, d)) for w in (w13, w2))
-        runs = [("pair", w4.default_w4_pair_config(1, d, "int4"), w13, w2),
-                ("token-plain", tok.TokenGemvConfig(), w13, w2)] + [("token", c, p13, p2) for c in token_configs()]  # fmt: skip
-        for name, cfg, a13, a2 in runs:
+        for cfg in [w4.default_w4_pair_config(1, d, "int4"), *token_configs()]:
             before = [set(compiled(f)) for f in fns]
-            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], a13, a2, *routes[0], cfg), ref)
+            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
             ks = new_kernels(fns, before)
+            name = "pair" if isinstance(cfg, w4.W4PairConfig) else "token"
             if not err < 1e-2:
                 log(f"token {fname} {name} FAILED rel err {err:.3g} {cfg}")
                 continue
-            call = lambda i, c=cfg, a=a13, b=a2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
+            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
             us = bm.graph_ms(call, REPS) * 1e3
             occ = []
             for kern in ks:
@@ -298,11 +294,11 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
             row = {"kind": "moe_t1_token", "format": fname, "path": name, "T": 1, "config": cfg.__dict__,
                    "bytes": nbytes, "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err, "kernels": occ}  # fmt: skip
             out["rows"].append(row)
-            log(f"token {fname:15s} {name:11s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor "
+            log(f"token {fname:15s} {name:5s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor "
                 f"{row['floor_us']:.2f} err {err:.1e} | "
                 f"{[(o['kernel'][7:14], o['regs'], o['spills'], o['programs_per_sm'], o['waves']) for o in occ]} | {cfg}")  # fmt: skip
-        token_parts(p13, p2, hiddens, routes, fname, bw_gbs, out, log)
-        del w13, w2, p13, p2
+        token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log)
+        del w13, w2
         torch.cuda.empty_cache()
 
 

@@ -71,39 +71,6 @@ def test_token_path_qwen3_experts(zeros: bool, dtype: torch.dtype, cfg: CFG | No
     assert err <= TOL, (zeros, dtype, cfg, err)
 
 
-@pytest.mark.parametrize(
-    "case", [c for c in SMALL if c[5].get("scale_dtype") != torch.float32], ids=lambda c: str(c[5])
-)
-def test_token_path_reads_the_scale_zero_copy(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    # QuantizedWeight.scale_zero (4 rows' scale and zero in one 16-byte load) gives the same float32 scale and
-    # zero as the scales and zeros: the same output, bit for bit; a zeroed copy shows the kernels read it.
-    d, inter, e, k, dtype, qkw, cfg = case
-    gen = torch.Generator(DEV).manual_seed(d + k)
-    hidden = torch.randn(1, d, generator=gen, device=DEV).to(dtype)
-    w13, w2 = random_qw("int4", e, 2 * inter, d, gen, **qkw), random_qw("int4", e, d, inter, gen, **qkw)
-    weights, ids = make_routing(1, e, k, gen)
-    weights = weights.reshape(-1).float().contiguous()
-    plain = token.moe_w4_token(hidden, w13, w2, weights, ids, cfg)
-    packed = [dataclasses.replace(w, scale_zero=token.token_scale_zero(w, d)) for w in (w13, w2)]
-    assert all(p.scale_zero is not None and p.scale_zero.shape[0] == e for p in packed)
-    assert torch.equal(token.moe_w4_token(hidden, *packed, weights, ids, cfg), plain)
-    monkeypatch.setattr(token, "USE_SCALE_ZERO", False)
-    assert torch.equal(token.moe_w4_token(hidden, *packed, weights, ids, cfg), plain)
-    monkeypatch.setattr(token, "USE_SCALE_ZERO", True)
-    broken = [dataclasses.replace(p, scale_zero=torch.zeros_like(p.scale_zero)) for p in packed]
-    assert not token.moe_w4_token(hidden, *broken, weights, ids, cfg).any()  # every scale read as 0
-
-
-def test_scale_zero_only_where_the_token_path_reads_it() -> None:
-    gen = torch.Generator(DEV).manual_seed(3)
-    w = random_qw("int4", 2, 64, 128, gen, group=32)
-    assert token.token_scale_zero(w, 128) is not None
-    assert token.token_scale_zero(w, token.MAX_HIDDEN + 1) is None  # the mma path's experts
-    assert token.token_scale_zero(dataclasses.replace(w, out_features=60), 128) is None  # up rows off a 4-row block
-    assert token.token_scale_zero(random_qw("int4", 2, 64, 128, gen, group=32, scale_dtype=torch.float32), 128) is None
-    assert token.token_scale_zero(random_qw("mxfp4", 2, 64, 128, gen), 128) is None
-
-
 def test_down_slot_groups_agree() -> None:
     # The down kernel's word axis holds 1, 2, 4 or 8 slots a tile: the same sums in another order.
     d, inter, e, k = (128, 64, 8, 8) if not CUDA else QWEN

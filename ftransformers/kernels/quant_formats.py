@@ -63,7 +63,7 @@ class QuantizedWeight:
     global_scale: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     block_n: int = 128  # fp8_block only: rows per scale
-    # int4 with 16-bit scales: the GEMV-form kernels' copy of scales and zeros, int32 [(E,) ceil(N / 4), K // G, 4]
+    # int4 [N, K] with 16-bit scales: the one-row GEMV's copy of scales and zeros, int32 [ceil(N / 4), K // G, 4]
     # of scale bits | zero << 16 (scale_zero_copy); None: the kernels read `scales` and `zeros`
     scale_zero: torch.Tensor | None = None
 
@@ -83,7 +83,6 @@ class QuantizedWeight:
             scales=self.scales[e],
             zeros=None if self.zeros is None else self.zeros[e],
             global_scale=None if self.global_scale is None else self.global_scale[e],
-            scale_zero=None if self.scale_zero is None else self.scale_zero[e],
         )
 
     def nbytes(self) -> int:
@@ -96,20 +95,20 @@ SCALE_ZERO_ROWS = 4  # rows of a scale_zero block: one 16-byte load
 
 
 def scale_zero_copy(qw: QuantizedWeight) -> torch.Tensor | None:
-    """QuantizedWeight.scale_zero for an int4 weight (2-D, or [E, N, K] stacked experts) with fp16 / bf16
-    scales (zero 8 where it has no zeros); None for any other weight. Element [(e,) n // 4, g, n % 4] holds
-    row n's group g: each group's 4 rows are 16 contiguous bytes, and a block of 4 rows' groups is
-    contiguous (a GEMV program's scales are one span of memory, as in `scales`). Four bytes a group and row,
-    beside the scales and zeros the other kernels read; padded rows past N hold zeros."""
-    if qw.fmt != "int4" or qw.qweight.dim() not in (2, 3) or qw.scales.dtype not in (torch.float16, torch.bfloat16):
+    """QuantizedWeight.scale_zero for a 2-D int4 weight with fp16 / bf16 scales (zero 8 where it has no
+    zeros); None for any other weight. Element [n // 4, g, n % 4] holds row n's group g: each group's 4 rows
+    are 16 contiguous bytes, and a block of 4 rows' groups is contiguous (a GEMV program's scales are one
+    span of memory, as in `scales`). Four bytes a group and row, beside the scales and zeros the other
+    kernels read; padded rows past N hold zeros."""
+    if qw.fmt != "int4" or qw.qweight.dim() != 2 or qw.scales.dtype not in (torch.float16, torch.bfloat16):
         return None
-    *lead, n, groups = qw.scales.shape
-    bits = qw.scales.view(torch.int16).to(torch.int32) & 0xFFFF  # [(E,) N, K // G]
+    n, groups = qw.scales.shape
+    bits = qw.scales.view(torch.int16).to(torch.int32) & 0xFFFF  # [N, K // G]
     zeros = torch.full_like(bits, 8) if qw.zeros is None else qw.zeros.to(torch.int32)
     r = SCALE_ZERO_ROWS
-    out = torch.zeros(*lead, -(-n // r) * r, groups, dtype=torch.int32, device=bits.device)
-    out[..., :n, :] = bits | (zeros << 16)
-    return out.view(*lead, -1, r, groups).transpose(-1, -2).contiguous()  # [(E,) ceil(N / 4), K // G, 4]
+    out = torch.zeros(-(-n // r) * r, groups, dtype=torch.int32, device=bits.device)
+    out[:n] = bits | (zeros << 16)
+    return out.view(-1, r, groups).transpose(1, 2).contiguous()  # [ceil(N / 4), K // G, 4]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

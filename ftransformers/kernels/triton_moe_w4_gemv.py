@@ -27,17 +27,13 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.quant_formats import SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
+from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
 from ftransformers.kernels.w4_tiles import masked_load
 
 # fused_moe_w4 takes one token's int4 MoE here (where the CUDA-core pair path took it before);
 # `set=triton_moe_w4_gemv.ENABLED=0` in benchmarks/ab_decode.py restores the pair path for an A/B.
 ENABLED = True
-# The kernels read an expert stack's scales and zeros from its QuantizedWeight.scale_zero copy where it has one
-# (`token_scale_zero`, made at load time on CUDA); `set=triton_moe_w4_gemv.USE_SCALE_ZERO=0` reads the
-# scales and zeros instead, for an A/B.
-USE_SCALE_ZERO = True
 MAX_HIDDEN = 4096  # wider experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
 
 _TWO_49: tl.constexpr = tl.constexpr(2.0**49)
@@ -93,11 +89,10 @@ def _x_planes(x):
 
 
 @triton.jit
-def _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
-              PACKED: tl.constexpr, SZ_ROWS: tl.constexpr, S_BF16: tl.constexpr):  # fmt: skip
+def _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr):
     # q [BW, BN] int32 words, xm / xsum from _x_planes -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j.
     # A nibble masked in place, read as float32, is the subnormal code * 16^e * 2^-149: one LOP3 and one
-    # FMA a weight. PACKED: s_ptrs point at each row's scale_zero entry of group 0 (scale bits | zero << 16).
+    # FMA a weight.
     h = q >> 12
     t = (q & 0xF).to(tl.float32, bitcast=True) * xm[0]
     t += (q & 0xF0).to(tl.float32, bitcast=True) * xm[1]
@@ -107,33 +102,23 @@ def _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, E
     t += (h & 0xF00).to(tl.float32, bitcast=True) * xm[5]
     t += (h & 0xF000).to(tl.float32, bitcast=True) * xm[6]
     t += (h & 0xF0000).to(tl.float32, bitcast=True) * xm[7]
-    if PACKED:
-        sz = masked_load(s_ptrs + grp * SZ_ROWS, mask, EVEN)
-        if S_BF16:
-            scale = (sz << 16).to(tl.float32, bitcast=True)
-        else:
-            scale = sz.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        zero = ((sz >> 16) & 0xFF).to(tl.float32)
+    scale = masked_load(s_ptrs + grp, mask, EVEN).to(tl.float32)
+    if HAS_ZEROS:
+        zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
     else:
-        scale = masked_load(s_ptrs + grp, mask, EVEN).to(tl.float32)
-        if HAS_ZEROS:
-            zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
-        else:
-            zero = 8.0
+        zero = 8.0
     return scale * t - (scale * zero) * xsum
 
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, sz_ptr, act_ptr, ids_ptr, N, K, unit,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_sze, stride_szb,
+    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, N, K, unit,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, PACKED: tl.constexpr = False, SZ_ROWS: tl.constexpr = 4, USE_PDL: tl.constexpr = False,
+    EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[slot, n] = silu(x @ w13[e, n]) * (x @ w13[e, N + n]), e = ids[slot], n < N = I, rounded to x's
-    # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout. PACKED: the
-    # scales and zeros come from sz_ptr, QuantizedWeight.scale_zero [E, ceil(2N / SZ_ROWS), K / G, SZ_ROWS]
-    # (stride_szb = SZ_ROWS K / G; N % SZ_ROWS == 0, so the up rows start a block).
+    # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout.
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -143,13 +128,7 @@ def _token_gate_up_kernel(
     w2 = tl.arange(0, BW)[:, None]  # [BW, 1]
     n2 = offs_n[None, :]  # [1, BN]
     qg_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
-    S_BF16: tl.constexpr = s_ptr.dtype.element_ty == tl.bfloat16
-    if PACKED:
-        sg_ptrs = sz_ptr + expert * stride_sze + (n2 // SZ_ROWS) * stride_szb + n2 % SZ_ROWS
-        su_ptrs = sg_ptrs + (N // SZ_ROWS) * stride_szb
-    else:
-        sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
-        su_ptrs = sg_ptrs + N * stride_sn
+    sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
     zg_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
     x_ptrs = x_ptr + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
     acc_g = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
@@ -161,9 +140,9 @@ def _token_gate_up_kernel(
         qg = masked_load(qg_ptrs + k0 // 8, mask_q, EVEN)
         qu = masked_load(qg_ptrs + N * stride_qn + k0 // 8, mask_q, EVEN)
         grp = (k0 + w2 * 8) // GROUP
-        acc_g += _word_dot(qg, xm, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN, PACKED, SZ_ROWS, S_BF16)
-        acc_u += _word_dot(qu, xm, xsum, su_ptrs, zg_ptrs + N * stride_zn, grp, mask_q, HAS_ZEROS, EVEN, PACKED,
-                           SZ_ROWS, S_BF16)  # fmt: skip
+        acc_g += _word_dot(qg, xm, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
+        acc_u += _word_dot(qu, xm, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q, HAS_ZEROS,
+                           EVEN)  # fmt: skip
     gate = tl.sum(acc_g, axis=0) * _TWO_49  # [BN]
     up = tl.sum(acc_u, axis=0) * _TWO_49
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -172,11 +151,10 @@ def _token_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_down_kernel(
-    act_ptr, q_ptr, s_ptr, z_ptr, sz_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_sze, stride_szb,
+    act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr = False,
-    SZ_ROWS: tl.constexpr = 4, USE_PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[n] = sum_k tw[k] * (act[k] @ w2[ids[k], n]), n < N = D, over K = I; float32 until the store.
     # Word axis c = (slot - s0) * WI + word: lane c reads slot s0 + c // WI of each slot group s0.
@@ -193,10 +171,7 @@ def _token_down_kernel(
         slot2 = s0 + c2 // WI  # [BW, 1]
         expert = tl.load(ids_ptr + slot2).to(tl.int64)
         q_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
-        if PACKED:
-            s_ptrs = sz_ptr + expert * stride_sze + (n2 // SZ_ROWS) * stride_szb + n2 % SZ_ROWS
-        else:
-            s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
+        s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
         z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
         a_ptrs = act_ptr + slot2 * K + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
         part = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
@@ -206,8 +181,7 @@ def _token_down_kernel(
             xm, xsum = _x_planes(masked_load(a_ptrs + k0, mask_x, EVEN).to(tl.float32))
             q = masked_load(q_ptrs + k0 // 8, mask_q, EVEN)
             grp = (k0 + w2 * 8) // GROUP
-            part += _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, PACKED, SZ_ROWS,
-                              s_ptr.dtype.element_ty == tl.bfloat16)  # fmt: skip
+            part += _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
         acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
     out = tl.sum(acc, axis=0) * _TWO_49  # [BN]
     tl.store(out_ptr + offs_n, to_16bit(out, out_ptr.dtype.element_ty), mask=offs_n < N)
@@ -225,25 +199,16 @@ def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k
     )
 
 
-def _weight_args(qw: QuantizedWeight) -> tuple:
-    """qweight, scales, zeros (the scales stand in when absent), the scale_zero copy (the scales when not read:
-    USE_SCALE_ZERO off or no copy) and their strides, as the kernels take them; and whether the copy is read."""
+def _strides(qw: QuantizedWeight) -> tuple[int, ...]:
     z = qw.zeros if qw.zeros is not None else qw.scales
-    sz = qw.scale_zero if USE_SCALE_ZERO else None
-    if sz is not None:
-        assert sz.dim() == 4 and sz.shape[2:] == (qw.scales.shape[2], SCALE_ZERO_ROWS) and sz.is_contiguous()
-    s = qw.scales
-    strides = (qw.qweight.stride(0), qw.qweight.stride(1), s.stride(0), s.stride(1), z.stride(0), z.stride(1))
-    sz_strides = (sz.stride(0), sz.stride(1)) if sz is not None else (0, 0)
-    return (qw.qweight, s, z, s if sz is None else sz), strides + sz_strides, sz is not None
-
-
-def token_scale_zero(qw: QuantizedWeight, hidden_size: int) -> torch.Tensor | None:
-    """QuantizedWeight.scale_zero for stacked int4 experts this path serves (D <= MAX_HIDDEN, 16-bit scales, rows
-    a multiple of 2 * SCALE_ZERO_ROWS: w13's up rows start a block); None for the others, which never read it."""
-    if hidden_size > MAX_HIDDEN or qw.qweight.dim() != 3 or qw.out_features % (2 * SCALE_ZERO_ROWS):
-        return None
-    return scale_zero_copy(qw)
+    return (
+        qw.qweight.stride(0),
+        qw.qweight.stride(1),
+        qw.scales.stride(0),
+        qw.scales.stride(1),
+        z.stride(0),
+        z.stride(1),
+    )
 
 
 def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenGemvConfig,
@@ -253,12 +218,11 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     if act is None:
         act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_k = min(cfg.up_k, triton.next_power_of_2(d))
-    tensors, strides, packed = _weight_args(w13)
+    z = w13.zeros if w13.zeros is not None else w13.scales
     _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), top_k)](
-        hidden.reshape(-1), *tensors, act, ids.reshape(-1), inter, d, 1, *strides,
+        hidden.reshape(-1), w13.qweight, w13.scales, z, act, ids.reshape(-1), inter, d, 1, *_strides(w13),
         GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
-        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, PACKED=packed, SZ_ROWS=SCALE_ZERO_ROWS,
-        num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -273,12 +237,12 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     if out is None:
         out = torch.empty(1, d, dtype=act.dtype, device=act.device)
     down_k = min(cfg.down_k, triton.next_power_of_2(inter))
-    tensors, strides, packed = _weight_args(w2)
+    z = w2.zeros if w2.zeros is not None else w2.scales
     _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
-        act, *tensors, out, ids.reshape(-1), weights, d, inter, 1, *strides,
+        act, w2.qweight, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
-        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, PACKED=packed, SZ_ROWS=SCALE_ZERO_ROWS,
-        num_warps=cfg.down_warps, **pdl_launch(act.device),
+        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, num_warps=cfg.down_warps,
+        **pdl_launch(act.device),
     )  # fmt: skip
     return out
 

@@ -220,10 +220,6 @@ class KernelMoEMethod:
                 del moe._parameters[f"{which}_{spec.suffix}"]
             delattr(moe, f"{which}_quant_specs")
             out.append(qw)
-        if out[0].qweight.is_cuda and out[0].fmt == "int4":
-            from ftransformers.kernels.triton_moe_w4_gemv import token_scale_zero
-
-            out = [replace(qw, scale_zero=token_scale_zero(qw, moe.hidden_size)) for qw in out]
         moe.w13_qw, moe.w2_qw = out
 
     def _convert_experts(self, t: dict[str, torch.Tensor], n: int, k: int, shards: list[Shard], where: str) -> QuantizedWeight:
