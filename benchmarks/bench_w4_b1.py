@@ -254,18 +254,17 @@ def codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
 
 
 def token_configs() -> list[tok.TokenGemvConfig]:
-    """The GEMV-form kernels' tiles around the default: gate-up (rows, K tile, warps, words one tile ahead), then
-    down (rows, K tile a slot, slots a tile, warps, ahead), each with the other kernel's default."""
+    """The GEMV-form kernels' tiles around the default: gate-up (rows, K tile, warps), then down (rows, K tile a
+    slot, slots a tile, warps), each with the other kernel's default."""
     base = tok.TokenGemvConfig()
     r = lambda **kw: dataclasses.replace(base, **kw)
-    ups = [r(up_n=n, up_k=k, up_warps=w, up_pipe=p) for n, k, w, p in
-           [(8, 512, 2, True), (4, 1024, 4, False), (4, 1024, 4, True), (4, 512, 2, True), (8, 256, 1, True),
-            (8, 1024, 4, True), (4, 256, 1, True), (2, 512, 1, True)]]  # fmt: skip
-    downs = [r(down_n=n, down_k=k, down_slots=sl, down_warps=w, down_pipe=p) for n, k, sl, w, p in
-             [(4, 256, 8, 8, True), (8, 256, 8, 8, False), (8, 256, 8, 8, True), (4, 128, 8, 4, True),
-              (2, 128, 8, 4, True), (4, 256, 4, 8, True)]]  # fmt: skip
-    both = [r(up_pipe=True, down_pipe=True)]
-    return [base] + ups + downs + both + [base]
+    ups = [r(up_n=n, up_k=k, up_warps=w) for n, k, w in
+           [(4, 1024, 4), (4, 512, 2), (8, 256, 1), (4, 256, 1), (8, 1024, 4), (16, 512, 2), (8, 512, 4),
+            (4, 1024, 2)]]  # fmt: skip
+    downs = [r(down_n=n, down_k=k, down_slots=sl, down_warps=w) for n, k, sl, w in
+             [(2, 256, 8, 8), (8, 256, 8, 8), (4, 256, 8, 4), (4, 128, 8, 4), (2, 128, 8, 4), (8, 128, 8, 8),
+              (4, 256, 4, 8), (4, 512, 2, 8)]]  # fmt: skip
+    return [base] + ups + downs + [base]
 
 
 def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:

@@ -11,9 +11,8 @@ and one FMA a weight; rows are summed over the words once, at the end.
 - `_token_gate_up_kernel`, grid (I / BLOCK_N, TOP_K): program (row block, slot) forms its rows of gate and
   up for expert ids[slot] and stores act[slot, n] = silu(gate) * up rounded to hidden's dtype ([TOP_K, I]).
 - `_token_down_kernel`, grid (D / BLOCK_N,): the word axis runs over (slot, word of I) pairs, SLOTS slots
-  a tile (a power of two dividing top-k), so one program sums all TOP_K slots of its D rows: each lane's
-  slot is fixed, its partial is scaled by that slot's routing weight, and the lanes are summed at the end
-  (no partials, no tickets).
+  a tile (a power of two dividing top-k), so one program sums all TOP_K slots of its D rows: each lane's slot is fixed, its partial is
+  scaled by that slot's routing weight, and the lanes are summed at the end (no partials, no tickets).
 
 int4 with 16-bit or float32 scales, zeros present or not (symmetric: 8), bf16 / fp16 x; one token only.
 Invariants (as the dense GEMV): |x| < 2^28 and scales < 2^100. Graph-safe: no host syncs.
@@ -57,26 +56,18 @@ class TokenGemvConfig:
     down_k: int = 256
     down_slots: int = 8
     down_warps: int = 8
-    up_pipe: bool = False  # load each K tile's words one tile ahead
-    down_pipe: bool = False
 
 
 # The tiles moe_w4_token runs without a config (module names so that benchmarks/ab_decode.py's `set=` can
 # change them in a whole model): TokenGemvConfig's defaults, from the H100 sweeps in
 # benchmarks/results/w4_b1_token*_h100.log.
-UP_N, UP_K, UP_WARPS, UP_PIPE = (
-    TokenGemvConfig.up_n,
-    TokenGemvConfig.up_k,
-    TokenGemvConfig.up_warps,
-    TokenGemvConfig.up_pipe,
-)
+UP_N, UP_K, UP_WARPS = TokenGemvConfig.up_n, TokenGemvConfig.up_k, TokenGemvConfig.up_warps
 DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfig.down_k, TokenGemvConfig.down_slots,
                                           TokenGemvConfig.down_warps)  # fmt: skip
-DOWN_PIPE = TokenGemvConfig.down_pipe
 
 
 def default_config() -> TokenGemvConfig:
-    return TokenGemvConfig(UP_N, UP_K, UP_WARPS, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS, bool(UP_PIPE), bool(DOWN_PIPE))
+    return TokenGemvConfig(UP_N, UP_K, UP_WARPS, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS)
 
 
 @triton.jit
@@ -93,8 +84,7 @@ def _x_planes(x):
     x3, x7 = tl.split(o37)
     xsum = ((((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))) * _TWO_M49)[:, None]
     xm = ((x0 * _TWO_100)[:, None], (x1 * _TWO_96)[:, None], (x2 * _TWO_92)[:, None], (x3 * _TWO_88)[:, None],
-          (x4 * _TWO_84)[:, None], (x5 * _TWO_92)[:, None], (x6 * _TWO_88)[:, None],
-          (x7 * _TWO_84)[:, None])  # fmt: skip
+          (x4 * _TWO_84)[:, None], (x5 * _TWO_92)[:, None], (x6 * _TWO_88)[:, None], (x7 * _TWO_84)[:, None])  # fmt: skip
     return xm, xsum
 
 
@@ -125,11 +115,10 @@ def _token_gate_up_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, N, K, unit,
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, PIPE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[slot, n] = silu(x @ w13[e, n]) * (x @ w13[e, N + n]), e = ids[slot], n < N = I, rounded to x's
-    # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout. PIPE: each
-    # K tile's words are loaded one tile ahead (the next tile's round trip overlaps this tile's arithmetic).
+    # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout.
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -144,22 +133,12 @@ def _token_gate_up_kernel(
     x_ptrs = x_ptr + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
     acc_g = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    if PIPE:
-        qg_next = tl.load(qg_ptrs, mask=(n2 < N) & (w2 < K // 8), other=0)
-        qu_next = tl.load(qg_ptrs + N * stride_qn, mask=(n2 < N) & (w2 < K // 8), other=0)
     for k0 in range(0, K, BLOCK_K):
         mask_x = k0 // 8 + w2 < K // 8  # (both masks unused when EVEN)
         mask_q = (n2 < N) & mask_x
         xm, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32))
-        if PIPE:
-            qg = qg_next
-            qu = qu_next
-            ahead = (n2 < N) & ((k0 + BLOCK_K) // 8 + w2 < K // 8)
-            qg_next = tl.load(qg_ptrs + (k0 + BLOCK_K) // 8, mask=ahead, other=0)
-            qu_next = tl.load(qg_ptrs + N * stride_qn + (k0 + BLOCK_K) // 8, mask=ahead, other=0)
-        else:
-            qg = masked_load(qg_ptrs + k0 // 8, mask_q, EVEN)
-            qu = masked_load(qg_ptrs + N * stride_qn + k0 // 8, mask_q, EVEN)
+        qg = masked_load(qg_ptrs + k0 // 8, mask_q, EVEN)
+        qu = masked_load(qg_ptrs + N * stride_qn + k0 // 8, mask_q, EVEN)
         grp = (k0 + w2 * 8) // GROUP
         acc_g += _word_dot(qg, xm, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
         acc_u += _word_dot(qu, xm, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q, HAS_ZEROS,
@@ -175,8 +154,7 @@ def _token_down_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PIPE: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[n] = sum_k tw[k] * (act[k] @ w2[ids[k], n]), n < N = D, over K = I; float32 until the store.
     # Word axis c = (slot - s0) * WI + word: lane c reads slot s0 + c // WI of each slot group s0.
@@ -197,19 +175,11 @@ def _token_down_kernel(
         z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
         a_ptrs = act_ptr + slot2 * K + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
         part = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-        if PIPE:
-            q_next = tl.load(q_ptrs, mask=(n2 < N) & (w2 < K // 8), other=0)
         for k0 in range(0, K, BLOCK_K):
             mask_x = k0 // 8 + w2 < K // 8  # (both masks unused when EVEN)
             mask_q = (n2 < N) & mask_x
             xm, xsum = _x_planes(masked_load(a_ptrs + k0, mask_x, EVEN).to(tl.float32))
-            if PIPE:
-                q = q_next
-                q_next = tl.load(
-                    q_ptrs + (k0 + BLOCK_K) // 8, mask=(n2 < N) & ((k0 + BLOCK_K) // 8 + w2 < K // 8), other=0
-                )
-            else:
-                q = masked_load(q_ptrs + k0 // 8, mask_q, EVEN)
+            q = masked_load(q_ptrs + k0 // 8, mask_q, EVEN)
             grp = (k0 + w2 * 8) // GROUP
             part += _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
         acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
@@ -252,8 +222,7 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), top_k)](
         hidden.reshape(-1), w13.qweight, w13.scales, z, act, ids.reshape(-1), inter, d, 1, *_strides(w13),
         GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
-        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, PIPE=cfg.up_pipe, num_warps=cfg.up_warps,
-        **pdl_launch(hidden.device),
+        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -272,8 +241,7 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
         act, w2.qweight, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
-        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, PIPE=cfg.down_pipe,
-        num_warps=cfg.down_warps,
+        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, num_warps=cfg.down_warps,
         **pdl_launch(act.device),
     )  # fmt: skip
     return out
