@@ -276,7 +276,8 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
     for fname in FORMATS.values():
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
-        for cfg in [w4.default_w4_pair_config(1, d, "int4"), *token_configs()]:
+        # the pair path, the engine's tiles for these experts, then the sweep
+        for cfg in [w4.default_w4_pair_config(1, d, "int4"), tok.default_config(w13.zeros is not None), *token_configs()]:
             before = [set(compiled(f)) for f in fns]
             err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
             ks = new_kernels(fns, before)
@@ -303,9 +304,9 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
 
 
 def token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
-    """The default GEMV-form kernels alone: gate-up, down (on its act), both."""
+    """The engine's GEMV-form tiles for these experts, each kernel alone: gate-up, down (on its act)."""
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
-    cfg = tok.default_config()
+    cfg = tok.default_config(w13.zeros is not None)
     wts = [routes[i][0].reshape(-1).float().contiguous() for i in range(REPS)]
     acts = [torch.empty(k, inter, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
     outs = [torch.empty(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]

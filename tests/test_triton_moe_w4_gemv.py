@@ -104,6 +104,18 @@ def test_fused_moe_w4_takes_one_int4_token_here(monkeypatch: pytest.MonkeyPatch)
     assert moe(1) <= TOL and calls == [1]
 
 
+def test_default_tiles_by_zero_points() -> None:
+    # experts with zeros (AWQ) and without (GPTQ sym) get the tiles each was measured fastest with
+    asym, sym = token.default_config(True), token.default_config(False)
+    assert (asym.up_n, asym.up_k, asym.up_warps) == (token.UP_N, token.UP_K, token.UP_WARPS)
+    assert (
+        (sym.up_n, sym.up_k, sym.up_warps)
+        == (token.SYM_UP_N, token.SYM_UP_K, token.SYM_UP_WARPS)
+        != (asym.up_n, asym.up_k, asym.up_warps)
+    )
+    assert (asym.down_n, asym.down_k, asym.down_slots) == (sym.down_n, sym.down_k, sym.down_slots)
+
+
 def test_odd_top_k_and_bad_slot_groups() -> None:
     # Top-3 and top-6 run with 1 and 2 slots a down tile (the largest power of two dividing top-k); a slot
     # count that is not a power of two is refused.

@@ -59,15 +59,20 @@ class TokenGemvConfig:
 
 
 # The tiles moe_w4_token runs without a config (module names so that benchmarks/ab_decode.py's `set=` can
-# change them in a whole model): TokenGemvConfig's defaults, from the H100 sweeps in
-# benchmarks/results/w4_b1_token*_h100.log.
+# change them in a whole model): TokenGemvConfig's defaults for experts with zeros (AWQ, asymmetric); without
+# zeros (symmetric) 4 rows a program and 1024-wide K tiles over 4 warps. From the H100 sweeps of Qwen3-30B-A3B's
+# experts (benchmarks/results/w4_b1_token*_h100.log, three runs each): asym 16.1-16.2 us at the default against
+# 17.5 at the symmetric tiles; sym 15.9 against 17.6 at the default (the pair path: 18.0 / 17.0).
 UP_N, UP_K, UP_WARPS = TokenGemvConfig.up_n, TokenGemvConfig.up_k, TokenGemvConfig.up_warps
+SYM_UP_N, SYM_UP_K, SYM_UP_WARPS = 4, 1024, 4
 DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfig.down_k, TokenGemvConfig.down_slots,
                                           TokenGemvConfig.down_warps)  # fmt: skip
 
 
-def default_config() -> TokenGemvConfig:
-    return TokenGemvConfig(UP_N, UP_K, UP_WARPS, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS)
+def default_config(zeros: bool = True) -> TokenGemvConfig:
+    """The tiles for experts with (zeros) or without zero points."""
+    up = (UP_N, UP_K, UP_WARPS) if zeros else (SYM_UP_N, SYM_UP_K, SYM_UP_WARPS)
+    return TokenGemvConfig(*up, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS)
 
 
 @triton.jit
@@ -256,5 +261,5 @@ def moe_w4_token(
     cfg: TokenGemvConfig | None = None,
 ) -> torch.Tensor:  # [1, D] hidden.dtype
     """quant_moe_ref's function for one token, in the two kernels above."""
-    cfg = cfg or default_config()
+    cfg = cfg or default_config(w13.zeros is not None)
     return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg)
