@@ -11,8 +11,9 @@ and one FMA a weight; rows are summed over the words once, at the end.
 - `_token_gate_up_kernel`, grid (I / BLOCK_N, TOP_K): program (row block, slot) forms its rows of gate and
   up for expert ids[slot] and stores act[slot, n] = silu(gate) * up rounded to hidden's dtype ([TOP_K, I]).
 - `_token_down_kernel`, grid (D / BLOCK_N,): the word axis runs over (slot, word of I) pairs, SLOTS slots
-  a tile (a power of two dividing top-k), so one program sums all TOP_K slots of its D rows: each lane's slot is fixed, its partial is
-  scaled by that slot's routing weight, and the lanes are summed at the end (no partials, no tickets).
+  a tile (a power of two dividing top-k), so one program sums all TOP_K slots of its D rows: each lane's
+  slot is fixed, its partial is scaled by that slot's routing weight, and the lanes are summed at the end
+  (no partials, no tickets).
 
 int4 with 16-bit or float32 scales, zeros present or not (symmetric: 8), bf16 / fp16 x; one token only.
 Invariants (as the dense GEMV): |x| < 2^28 and scales < 2^100. Graph-safe: no host syncs.
@@ -89,7 +90,8 @@ def _x_planes(x):
     x3, x7 = tl.split(o37)
     xsum = ((((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))) * _TWO_M49)[:, None]
     xm = ((x0 * _TWO_100)[:, None], (x1 * _TWO_96)[:, None], (x2 * _TWO_92)[:, None], (x3 * _TWO_88)[:, None],
-          (x4 * _TWO_84)[:, None], (x5 * _TWO_92)[:, None], (x6 * _TWO_88)[:, None], (x7 * _TWO_84)[:, None])  # fmt: skip
+          (x4 * _TWO_84)[:, None], (x5 * _TWO_92)[:, None], (x6 * _TWO_88)[:, None],
+          (x7 * _TWO_84)[:, None])  # fmt: skip
     return xm, xsum
 
 
