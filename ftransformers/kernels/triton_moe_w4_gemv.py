@@ -30,6 +30,7 @@ import triton.language as tl
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
+from ftransformers.kernels.triton_w4a16 import _TWO_49, _TWO_M49
 from ftransformers.kernels.w4_tiles import masked_load
 
 # fused_moe_w4 takes one token's int4 MoE here (where the CUDA-core pair path took it before);
@@ -37,8 +38,6 @@ from ftransformers.kernels.w4_tiles import masked_load
 ENABLED = True
 MAX_HIDDEN = 4096  # wider experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
 
-_TWO_49: tl.constexpr = tl.constexpr(2.0**49)
-_TWO_M49: tl.constexpr = tl.constexpr(2.0**-49)
 _TWO_100: tl.constexpr = tl.constexpr(2.0**100)
 _TWO_96: tl.constexpr = tl.constexpr(2.0**96)
 _TWO_92: tl.constexpr = tl.constexpr(2.0**92)
@@ -96,6 +95,15 @@ def _x_planes(x):
 
 
 @triton.jit
+def _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    # One K tile from k0: _x_planes of its activations (x_ptrs [BW, 8]), each word's group [BW, 1] and the
+    # words' mask [BW, BN] (words past K, rows past N; the masks are not applied when EVEN).
+    mask_x = k0 // 8 + w2 < K // 8
+    xm, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32))
+    return xm, xsum, (k0 + w2 * 8) // GROUP, (n2 < N) & mask_x
+
+
+@triton.jit
 def _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr):
     # q [BW, BN] int32 words, xm / xsum from _x_planes -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j.
     # A nibble masked in place, read as float32, is the subnormal code * 16^e * 2^-149: one LOP3 and one
@@ -141,12 +149,9 @@ def _token_gate_up_kernel(
     acc_g = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        mask_x = k0 // 8 + w2 < K // 8  # (both masks unused when EVEN)
-        mask_q = (n2 < N) & mask_x
-        xm, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32))
+        xm, xsum, grp, mask_q = _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP, EVEN)
         qg = masked_load(qg_ptrs + k0 // 8, mask_q, EVEN)
         qu = masked_load(qg_ptrs + N * stride_qn + k0 // 8, mask_q, EVEN)
-        grp = (k0 + w2 * 8) // GROUP
         acc_g += _word_dot(qg, xm, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
         acc_u += _word_dot(qu, xm, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q, HAS_ZEROS,
                            EVEN)  # fmt: skip
@@ -183,11 +188,8 @@ def _token_down_kernel(
         a_ptrs = act_ptr + slot2 * K + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
         part = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            mask_x = k0 // 8 + w2 < K // 8  # (both masks unused when EVEN)
-            mask_q = (n2 < N) & mask_x
-            xm, xsum = _x_planes(masked_load(a_ptrs + k0, mask_x, EVEN).to(tl.float32))
+            xm, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN)
             q = masked_load(q_ptrs + k0 // 8, mask_q, EVEN)
-            grp = (k0 + w2 * 8) // GROUP
             part += _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
         acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
     out = tl.sum(acc, axis=0) * _TWO_49  # [BN]
