@@ -127,3 +127,9 @@ def test_odd_top_k_and_bad_slot_groups() -> None:
     weights, ids = torch.full((2,), 0.5, device=DEV), torch.tensor([[0, 1]], device=DEV)
     with pytest.raises(ValueError, match="down_slots must be a power of two"):
         token.moe_w4_token(hidden, w13, w2, weights, ids, dataclasses.replace(CFG(), down_slots=3))
+    # a TokenGemvConfig forces this path: two tokens or FP4 experts get a clear error, not a wrong answer
+    with pytest.raises(ValueError, match="one token of int4 experts, got 2 tokens"):
+        w4.fused_moe_w4(hidden.expand(2, -1).contiguous(), w13, w2, weights.expand(2, -1), ids.expand(2, -1), CFG())
+    fp4 = random_qw("mxfp4", 4, 64, 64, gen)
+    with pytest.raises(ValueError, match="experts int4 / mxfp4"):
+        token.moe_w4_token(hidden, w13, fp4, weights, ids)

@@ -265,5 +265,8 @@ def moe_w4_token(
     cfg: TokenGemvConfig | None = None,
 ) -> torch.Tensor:  # [1, D] hidden.dtype
     """quant_moe_ref's function for one token, in the two kernels above."""
+    if hidden.shape[0] != 1 or w13.fmt != "int4" or w2.fmt != "int4":
+        raise ValueError(f"moe_w4_token: one token of int4 experts, got {hidden.shape[0]} tokens, "
+                         f"experts {w13.fmt} / {w2.fmt}")  # fmt: skip
     cfg = cfg or default_config(w13.zeros is not None)
     return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg)
