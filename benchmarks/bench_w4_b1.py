@@ -135,6 +135,52 @@ def pair_inputs(fname: str, reps: int) -> tuple[Any, Any, list[torch.Tensor], li
     return w13, w2, hiddens, routes, quant_moe_ref(hiddens[0], w13, w2, *routes[0])
 
 
+def time_parts(parts: dict[str, tuple[Any, float]], kind: str, tag: str, fname: str, bw_gbs: float,
+               out: dict[str, Any], log, **extra: Any) -> None:  # fmt: skip
+    """Each {name: (call(i), bytes)} timed alone as a CUDA graph of REPS calls: a row of `kind` and a log line
+    (share of copy and floor where it moves bytes)."""
+    for name, (call, nbytes) in parts.items():
+        us = bm.graph_ms(call, REPS) * 1e3
+        floor = nbytes / bw_gbs / 1e3
+        out["rows"].append({"kind": kind, "format": fname, "part": name, "T": 1, "bytes": nbytes, "us": us,
+                            "floor_us": floor, **extra})  # fmt: skip
+        pct = f"{100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor {floor:.2f}" if nbytes else ""
+        log(f"{tag} {fname:15s} {name:8s} {us:6.2f} us {pct}")
+
+
+def t1_row(kind: str, tag: str, fname: str, path: str, cfg: Any, nbytes: float, us: float, err: float, bw_gbs: float,
+           out: dict[str, Any], log, note: str = "", **extra: Any) -> None:  # fmt: skip
+    """One timed one-token MoE path: a row of `kind` and a log line with its share of copy and floor."""
+    floor = nbytes / bw_gbs / 1e3
+    out["rows"].append({"kind": kind, "format": fname, "path": path, "T": 1, "config": cfg.__dict__, "bytes": nbytes,
+                        "floor_us": floor, "us": us, "rel_err": err, **extra})  # fmt: skip
+    log(f"{tag} {fname:15s} {path:5s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor {floor:.2f} "
+        f"err {err:.1e}{note} | {cfg}")  # fmt: skip
+
+
+def checked_moe_us(cfg: Any, w13, w2, hiddens, routes, ref) -> tuple[float, float | None]:
+    """fused_moe_w4 at one token with `cfg`: its relative error against `ref` (the first routing), and its time
+    per call over the REPS routings (None when the error is not under 1e-2)."""
+    err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
+    if not err < 1e-2:
+        return err, None
+    call = lambda i: w4.fused_moe_w4(hiddens[i], w13, w2, *routes[i], cfg)
+    return err, bm.graph_ms(call, REPS) * 1e3
+
+
+def checked_with_occupancy(cfg: Any, fns: list[Any], grids: tuple[int, int], w13, w2, hiddens, routes,
+                           ref) -> tuple[float, float | None, list[dict[str, Any]]]:  # fmt: skip
+    """checked_moe_us, and the occupancy of the kernels of `fns` (gate-up, down) it compiled, at `grids`
+    (gate-up's programs, down's programs); no occupancy for kernels compiled by an earlier config."""
+    before = [set(compiled(f)) for f in fns]
+    err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
+    occ = []
+    for kern in new_kernels(fns, before):
+        name = kern.name if hasattr(kern, "name") else kern.metadata.name
+        occ.append({"kernel": name, **occupancy(kern, grids[0] if "gate_up" in name else grids[1])})
+    return err, us, occ
+
+
 def bench_pair(out: dict[str, Any], bw_gbs: float, log) -> None:
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
     fns = [w4._pair_gate_up_w4_kernel, w4._pair_down_sum_w4_kernel]
@@ -142,21 +188,11 @@ def bench_pair(out: dict[str, Any], bw_gbs: float, log) -> None:
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
         for cfg in pair_configs():
-            before = [set(compiled(f)) for f in fns]
-            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
-            ks = new_kernels(fns, before)
-            if not err < 1e-2:
+            grids = (k * triton.cdiv(inter, cfg.up_n), cfg.down_split * triton.cdiv(d, cfg.down_n))
+            err, us, occ = checked_with_occupancy(cfg, fns, grids, w13, w2, hiddens, routes, ref)
+            if us is None:
                 log(f"pair {fname} FAILED rel err {err:.3g} {cfg}")
                 continue
-            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
-            us = bm.graph_ms(call, REPS) * 1e3
-            occ = []
-            for kern in ks:
-                up = kern.name if hasattr(kern, "name") else kern.metadata.name
-                grid = (
-                    k * triton.cdiv(inter, cfg.up_n) if "gate_up" in up else cfg.down_split * triton.cdiv(d, cfg.down_n)
-                )
-                occ.append({"kernel": up, **occupancy(kern, grid)})
             row = {"kind": "moe_pair", "format": fname, "T": 1, "config": cfg.__dict__, "bytes": nbytes,
                    "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err, "kernels": occ}  # fmt: skip
             out["rows"].append(row)
@@ -187,13 +223,7 @@ def bench_parts(out: dict[str, Any], bw_gbs: float, log) -> None:
             "down": (lambda i: w4.pair_down(acts[i], hiddens[i], w2, *routes[i], cfg), down_bytes),  # noqa: B023
             "pair": (lambda i: w4.fused_moe_w4(hiddens[i], w13, w2, *routes[i], cfg), up_bytes + down_bytes),  # noqa: B023
         }
-        for name, (call, nbytes) in parts.items():
-            us = bm.graph_ms(call, REPS) * 1e3
-            row = {"kind": "pair_part", "format": fname, "part": name, "T": 1, "bytes": nbytes, "us": us,
-                   "floor_us": nbytes / bw_gbs / 1e3, "rel_err": err}  # fmt: skip
-            out["rows"].append(row)
-            log(f"part {fname:15s} {name:8s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% "
-                f"floor {row['floor_us']:.2f}")  # fmt: skip
+        time_parts(parts, "pair_part", "part", fname, bw_gbs, out, log, rel_err=err)
         torch.cuda.empty_cache()
 
 
@@ -212,18 +242,12 @@ def bench_codes(out: dict[str, Any], bw_gbs: float, log) -> None:
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
         for cfg in [w4.default_w4_pair_config(1, d, "int4"), *CODES_CONFIGS]:
-            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
+            err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
             name = "pair" if isinstance(cfg, w4.W4PairConfig) else "codes"
-            if not err < 1e-2:
+            if us is None:
                 log(f"t1 {fname} {name} FAILED rel err {err:.3g} {cfg}")
                 continue
-            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
-            us = bm.graph_ms(call, REPS) * 1e3
-            row = {"kind": "moe_t1_path", "format": fname, "path": name, "T": 1, "config": cfg.__dict__,
-                   "bytes": nbytes, "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err}  # fmt: skip
-            out["rows"].append(row)
-            log(f"t1 {fname:15s} {name:5s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor "
-                f"{row['floor_us']:.2f} err {err:.1e} | {cfg}")  # fmt: skip
+            t1_row("moe_t1_path", "t1", fname, name, cfg, nbytes, us, err, bw_gbs, out, log)
         codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log)
         del w13, w2
         torch.cuda.empty_cache()
@@ -245,12 +269,7 @@ def codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
                  k * w2.nbytes() / e),
         "sum": (lambda i: moe_sum(ys[i].view(1, k, d), torch.empty_like(hiddens[i])), 0),
     }  # fmt: skip
-    for name, (call, nbytes) in parts.items():
-        us = bm.graph_ms(call, REPS) * 1e3
-        out["rows"].append({"kind": "codes_part", "format": fname, "part": name, "T": 1, "bytes": nbytes, "us": us,
-                            "floor_us": nbytes / bw_gbs / 1e3})  # fmt: skip
-        pct = f"{100 * nbytes / (us * 1e3) / bw_gbs:4.0f}%" if nbytes else ""
-        log(f"codes-part {fname:15s} {name:8s} {us:6.2f} us {pct}")
+    time_parts(parts, "codes_part", "codes-part", fname, bw_gbs, out, log)
 
 
 def token_configs() -> list[tok.TokenGemvConfig]:
@@ -277,27 +296,17 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
         # the pair path, the engine's tiles for these experts, then the sweep
-        for cfg in [w4.default_w4_pair_config(1, d, "int4"), tok.default_config(w13.zeros is not None), *token_configs()]:
-            before = [set(compiled(f)) for f in fns]
-            err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
-            ks = new_kernels(fns, before)
+        engine = tok.default_config(w13.zeros is not None)
+        for cfg in [w4.default_w4_pair_config(1, d, "int4"), engine, *token_configs()]:
+            grids = (k * triton.cdiv(inter, cfg.up_n), triton.cdiv(d, cfg.down_n))
+            err, us, occ = checked_with_occupancy(cfg, fns, grids, w13, w2, hiddens, routes, ref)
             name = "pair" if isinstance(cfg, w4.W4PairConfig) else "token"
-            if not err < 1e-2:
+            if us is None:
                 log(f"token {fname} {name} FAILED rel err {err:.3g} {cfg}")
                 continue
-            call = lambda i, c=cfg, a=w13, b=w2, h=hiddens, r=routes: w4.fused_moe_w4(h[i], a, b, *r[i], c)
-            us = bm.graph_ms(call, REPS) * 1e3
-            occ = []
-            for kern in ks:
-                kname = kern.name if hasattr(kern, "name") else kern.metadata.name
-                grid = k * triton.cdiv(inter, cfg.up_n) if "gate_up" in kname else triton.cdiv(d, cfg.down_n)
-                occ.append({"kernel": kname, **occupancy(kern, grid)})
-            row = {"kind": "moe_t1_token", "format": fname, "path": name, "T": 1, "config": cfg.__dict__,
-                   "bytes": nbytes, "floor_us": nbytes / bw_gbs / 1e3, "us": us, "rel_err": err, "kernels": occ}  # fmt: skip
-            out["rows"].append(row)
-            log(f"token {fname:15s} {name:5s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% floor "
-                f"{row['floor_us']:.2f} err {err:.1e} | "
-                f"{[(o['kernel'][7:14], o['regs'], o['spills'], o['programs_per_sm'], o['waves']) for o in occ]} | {cfg}")  # fmt: skip
+            regs = [(o["kernel"][7:14], o["regs"], o["spills"], o["programs_per_sm"], o["waves"]) for o in occ]
+            t1_row("moe_t1_token", "token", fname, name, cfg, nbytes, us, err, bw_gbs, out, log, f" | {regs}",
+                   kernels=occ)  # fmt: skip
         token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log)
         del w13, w2
         torch.cuda.empty_cache()
@@ -315,12 +324,7 @@ def token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
         "gate_up": (lambda i: tok.token_gate_up(hiddens[i], w13, routes[i][1], cfg, acts[i]), up_bytes),
         "down": (lambda i: tok.token_down(acts[i], w2, wts[i], routes[i][1], cfg, outs[i]), down_bytes),
     }
-    for name, (call, nbytes) in parts.items():
-        us = bm.graph_ms(call, REPS) * 1e3
-        out["rows"].append({"kind": "token_part", "format": fname, "part": name, "T": 1, "bytes": nbytes, "us": us,
-                            "floor_us": nbytes / bw_gbs / 1e3})  # fmt: skip
-        log(f"token-part {fname:15s} {name:8s} {us:6.2f} us {100 * nbytes / (us * 1e3) / bw_gbs:4.0f}% "
-            f"floor {nbytes / bw_gbs / 1e3:.2f}")  # fmt: skip
+    time_parts(parts, "token_part", "token-part", fname, bw_gbs, out, log)
 
 
 def main() -> None:
