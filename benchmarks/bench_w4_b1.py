@@ -46,15 +46,18 @@ FORMATS = {"int4-asym": "int4-g128-asym", "int4-sym": "int4-g128-sym"}  # bench_
 
 
 def gemv_configs(K: int) -> list[dict[str, int]]:
-    def c(bn: int, bk: int, warps: int, maxnreg: int = 0) -> dict[str, int]:
-        cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "num_warps": warps,
+    """The one-row GEMV's tiles: rows, K tile, warps, register cap, then two words a thread (WORDS=2)."""
+
+    def c(bn: int, bk: int, warps: int, maxnreg: int = 0, words: int = 1) -> dict[str, int]:
+        cfg = {"GEMV": 1, "BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "WORDS": words, "num_warps": warps,
                "num_stages": 2}  # fmt: skip
         return {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
 
-    cfgs = [c(4, 1024, 4), c(4, 2048, 4), c(2, 2048, 4), c(2, 1024, 2), c(4, 512, 2), c(8, 1024, 4, 96),
-            c(4, 1024, 4, 64), c(4, 1024, 4, 56), c(4, 1024, 4, 48), c(8, 2048, 8), c(2, 2048, 2)]  # fmt: skip
+    cfgs = [c(4, 1024, 4), c(4, 2048, 4), c(2, 2048, 4), c(4, 1024, 2), c(8, 2048, 8), c(4, 2048, 4, words=2),
+            c(4, 1024, 2, words=2), c(8, 2048, 4, words=2), c(2, 2048, 4, words=2), c(4, 4096, 8, words=2),
+            c(8, 4096, 8, words=2), c(2, 1024, 2, words=2)]  # fmt: skip
     if K >= 4096:
-        cfgs += [c(4, 4096, 8), c(2, 4096, 4)]
+        cfgs += [c(4, 4096, 8), c(2, 4096, 4), c(4, 4096, 4, words=2)]
     return cfgs
 
 
@@ -273,17 +276,20 @@ def codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
 
 
 def token_configs() -> list[tok.TokenGemvConfig]:
-    """The GEMV-form kernels' tiles around the default: gate-up (rows, K tile, warps), then down (rows, K tile a
-    slot, slots a tile, warps), each with the other kernel's default."""
+    """The GEMV-form kernels' tiles around the default, two words a lane (int64 loads) against one: gate-up
+    (rows, K tile, warps, words), then down (rows, K tile a slot, slots a tile, warps, words), each with the
+    other kernel's default; then both kernels on two words."""
     base = tok.TokenGemvConfig()
     r = lambda **kw: dataclasses.replace(base, **kw)
-    ups = [r(up_n=n, up_k=k, up_warps=w) for n, k, w in
-           [(4, 1024, 4), (4, 512, 2), (8, 256, 1), (4, 256, 1), (8, 1024, 4), (16, 512, 2), (8, 512, 4),
-            (4, 1024, 2)]]  # fmt: skip
-    downs = [r(down_n=n, down_k=k, down_slots=sl, down_warps=w) for n, k, sl, w in
-             [(2, 256, 8, 8), (8, 256, 8, 8), (4, 256, 8, 4), (4, 128, 8, 4), (2, 128, 8, 4), (8, 128, 8, 8),
-              (4, 256, 4, 8), (4, 512, 2, 8)]]  # fmt: skip
-    return [base] + ups + downs + [base]
+    ups = [r(up_n=n, up_k=k, up_warps=w, up_words=ws) for n, k, w, ws in
+           [(4, 1024, 4, 1), (8, 1024, 2, 2), (8, 512, 1, 2), (4, 2048, 4, 2), (4, 1024, 2, 2), (8, 2048, 4, 2),
+            (16, 1024, 2, 2), (8, 1024, 4, 2)]]  # fmt: skip
+    downs = [r(down_n=n, down_k=k, down_slots=sl, down_warps=w, down_words=ws) for n, k, sl, w, ws in
+             [(4, 256, 8, 4, 2), (2, 256, 8, 4, 2), (8, 256, 8, 4, 2), (4, 128, 8, 2, 2), (4, 256, 8, 8, 2),
+              (8, 256, 8, 8, 2), (4, 256, 4, 2, 2)]]  # fmt: skip
+    both = [r(up_k=1024, up_words=2, down_warps=4, down_words=2), r(up_k=512, up_warps=1, up_words=2, down_warps=4,
+                                                                    down_words=2)]  # fmt: skip
+    return [base] + ups + downs + both + [base]
 
 
 def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:

@@ -48,6 +48,12 @@ SMALL = [
      CFG(up_n=8, up_k=64, up_warps=1, down_n=8, down_k=64, down_slots=1, down_warps=1)),
     (200, 104, 8, 4, torch.float16, {"group": 8}, CFG(up_n=16, up_k=64, up_warps=1, down_n=16, down_k=32, down_slots=4,
                                                        down_warps=1)),
+    # two words a lane (int64 loads): whole tiles, then tails in D, I and the rows
+    (256, 128, 8, 8, torch.bfloat16, {"group": 128, "zeros": True}, CFG(up_k=256, up_words=2, down_k=128, down_words=2)),
+    (256, 192, 16, 4, torch.float16, {"group": 32, "scale_dtype": torch.float32},
+     CFG(up_n=4, up_k=128, up_warps=2, down_n=8, down_k=64, down_slots=2, down_warps=1, up_words=2, down_words=2)),
+    (224, 176, 8, 2, torch.bfloat16, {"group": 16, "zeros": True, "scale_dtype": torch.float16},
+     CFG(up_n=16, up_k=64, up_warps=1, down_n=16, down_k=128, down_slots=1, down_warps=2, up_words=2, down_words=2)),
 ]  # fmt: skip
 QWEN = (2048, 768, 128, 8)
 
@@ -63,7 +69,13 @@ def test_token_path_matches_reference(case: tuple) -> None:
 @pytest.mark.parametrize("zeros", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "cfg", [None, CFG(up_n=4, up_k=1024, up_warps=4), CFG(up_n=2, up_k=2048, up_warps=2, down_n=8, down_k=1024)]
+    "cfg",
+    [
+        None,
+        CFG(up_n=4, up_k=1024, up_warps=4),
+        CFG(up_n=2, up_k=2048, up_warps=2, down_n=8, down_k=1024),
+        CFG(up_k=1024, up_words=2, down_k=512, down_words=2),
+    ],
 )
 def test_token_path_qwen3_experts(zeros: bool, dtype: torch.dtype, cfg: CFG | None) -> None:
     d, inter, e, k = QWEN
@@ -78,6 +90,21 @@ def test_down_slot_groups_agree() -> None:
         run(d, inter, e, k, torch.bfloat16, seed=5, cfg=CFG(down_slots=s), group=32, zeros=True) for s in (1, 2, 4, 8)
     ]
     assert max(errs) <= TOL, errs
+
+
+def test_two_words_a_lane_only_where_the_layout_allows() -> None:
+    # The int64 view is taken for groups and K tiles of whole 16-element pairs on contiguous words; group 8,
+    # an odd word count or a sliced (misaligned) stack fall back to one word a lane and still match.
+    gen = torch.Generator(DEV).manual_seed(3)
+    qw = random_qw("int4", 4, 64, 128, gen, group=32)
+    q, words = token._words(qw, 2, 128)
+    assert words == 2 and q.dtype == torch.int64 and q.shape[-1] * 2 == qw.qweight.shape[-1]
+    assert token._words(qw, 1, 128)[1] == 1 and token._words(qw, 2, 8)[1] == 1
+    assert token._words(random_qw("int4", 4, 64, 128, gen, group=8), 2, 128)[1] == 1
+    sliced = dataclasses.replace(qw, qweight=qw.qweight[:, :, 1:3])
+    assert token._words(sliced, 2, 16)[1] == 1
+    wide = CFG(up_k=64, up_words=2, down_k=32, down_words=2)
+    assert run(128, 64, 8, 4, torch.bfloat16, seed=4, cfg=wide, group=8, zeros=True) <= TOL
 
 
 def test_fused_moe_w4_takes_one_int4_token_here(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,7 +47,9 @@ _TWO_84: tl.constexpr = tl.constexpr(2.0**84)
 
 @dataclass(frozen=True)
 class TokenGemvConfig:
-    """Rows a program and K tile (elements) of each kernel; down_slots slots share a down tile's word axis."""
+    """Rows a program and K tile (elements) of each kernel; down_slots slots share a down tile's word axis;
+    *_words: int4 words a lane loads at once for each row (1, or 2 as one 8-byte load where the layout allows,
+    see _words)."""
 
     up_n: int = 8
     up_k: int = 512
@@ -56,6 +58,8 @@ class TokenGemvConfig:
     down_k: int = 256
     down_slots: int = 8
     down_warps: int = 8
+    up_words: int = 1
+    down_words: int = 1
 
 
 # The tiles moe_w4_token runs without a config (module names so that benchmarks/ab_decode.py's `set=` can
@@ -67,12 +71,13 @@ UP_N, UP_K, UP_WARPS = TokenGemvConfig.up_n, TokenGemvConfig.up_k, TokenGemvConf
 SYM_UP_N, SYM_UP_K, SYM_UP_WARPS = 4, 1024, 4
 DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfig.down_k, TokenGemvConfig.down_slots,
                                           TokenGemvConfig.down_warps)  # fmt: skip
+UP_WORDS, DOWN_WORDS = TokenGemvConfig.up_words, TokenGemvConfig.down_words
 
 
 def default_config(zeros: bool = True) -> TokenGemvConfig:
     """The tiles for experts with (zeros) or without zero points."""
     up = (UP_N, UP_K, UP_WARPS) if zeros else (SYM_UP_N, SYM_UP_K, SYM_UP_WARPS)
-    return TokenGemvConfig(*up, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS)
+    return TokenGemvConfig(*up, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS, up_words=UP_WORDS, down_words=DOWN_WORDS)
 
 
 @triton.jit
@@ -95,19 +100,23 @@ def _x_planes(x):
 
 
 @triton.jit
-def _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP: tl.constexpr, EVEN: tl.constexpr):
-    # One K tile from k0: _x_planes of its activations (x_ptrs [BW, 8]), each word's group [BW, 1] and the
-    # words' mask [BW, BN] (words past K, rows past N; the masks are not applied when EVEN).
-    mask_x = k0 // 8 + w2 < K // 8
-    xm, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32))
-    return xm, xsum, (k0 + w2 * 8) // GROUP, (n2 < N) & mask_x
+def _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr):
+    # One K tile from k0: _x_planes of the activations of each of an element's WORDS words (x_ptrs [BW, 8] at
+    # an element's first word), each element's group [BW, 1] and the elements' mask [BW, BN] (elements past
+    # K, rows past N; the masks are not applied when EVEN). An element's words share one group.
+    mask_x = k0 // (8 * WORDS) + w2 < K // (8 * WORDS)
+    xa, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32))
+    xb = xa
+    if WORDS == 2:
+        xb, xsum_b = _x_planes(masked_load(x_ptrs + k0 + 8, mask_x, EVEN).to(tl.float32))
+        xsum += xsum_b
+    return xa, xb, xsum, (k0 + w2 * (8 * WORDS)) // GROUP, (n2 < N) & mask_x
 
 
 @triton.jit
-def _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr):
-    # q [BW, BN] int32 words, xm / xsum from _x_planes -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j.
-    # A nibble masked in place, read as float32, is the subnormal code * 16^e * 2^-149: one LOP3 and one
-    # FMA a weight.
+def _nibble_dot(q, xm):
+    # sum_j nibble_j(q) x_j 2^-49 for int32 words q: a nibble masked in place, read as float32, is the
+    # subnormal code * 16^e * 2^-149, one LOP3 and one FMA a weight.
     h = q >> 12
     t = (q & 0xF).to(tl.float32, bitcast=True) * xm[0]
     t += (q & 0xF0).to(tl.float32, bitcast=True) * xm[1]
@@ -117,6 +126,18 @@ def _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, E
     t += (h & 0xF00).to(tl.float32, bitcast=True) * xm[5]
     t += (h & 0xF000).to(tl.float32, bitcast=True) * xm[6]
     t += (h & 0xF0000).to(tl.float32, bitcast=True) * xm[7]
+    return t
+
+
+@triton.jit
+def _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
+              WORDS: tl.constexpr):  # fmt: skip
+    # q [BW, BN] elements (int32 words, or int64 pairs of words when WORDS == 2), xa / xb / xsum from _tile_x
+    # -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j over the element's weights.
+    if WORDS == 2:
+        t = _nibble_dot(q.to(tl.int32), xa) + _nibble_dot((q >> 32).to(tl.int32), xb)
+    else:
+        t = _nibble_dot(q, xa)
     scale = masked_load(s_ptrs + grp, mask, EVEN).to(tl.float32)
     if HAS_ZEROS:
         zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
@@ -130,12 +151,13 @@ def _token_gate_up_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, N, K, unit,
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
+    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[slot, n] = silu(x @ w13[e, n]) * (x @ w13[e, N + n]), e = ids[slot], n < N = I, rounded to x's
-    # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout.
+    # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout. WORDS == 2:
+    # q is the int64 view of the words (strides in int64 elements), one 8-byte element a lane and row.
     pdl_enter(USE_PDL)
-    BW: tl.constexpr = BLOCK_K // 8
+    BW: tl.constexpr = BLOCK_K // (8 * WORDS)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -145,16 +167,16 @@ def _token_gate_up_kernel(
     qg_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
     sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
     zg_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
-    x_ptrs = x_ptr + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
+    x_ptrs = x_ptr + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
     acc_g = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xm, xsum, grp, mask_q = _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP, EVEN)
-        qg = masked_load(qg_ptrs + k0 // 8, mask_q, EVEN)
-        qu = masked_load(qg_ptrs + N * stride_qn + k0 // 8, mask_q, EVEN)
-        acc_g += _word_dot(qg, xm, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
-        acc_u += _word_dot(qu, xm, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q, HAS_ZEROS,
-                           EVEN)  # fmt: skip
+        xa, xb, xsum, grp, mask_q = _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS)
+        qg = masked_load(qg_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
+        qu = masked_load(qg_ptrs + N * stride_qn + k0 // (8 * WORDS), mask_q, EVEN)
+        acc_g += _word_dot(qg, xa, xb, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS)
+        acc_u += _word_dot(qu, xa, xb, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q,
+                           HAS_ZEROS, EVEN, WORDS)  # fmt: skip
     gate = tl.sum(acc_g, axis=0) * _TWO_49  # [BN]
     up = tl.sum(acc_u, axis=0) * _TWO_49
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -166,12 +188,14 @@ def _token_down_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[n] = sum_k tw[k] * (act[k] @ w2[ids[k], n]), n < N = D, over K = I; float32 until the store.
-    # Word axis c = (slot - s0) * WI + word: lane c reads slot s0 + c // WI of each slot group s0.
+    # Word axis c = (slot - s0) * WI + element: lane c reads slot s0 + c // WI of each slot group s0. WORDS as
+    # in the gate-up kernel.
     pdl_enter(USE_PDL)
-    WI: tl.constexpr = BLOCK_K // 8
+    WI: tl.constexpr = BLOCK_K // (8 * WORDS)
     BW: tl.constexpr = SLOTS * WI
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,12 +209,12 @@ def _token_down_kernel(
         q_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
         s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
         z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
-        a_ptrs = act_ptr + slot2 * K + w2 * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]
+        a_ptrs = act_ptr + slot2 * K + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
         part = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            xm, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN)
-            q = masked_load(q_ptrs + k0 // 8, mask_q, EVEN)
-            part += _word_dot(q, xm, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN)
+            xa, xb, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS)
+            q = masked_load(q_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
+            part += _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS)
         acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
     out = tl.sum(acc, axis=0) * _TWO_49  # [BN]
     tl.store(out_ptr + offs_n, to_16bit(out, out_ptr.dtype.element_ty), mask=offs_n < N)
@@ -208,11 +232,23 @@ def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k
     )
 
 
-def _strides(qw: QuantizedWeight) -> tuple[int, ...]:
+def _words(qw: QuantizedWeight, want: int, block_k: int) -> tuple[torch.Tensor, int]:
+    """The experts' words as the kernels read them and the words a lane loads at once: the int64 view (two
+    words an element) when asked and possible (every K tile and group a whole number of 16-element pairs, the
+    words contiguous along K with even strides and an 8-byte aligned start); else the int32 words, one."""
+    q = qw.qweight
+    if (want == 2 and qw.group_size % 16 == 0 and qw.in_features % 16 == 0 and block_k % 16 == 0
+            and q.stride(-1) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 and q.data_ptr() % 8 == 0):  # fmt: skip
+        return q.view(torch.int64), 2
+    return q, 1
+
+
+def _strides(qw: QuantizedWeight, words: int) -> tuple[int, ...]:
+    # qweight's strides in the kernel's elements (words int32 words each)
     z = qw.zeros if qw.zeros is not None else qw.scales
     return (
-        qw.qweight.stride(0),
-        qw.qweight.stride(1),
+        qw.qweight.stride(0) // words,
+        qw.qweight.stride(1) // words,
         qw.scales.stride(0),
         qw.scales.stride(1),
         z.stride(0),
@@ -227,11 +263,13 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     if act is None:
         act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_k = min(cfg.up_k, triton.next_power_of_2(d))
+    q, words = _words(w13, cfg.up_words, up_k)
     z = w13.zeros if w13.zeros is not None else w13.scales
     _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), top_k)](
-        hidden.reshape(-1), w13.qweight, w13.scales, z, act, ids.reshape(-1), inter, d, 1, *_strides(w13),
+        hidden.reshape(-1), q, w13.scales, z, act, ids.reshape(-1), inter, d, 1, *_strides(w13, words),
         GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
-        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, num_warps=cfg.up_warps,
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -246,11 +284,12 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     if out is None:
         out = torch.empty(1, d, dtype=act.dtype, device=act.device)
     down_k = min(cfg.down_k, triton.next_power_of_2(inter))
+    q, words = _words(w2, cfg.down_words, down_k)
     z = w2.zeros if w2.zeros is not None else w2.scales
     _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
-        act, w2.qweight, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2),
+        act, q, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2, words),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
-        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, num_warps=cfg.down_warps,
+        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, num_warps=cfg.down_warps,
         **pdl_launch(act.device),
     )  # fmt: skip
     return out

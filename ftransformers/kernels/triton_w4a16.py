@@ -58,6 +58,9 @@ PRELOAD_FIRST_TILE = True
 # The GEMV reads a weight's scales and zeros from its QuantizedWeight.scale_zero copy where it has one
 # (`set=triton_w4a16.USE_SCALE_ZERO=0` reads the row-major scales and zeros instead, for an A/B)
 USE_SCALE_ZERO = True
+# int4 words a GEMV thread loads at once for each row (1, or 2 as one 8-byte load where the layout allows,
+# gemv_words); the default K tile keeps one load a thread and row: 1024 * GEMV_WORDS over 4 warps
+GEMV_WORDS = 1
 DECODE_MAX_M = 16
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -94,7 +97,7 @@ def _w4a16_gemv_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, PACKED: tl.constexpr = False, SZ_ROWS: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    WORDS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
     # along W only; a thread holds all N, M and J of its word column, so x (one 16-byte vector per word and
@@ -105,7 +108,11 @@ def _w4a16_gemv_kernel(
     # PACKED (int4, 16-bit scales): scales and zeros come from sz_ptr, QuantizedWeight.scale_zero's int32
     # [N / SZ_ROWS, K / G, SZ_ROWS] of scale bits | zero << 16 (stride_szg = SZ_ROWS K / G), so that a thread's
     # rows of a group are one vector load for each SZ_ROWS (instead of a scale and a zero load per row).
-    BW: tl.constexpr = BLOCK_K // 8
+    # WORDS == 2 (int4): q is the int64 view of the words (stride_qn in int64 elements); W runs over pairs of
+    # words, one 8-byte load a thread and row, with the pair's 16 activations in two 16-byte vectors and one
+    # scale (and zero) for both words (the group is a multiple of 16).
+    BW: tl.constexpr = BLOCK_K // (8 * WORDS)
+    KW = K // (8 * WORDS)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,12 +122,12 @@ def _w4a16_gemv_kernel(
     q_ptrs = q_ptr + n4 * stride_qn + w4 * unit  # [BW, BN, 1, 1]
     STEP: tl.constexpr = SPLIT_K * BLOCK_K
     if PRELOAD:
-        q_next = tl.load(q_ptrs + pid_k * BW, mask=mask_n4 & (pid_k * BW + w4 < K // 8), other=0)
+        q_next = tl.load(q_ptrs + pid_k * BW, mask=mask_n4 & (pid_k * BW + w4 < KW), other=0)
     pdl_enter(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     j4 = tl.arange(0, 8)[None, None, None, :]
     mask_m4 = offs_m[None, None, :, None] < M
-    x_ptrs = x_ptr + offs_m[None, None, :, None] * stride_xm + w4 * 8 + j4  # [BW, 1, BM, 8]
+    x_ptrs = x_ptr + offs_m[None, None, :, None] * stride_xm + w4 * (8 * WORDS) + j4  # [BW, 1, BM, 8]
     s_rows = s_ptr + n4 * stride_sn
     z_rows = z_ptr + n4 * stride_zn
     if FMT == 0:
@@ -136,16 +143,17 @@ def _w4a16_gemv_kernel(
             mask_q = mask_n4
             mask_x = mask_m4
         else:
-            mask_w4 = (k0 // 8 + w4) < K // 8
+            mask_w4 = (k0 // (8 * WORDS) + w4) < KW
             mask_q = mask_n4 & mask_w4
             mask_x = mask_m4 & mask_w4
         x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
         if PRELOAD:
             q = q_next
-            q_next = tl.load(q_ptrs + (k0 + STEP) // 8, mask=mask_n4 & ((k0 + STEP) // 8 + w4 < K // 8), other=0)
+            k_next = (k0 + STEP) // (8 * WORDS)
+            q_next = tl.load(q_ptrs + k_next, mask=mask_n4 & (k_next + w4 < KW), other=0)
         else:
-            q = tl.load(q_ptrs + k0 // 8, mask=mask_q, other=0)
-        grp = (k0 + w4 * 8) // GROUP
+            q = tl.load(q_ptrs + k0 // (8 * WORDS), mask=mask_q, other=0)
+        grp = (k0 + w4 * (8 * WORDS)) // GROUP
         if PACKED:
             sz_ptrs = sz_ptr + (n4 // SZ_ROWS) * stride_szg + grp * SZ_ROWS + n4 % SZ_ROWS  # [BW, BN, 1, 1]
             sz = tl.reshape(tl.load(sz_ptrs, mask=mask_q, other=0), [BW, BLOCK_N, 1])
@@ -158,9 +166,18 @@ def _w4a16_gemv_kernel(
         if FMT == 2:
             scale = scale * tl.reshape(gs, [1, BLOCK_N, 1])
         if FMT == 0:
-            d = (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)  # [BW, BN, 1, 8]
-            t = tl.sum((x * x_mul) * d, axis=3)  # [BW, BN, BM]: 2^-49 * sum_j x_j code_j
-            xsum = tl.sum(x, axis=3) * _TWO_M49  # [BW, 1, BM]
+            if WORDS == 2:
+                x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
+                qa = q.to(tl.int32)
+                qb = (q >> 32).to(tl.int32)
+                da = (tl.where(j4 < 5, qa, qa >> 12) & nib_mask).to(tl.float32, bitcast=True)  # [BW, BN, 1, 8]
+                db = (tl.where(j4 < 5, qb, qb >> 12) & nib_mask).to(tl.float32, bitcast=True)
+                t = tl.sum((x * x_mul) * da, axis=3) + tl.sum((x2 * x_mul) * db, axis=3)  # [BW, BN, BM]
+                xsum = (tl.sum(x, axis=3) + tl.sum(x2, axis=3)) * _TWO_M49  # [BW, 1, BM]
+            else:
+                d = (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)  # [BW, BN, 1, 8]
+                t = tl.sum((x * x_mul) * d, axis=3)  # [BW, BN, BM]: 2^-49 * sum_j x_j code_j
+                xsum = tl.sum(x, axis=3) * _TWO_M49  # [BW, 1, BM]
             if PACKED:
                 zero = ((sz >> 16) & 0xFF).to(tl.float32)
             elif HAS_ZEROS:
@@ -306,8 +323,9 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     if codes_cfg is not None:
         return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
-        return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": 1024,
-                "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}  # fmt: skip
+        words = GEMV_WORDS if fmt == "int4" else 1
+        return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4,
+                "BLOCK_K": 1024 * words, "SPLIT_K": 1, "WORDS": words, "num_warps": 4, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
         bn, bk = (64, 128) if large else (16, 256)
         return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": decode_split(N, K, bn, bk),
@@ -325,6 +343,17 @@ def gemv_scale_zero(qw: QuantizedWeight) -> torch.Tensor | None:
     if mma_path.takes(1, qw.out_features, qw.in_features, qw.zeros is not None):
         return None
     return scale_zero_copy(qw)
+
+
+def gemv_words(qw: QuantizedWeight, want: int, block_k: int) -> tuple[torch.Tensor, int]:
+    """The words as the GEMV reads them and the words a thread loads at once for each row: the int64 view
+    (two words an element) when asked and possible (int4, every K tile and group a whole number of 16-element
+    pairs, words contiguous with an even row stride and an 8-byte aligned start); else the int32 words, one."""
+    q = qw.qweight
+    if (want == 2 and qw.fmt == "int4" and qw.group_size % 16 == 0 and block_k % 16 == 0 and q.stride(1) == 1
+            and q.stride(0) % 2 == 0 and q.data_ptr() % 8 == 0):  # fmt: skip
+        return q.view(torch.int64), 2
+    return q, 1
 
 
 def _check(x: torch.Tensor, qw: QuantizedWeight) -> None:
@@ -400,9 +429,13 @@ def w4a16_linear(
         sz = qw.scale_zero if USE_SCALE_ZERO else None
         if sz is not None:
             assert qw.fmt == "int4" and sz.shape[1:] == (K // qw.group_size, SCALE_ZERO_ROWS) and sz.is_contiguous()
+        qv, words = gemv_words(qw, cfg.pop("WORDS", 1), cfg["BLOCK_K"])
+        args = (x, qv, *args[2:])
+        strides = (strides[0], qv.stride(0), *strides[2:])
         _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
             *args[:7], s if sz is None else sz, *args[7:], 1, *strides, 0 if sz is None else sz.stride(0),
-            **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, SZ_ROWS=SCALE_ZERO_ROWS, **pdl,
+            **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, SZ_ROWS=SCALE_ZERO_ROWS, WORDS=words,
+            **pdl,
         )  # fmt: skip
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
