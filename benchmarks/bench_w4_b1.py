@@ -276,20 +276,17 @@ def codes_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
 
 
 def token_configs() -> list[tok.TokenGemvConfig]:
-    """The GEMV-form kernels' tiles around the default, two words a lane (int64 loads) against one: gate-up
-    (rows, K tile, warps, words), then down (rows, K tile a slot, slots a tile, warps, words), each with the
-    other kernel's default; then both kernels on two words."""
+    """The GEMV-form kernels' tiles around the default (gate-up on two words a lane): gate-up (rows, K tile,
+    warps, words; first session 25's one-word default), then down (rows, K tile a slot, slots a tile, warps,
+    words), each with the other kernel's default."""
     base = tok.TokenGemvConfig()
     r = lambda **kw: dataclasses.replace(base, **kw)
     ups = [r(up_n=n, up_k=k, up_warps=w, up_words=ws) for n, k, w, ws in
-           [(4, 1024, 4, 1), (8, 1024, 2, 2), (8, 512, 1, 2), (4, 2048, 4, 2), (4, 1024, 2, 2), (8, 2048, 4, 2),
-            (16, 1024, 2, 2), (8, 1024, 4, 2)]]  # fmt: skip
+           [(8, 512, 2, 1), (4, 1024, 4, 1), (8, 1024, 2, 2), (2, 1024, 2, 2), (4, 1024, 1, 2), (4, 2048, 2, 2),
+            (4, 2048, 4, 2), (4, 1024, 4, 2)]]  # fmt: skip
     downs = [r(down_n=n, down_k=k, down_slots=sl, down_warps=w, down_words=ws) for n, k, sl, w, ws in
-             [(4, 256, 8, 4, 2), (2, 256, 8, 4, 2), (8, 256, 8, 4, 2), (4, 128, 8, 2, 2), (4, 256, 8, 8, 2),
-              (8, 256, 8, 8, 2), (4, 256, 4, 2, 2)]]  # fmt: skip
-    both = [r(up_k=1024, up_words=2, down_warps=4, down_words=2), r(up_k=512, up_warps=1, up_words=2, down_warps=4,
-                                                                    down_words=2)]  # fmt: skip
-    return [base] + ups + downs + both + [base]
+             [(2, 256, 8, 8, 1), (8, 256, 8, 8, 1), (4, 128, 8, 4, 1), (4, 256, 8, 4, 2), (2, 256, 8, 4, 2)]]  # fmt: skip
+    return [base] + ups + downs + [base]
 
 
 def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
@@ -302,7 +299,7 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
         # the pair path, the engine's tiles for these experts, then the sweep
-        engine = tok.default_config(w13.zeros is not None)
+        engine = tok.default_config()
         for cfg in [w4.default_w4_pair_config(1, d, "int4"), engine, *token_configs()]:
             grids = (k * triton.cdiv(inter, cfg.up_n), triton.cdiv(d, cfg.down_n))
             err, us, occ = checked_with_occupancy(cfg, fns, grids, w13, w2, hiddens, routes, ref)
@@ -321,7 +318,7 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
 def token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
     """The engine's GEMV-form tiles for these experts, each kernel alone: gate-up, down (on its act)."""
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
-    cfg = tok.default_config(w13.zeros is not None)
+    cfg = tok.default_config()
     wts = [routes[i][0].reshape(-1).float().contiguous() for i in range(REPS)]
     acts = [torch.empty(k, inter, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
     outs = [torch.empty(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]

@@ -143,7 +143,9 @@ def test_gemv_reads_the_scale_zero_copy(weight: tuple, monkeypatch: pytest.Monke
     assert rel_err(w4a16_linear(x, broken), quant_linear_ref(x, qw)) < 1e-5
 
 
-@pytest.mark.parametrize("group,zeros,packed", [(16, True, False), (32, False, True), (64, True, True), (128, True, False)])
+@pytest.mark.parametrize(
+    "group,zeros,packed", [(16, True, False), (32, False, True), (64, True, True), (128, True, False)]
+)
 @pytest.mark.parametrize("preload", [True, False])
 def test_gemv_two_words_a_thread(group: int, zeros: bool, packed: bool, preload: bool,
                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip

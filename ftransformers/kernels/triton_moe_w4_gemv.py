@@ -51,33 +51,38 @@ class TokenGemvConfig:
     *_words: int4 words a lane loads at once for each row (1, or 2 as one 8-byte load where the layout allows,
     see _words)."""
 
-    up_n: int = 8
-    up_k: int = 512
+    up_n: int = 4
+    up_k: int = 1024
     up_warps: int = 2
     down_n: int = 4
     down_k: int = 256
     down_slots: int = 8
     down_warps: int = 8
-    up_words: int = 1
+    up_words: int = 2
     down_words: int = 1
 
 
 # The tiles moe_w4_token runs without a config (module names so that benchmarks/ab_decode.py's `set=` can
-# change them in a whole model): TokenGemvConfig's defaults for experts with zeros (AWQ, asymmetric); without
-# zeros (symmetric) 4 rows a program and 1024-wide K tiles over 4 warps. From the H100 sweeps of Qwen3-30B-A3B's
-# experts (benchmarks/results/w4_b1_token*_h100.log, three runs each): asym 16.1-16.2 us at the default against
-# 17.5 at the symmetric tiles; sym 15.9 against 17.6 at the default (the pair path: 18.0 / 17.0).
-UP_N, UP_K, UP_WARPS = TokenGemvConfig.up_n, TokenGemvConfig.up_k, TokenGemvConfig.up_warps
-SYM_UP_N, SYM_UP_K, SYM_UP_WARPS = 4, 1024, 4
+# change them in a whole model): TokenGemvConfig's defaults, for experts with and without zero points. From the
+# H100 runs on Qwen3-30B-A3B's experts (benchmarks/results/ab_words{2,3}_30b_w4a16_h100.*, w4_b1_words_h100.*):
+# gate-up on two words a lane, 4 rows, 1024-wide K tiles over 2 warps (80 registers, 12 programs an SM) took
+# 367.6 us a step on the critical path against 445.6 for one word, 8 rows, 512 over 2 warps (168 registers, 6);
+# alone 14.7 / 14.9 us (asym / sym) against 16.1 / 15.9. The down kernel read slower on two words at every tile
+# tried (17.0-22.9 us alone against 16.1), so it keeps one.
+UP_N, UP_K, UP_WARPS, UP_WORDS = (
+    TokenGemvConfig.up_n,
+    TokenGemvConfig.up_k,
+    TokenGemvConfig.up_warps,
+    TokenGemvConfig.up_words,
+)
 DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfig.down_k, TokenGemvConfig.down_slots,
                                           TokenGemvConfig.down_warps)  # fmt: skip
-UP_WORDS, DOWN_WORDS = TokenGemvConfig.up_words, TokenGemvConfig.down_words
+DOWN_WORDS = TokenGemvConfig.down_words
 
 
-def default_config(zeros: bool = True) -> TokenGemvConfig:
-    """The tiles for experts with (zeros) or without zero points."""
-    up = (UP_N, UP_K, UP_WARPS) if zeros else (SYM_UP_N, SYM_UP_K, SYM_UP_WARPS)
-    return TokenGemvConfig(*up, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS, up_words=UP_WORDS, down_words=DOWN_WORDS)
+def default_config() -> TokenGemvConfig:
+    """The tiles moe_w4_token runs without a config (the module's names, which `set=` may have changed)."""
+    return TokenGemvConfig(UP_N, UP_K, UP_WARPS, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS, UP_WORDS, DOWN_WORDS)
 
 
 @triton.jit
@@ -307,5 +312,5 @@ def moe_w4_token(
     if hidden.shape[0] != 1 or w13.fmt != "int4" or w2.fmt != "int4":
         raise ValueError(f"moe_w4_token: one token of int4 experts, got {hidden.shape[0]} tokens, "
                          f"experts {w13.fmt} / {w2.fmt}")  # fmt: skip
-    cfg = cfg or default_config(w13.zeros is not None)
+    cfg = cfg or default_config()
     return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg)

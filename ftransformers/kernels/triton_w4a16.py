@@ -59,8 +59,14 @@ PRELOAD_FIRST_TILE = True
 # (`set=triton_w4a16.USE_SCALE_ZERO=0` reads the row-major scales and zeros instead, for an A/B)
 USE_SCALE_ZERO = True
 # int4 words a GEMV thread loads at once for each row (1, or 2 as one 8-byte load where the layout allows,
-# gemv_words); the default K tile keeps one load a thread and row: 1024 * GEMV_WORDS over 4 warps
-GEMV_WORDS = 1
+# gemv_words); the default K tile keeps one load a thread and row: 1024 * GEMV_WORDS over GEMV_WARPS warps.
+# GEMV_BLOCK_K (0: that default) sets the int4 K tile instead, up to K's next power of two. Two words: the
+# GEMVs of a Qwen3-30B-A3B W4A16 step took 381.9 us on its critical path against 433.3 (B=1), step 2.598
+# against 2.645 ms at B=2; Qwen3-8B 2.664 against 2.699 ms at B=1, 2.947 against 3.021 at B=2 (H100,
+# benchmarks/results/ab_words{2,3}_*_h100.*). A 4096-wide tile on K = 4096, or 2 warps: no faster.
+GEMV_WORDS = 2
+GEMV_BLOCK_K = 0
+GEMV_WARPS = 4
 DECODE_MAX_M = 16
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -311,8 +317,9 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt and its group size).
 
     From the H100 sweeps kept in benchmarks/results/w4a16_h100.json and w4a16_codes_sweep2_h100.json. Up
-    to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, one warp per 32 word
-    columns of a 1024-wide K tile, 4 output rows per program on small weights, 8 on large. int4 with 3
+    to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, int4 two words a thread
+    (GEMV_WORDS: one warp per 32 word pairs of a 2048-wide K tile; FP4 one word, 1024), 4 warps, 4 output rows
+    per program on small weights, 8 on large. int4 with 3
     to 16 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
     dot, split K), 1.0-2.4x the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile,
     narrow and deep on small weights (more programs), wide on large ones, K split where the column tiles
@@ -324,8 +331,9 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
         return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
         words = GEMV_WORDS if fmt == "int4" else 1
-        return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4,
-                "BLOCK_K": 1024 * words, "SPLIT_K": 1, "WORDS": words, "num_warps": 4, "num_stages": 2}  # fmt: skip
+        bk = min(GEMV_BLOCK_K, triton.next_power_of_2(K)) if GEMV_BLOCK_K and fmt == "int4" else 1024 * words
+        return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": bk,
+                "SPLIT_K": 1, "WORDS": words, "num_warps": GEMV_WARPS, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
         bn, bk = (64, 128) if large else (16, 256)
         return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": decode_split(N, K, bn, bk),
