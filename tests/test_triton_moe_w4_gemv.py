@@ -92,6 +92,24 @@ def test_down_slot_groups_agree() -> None:
     assert max(errs) <= TOL, errs
 
 
+@pytest.mark.parametrize(
+    "d,inter,cfg",
+    [
+        (128, 96, CFG(down_k=32, down_words=1)),  # three tiles, the last one masked
+        (96, 64, CFG(down_n=8, down_k=64, down_words=2)),  # one tile: nothing after the preloaded one
+        (80, 48, CFG(down_n=32, down_k=64, down_warps=2)),  # one tile, partly masked, rows past D
+    ],
+)
+def test_down_preload_matches(d: int, inter: int, cfg: CFG, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The down kernel with its routing and first K tile read ahead of the PDL wait (moe_w4_token's default)
+    # gives what the kernel without gives, and both match the reference.
+    errs = []
+    for preload in (True, False):
+        monkeypatch.setattr(token, "DOWN_PRELOAD", preload)
+        errs.append(run(d, inter, 8, 8, torch.bfloat16, seed=inter, cfg=cfg, group=16, zeros=preload))
+    assert max(errs) <= TOL, errs
+
+
 def test_two_words_a_lane_only_where_the_layout_allows() -> None:
     # The int64 view is taken for groups and K tiles of whole 16-element pairs on contiguous words; group 8,
     # an odd word count or a sliced (misaligned) stack fall back to one word a lane and still match.

@@ -78,6 +78,8 @@ UP_N, UP_K, UP_WARPS, UP_WORDS = (
 DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfig.down_k, TokenGemvConfig.down_slots,
                                           TokenGemvConfig.down_warps)  # fmt: skip
 DOWN_WORDS = TokenGemvConfig.down_words
+# moe_w4_token's down kernel reads the routing and its first K tile before the PDL wait (token_down's preload)
+DOWN_PRELOAD = True
 
 
 def default_config() -> TokenGemvConfig:
@@ -135,20 +137,37 @@ def _nibble_dot(q, xm):
 
 
 @triton.jit
-def _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
-              WORDS: tl.constexpr):  # fmt: skip
-    # q [BW, BN] elements (int32 words, or int64 pairs of words when WORDS == 2), xa / xb / xsum from _tile_x
-    # -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j over the element's weights.
+def _scaled_dot(q, xa, xb, xsum, scale, zero, WORDS: tl.constexpr):
+    # q [BW, BN] elements (int32 words, or int64 pairs of words when WORDS == 2), xa / xb / xsum from _tile_x,
+    # float32 scale and zero [BW, BN] -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j over the element.
     if WORDS == 2:
         t = _nibble_dot(q.to(tl.int32), xa) + _nibble_dot((q >> 32).to(tl.int32), xb)
     else:
         t = _nibble_dot(q, xa)
+    return scale * t - (scale * zero) * xsum
+
+
+@triton.jit
+def _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
+              WORDS: tl.constexpr):  # fmt: skip
+    # _scaled_dot with the elements' scales (and zeros; symmetric: 8) loaded from their rows at group grp
     scale = masked_load(s_ptrs + grp, mask, EVEN).to(tl.float32)
     if HAS_ZEROS:
         zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
     else:
         zero = 8.0
-    return scale * t - (scale * zero) * xsum
+    return _scaled_dot(q, xa, xb, xsum, scale, zero, WORDS)
+
+
+@triton.jit
+def _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, k_start, w2, n2, N, K, GROUP: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+    # part + the down kernel's K tiles from k_start for one slot group (pointers as in _token_down_kernel)
+    for k0 in range(k_start, K, BLOCK_K):
+        xa, xb, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS)
+        q = masked_load(q_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
+        part += _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS)
+    return part
 
 
 @triton.jit(do_not_specialize=["unit"])
@@ -194,12 +213,13 @@ def _token_down_kernel(
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[n] = sum_k tw[k] * (act[k] @ w2[ids[k], n]), n < N = D, over K = I; float32 until the store.
     # Word axis c = (slot - s0) * WI + element: lane c reads slot s0 + c // WI of each slot group s0. WORDS as
-    # in the gate-up kernel.
-    pdl_enter(USE_PDL)
+    # in the gate-up kernel. PRELOAD (one slot group, SLOTS == TOP_K): the routing (ids, tw) and the first K
+    # tile's words, scales and zeros are loaded before the PDL wait. Only act comes from the predecessor
+    # (the gate-up kernel, which read the same routing after its own wait), so those were written before it.
     WI: tl.constexpr = BLOCK_K // (8 * WORDS)
     BW: tl.constexpr = SLOTS * WI
     pid_n = tl.program_id(0)
@@ -207,20 +227,41 @@ def _token_down_kernel(
     c2 = tl.arange(0, BW)[:, None]  # [BW, 1]
     w2 = c2 % WI
     n2 = offs_n[None, :]  # [1, BN]
-    acc = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    for s0 in range(0, TOP_K, SLOTS):
-        slot2 = s0 + c2 // WI  # [BW, 1]
+    if PRELOAD:
+        slot2 = c2 // WI  # [BW, 1]
         expert = tl.load(ids_ptr + slot2).to(tl.int64)
+        tw = tl.load(tw_ptr + slot2)
         q_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
         s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
         z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
+        mask0 = (n2 < N) & (w2 < K // (8 * WORDS))
+        grp0 = w2 * (8 * WORDS) // GROUP
+        q0 = tl.load(q_ptrs, mask=mask0, other=0)
+        scale0 = tl.load(s_ptrs + grp0, mask=mask0, other=0).to(tl.float32)
+        if HAS_ZEROS:
+            zero0 = tl.load(z_ptrs + grp0, mask=mask0, other=0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
+    if PRELOAD:
+        if not HAS_ZEROS:
+            zero0 = 8.0
         a_ptrs = act_ptr + slot2 * K + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
-        part = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xa, xb, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS)
-            q = masked_load(q_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
-            part += _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS)
-        acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
+        xa, xb, xsum, _, _ = _tile_x(a_ptrs, 0, w2, n2, N, K, GROUP, EVEN, WORDS)
+        part = _scaled_dot(q0, xa, xb, xsum, scale0, zero0, WORDS)
+        part = _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, BLOCK_K, w2, n2, N, K, GROUP, HAS_ZEROS, BLOCK_K,
+                           EVEN, WORDS)  # fmt: skip
+        acc += part * tw  # the lane's slot weight
+    else:
+        for s0 in range(0, TOP_K, SLOTS):
+            slot2 = s0 + c2 // WI  # [BW, 1]
+            expert = tl.load(ids_ptr + slot2).to(tl.int64)
+            q_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
+            s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
+            z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
+            a_ptrs = act_ptr + slot2 * K + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
+            part = _down_tiles(tl.zeros([BW, BLOCK_N], dtype=tl.float32), a_ptrs, q_ptrs, s_ptrs, z_ptrs, 0, w2, n2,
+                               N, K, GROUP, HAS_ZEROS, BLOCK_K, EVEN, WORDS)  # fmt: skip
+            acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
     out = tl.sum(acc, axis=0) * _TWO_49  # [BN]
     tl.store(out_ptr + offs_n, to_16bit(out, out_ptr.dtype.element_ty), mask=offs_n < N)
 
@@ -280,8 +321,10 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
 
 
 def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
-               cfg: TokenGemvConfig, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """The second kernel: [1, D] in act's dtype (into `out` when given)."""
+               cfg: TokenGemvConfig, out: torch.Tensor | None = None, preload: bool = False) -> torch.Tensor:  # fmt: skip
+    """The second kernel: [1, D] in act's dtype (into `out` when given). preload: the routing and first K tile
+    are read before the PDL wait, so weights and ids must not come from the kernel launched just before this
+    one (moe_w4_token's gate-up read them after its own wait, so after its call they qualify)."""
     d, inter, top_k = w2.out_features, w2.in_features, ids.numel()
     if cfg.down_slots < 1 or cfg.down_slots & (cfg.down_slots - 1):
         raise ValueError(f"moe_w4_token: down_slots must be a power of two, got {cfg.down_slots}")
@@ -294,8 +337,8 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
         act, q, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2, words),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
-        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, num_warps=cfg.down_warps,
-        **pdl_launch(act.device),
+        BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, PRELOAD=preload and slots == top_k,
+        num_warps=cfg.down_warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
@@ -313,4 +356,4 @@ def moe_w4_token(
         raise ValueError(f"moe_w4_token: one token of int4 experts, got {hidden.shape[0]} tokens, "
                          f"experts {w13.fmt} / {w2.fmt}")  # fmt: skip
     cfg = cfg or default_config()
-    return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg)
+    return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg, preload=DOWN_PRELOAD)
