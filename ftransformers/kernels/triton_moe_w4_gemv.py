@@ -54,7 +54,7 @@ class TokenGemvConfig:
     up_n: int = 4
     up_k: int = 1024
     up_warps: int = 2
-    down_n: int = 4
+    down_n: int = 8
     down_k: int = 256
     down_slots: int = 8
     down_warps: int = 8
@@ -68,7 +68,9 @@ class TokenGemvConfig:
 # gate-up on two words a lane, 4 rows, 1024-wide K tiles over 2 warps (80 registers, 12 programs an SM) took
 # 367.6 us a step on the critical path against 445.6 for one word, 8 rows, 512 over 2 warps (168 registers, 6);
 # alone 14.7 / 14.9 us (asym / sym) against 16.1 / 15.9. The down kernel read slower on two words at every tile
-# tried (17.0-22.9 us alone against 16.1), so it keeps one.
+# tried (17.0-22.9 us alone against 16.1), so it keeps one; with its first K tile read before the PDL wait
+# (DOWN_PRELOAD), 8 rows a program (117 registers, 256 programs in one wave) step 1.840 / 1.842 ms against
+# 1.853 / 1.874 at 4 rows (ab_dpre{,2}_30b_w4a16_h100.*).
 UP_N, UP_K, UP_WARPS, UP_WORDS = (
     TokenGemvConfig.up_n,
     TokenGemvConfig.up_k,
