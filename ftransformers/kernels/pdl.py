@@ -44,7 +44,10 @@ Loads of constant weights into registers ahead of the wait (values, not hints; l
 the 4-bit GEMV's first K tile of words (triton_w4a16.PRELOAD_FIRST_TILE; session 22, in-process A/B on the
 H100, benchmarks/results/ab_preload_*_h100.json: Qwen3-30B-A3B W4A16 B=1 2.122 against 2.138 ms, Qwen3-8B
 2.829 against 2.857). The same for the bf16 GEMV was slower (Qwen3-8B bf16 5.881 against 5.749, Qwen3-30B-A3B
-3.309 against 3.282) and is not kept.
+3.309 against 3.282) and is not kept. The one-token int4 MoE's down kernel (triton_moe_w4_gemv, DOWN_PRELOAD)
+reads the routing and its first K tile of expert words, scales and zeros before its wait: its predecessor,
+the gate-up kernel, read the same routing after its own wait, so whatever wrote it had completed (session 26,
+Qwen3-30B-A3B W4A16 B=1 1.853 against 1.901 ms, benchmarks/results/ab_dpre_30b_w4a16_h100.*).
 
 Off on the CPU, in Triton's interpreter, below compute capability 9.0, with FTRANSFORMERS_DISABLE_PDL=1,
 or through `set_pdl_enabled(False)` (`--disable-pdl`). CUDA graphs capture the launch attribute as a
