@@ -116,10 +116,13 @@ def test_every_tile_path(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("weight", [w for w in WEIGHTS if w[0] == "int4"], ids=lambda w: f"g{w[1]}-{'z' if w[2] else 'sym'}")
-def test_gemv_reads_the_scale_zero_copy(weight: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("preload_sz", [False, True])
+def test_gemv_reads_the_scale_zero_copy(weight: tuple, preload_sz: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GEMV on QuantizedWeight.scale_zero (one vector load of a thread's rows' scales and zeros) computes
     what it computes from the row-major scales and zeros (the same float32 scale and zero), including K tails
-    and split K, and USE_SCALE_ZERO = False reads the row-major ones."""
+    and split K, and USE_SCALE_ZERO = False reads the row-major ones; the copy's first tile read ahead of the PDL
+    wait (GEMV_PRELOAD_SZ) or not."""
+    monkeypatch.setattr(triton_w4a16, "GEMV_PRELOAD_SZ", preload_sz)
     _, group, zeros, sdt = weight
     gen = torch.Generator().manual_seed(11 + group)
     qw = random_weight("int4", 40, 384, gen, group, zeros, sdt)
@@ -146,12 +149,14 @@ def test_gemv_reads_the_scale_zero_copy(weight: tuple, monkeypatch: pytest.Monke
 @pytest.mark.parametrize(
     "group,zeros,packed", [(16, True, False), (32, False, True), (64, True, True), (128, True, False)]
 )
-@pytest.mark.parametrize("preload", [True, False])
-def test_gemv_two_words_a_thread(group: int, zeros: bool, packed: bool, preload: bool,
+@pytest.mark.parametrize("preload", [True, False, "sz"])
+def test_gemv_two_words_a_thread(group: int, zeros: bool, packed: bool, preload: bool | str,
                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The GEMV on the int64 view of the words (two words a thread and row, one scale for both) matches the
-    reference: K tails, split K, one and two rows, with and without the scale_zero copy and the preload."""
-    monkeypatch.setattr(triton_w4a16, "PRELOAD_FIRST_TILE", preload)
+    reference: K tails, split K, one and two rows, with and without the scale_zero copy and the preload (of the
+    words, or "sz": of the words and the scale_zero copy)."""
+    monkeypatch.setattr(triton_w4a16, "PRELOAD_FIRST_TILE", bool(preload))
+    monkeypatch.setattr(triton_w4a16, "GEMV_PRELOAD_SZ", preload == "sz")
     gen = torch.Generator().manual_seed(13 + group)
     qw = random_weight("int4", 40, 384, gen, group, zeros, torch.bfloat16)
     if packed:

@@ -41,7 +41,8 @@ weight-streaming kernels at batch 1 are not bound by their first DRAM round trip
 `set_pdl_prefetch` chooses families (A/B runs); FTRANSFORMERS_DISABLE_PDL_PREFETCH=1 starts with none.
 
 Loads of constant weights into registers ahead of the wait (values, not hints; listed in READ_BEFORE_WAIT):
-the 4-bit GEMV's first K tile of words (triton_w4a16.PRELOAD_FIRST_TILE; session 22, in-process A/B on the
+the 4-bit GEMV's first K tile of words (triton_w4a16.PRELOAD_FIRST_TILE; with GEMV_PRELOAD_SZ, session 26, that
+tile of its scale_zero copy too; session 22, in-process A/B on the
 H100, benchmarks/results/ab_preload_*_h100.json: Qwen3-30B-A3B W4A16 B=1 2.122 against 2.138 ms, Qwen3-8B
 2.829 against 2.857). The same for the bf16 GEMV was slower (Qwen3-8B bf16 5.881 against 5.749, Qwen3-30B-A3B
 3.309 against 3.282) and is not kept. The one-token int4 MoE's down kernel (triton_moe_w4_gemv, DOWN_PRELOAD)

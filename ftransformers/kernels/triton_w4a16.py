@@ -67,6 +67,11 @@ USE_SCALE_ZERO = True
 GEMV_WORDS = 2
 GEMV_BLOCK_K = 0
 GEMV_WARPS = 4
+# With the words' preload, the GEMV also loads its first tile of the scale_zero copy before the PDL wait. On two
+# words (qkv's whole K in that tile): Qwen3-30B-A3B W4A16 B=1 1.854 / 1.836 ms against 1.880 / 1.864 without,
+# B=2 2.601 against 2.617, Qwen3-8B B=1 2.696 / 2.705 against 2.686 / 2.712 (H100, ab_szpre{,2}_*_h100.*).
+# Session 23 measured it on one word (1024-wide tiles) slower, 2.142 against 2.126.
+GEMV_PRELOAD_SZ = True
 DECODE_MAX_M = 16
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -103,7 +108,7 @@ def _w4a16_gemv_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, PACKED: tl.constexpr = False, SZ_ROWS: tl.constexpr = 1,
-    WORDS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    WORDS: tl.constexpr = 1, PRELOAD_SZ: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
     # along W only; a thread holds all N, M and J of its word column, so x (one 16-byte vector per word and
@@ -117,6 +122,8 @@ def _w4a16_gemv_kernel(
     # WORDS == 2 (int4): q is the int64 view of the words (stride_qn in int64 elements); W runs over pairs of
     # words, one 8-byte load a thread and row, with the pair's 16 activations in two 16-byte vectors and one
     # scale (and zero) for both words (the group is a multiple of 16).
+    # PRELOAD_SZ (with PRELOAD and PACKED): the scale_zero copy's first K tile, constant too, is loaded before the
+    # wait as well, and each iteration loads the next tile's ahead like the words.
     BW: tl.constexpr = BLOCK_K // (8 * WORDS)
     KW = K // (8 * WORDS)
     pid_n = tl.program_id(0)
@@ -127,8 +134,12 @@ def _w4a16_gemv_kernel(
     mask_n4 = n4 < N
     q_ptrs = q_ptr + n4 * stride_qn + w4 * unit  # [BW, BN, 1, 1]
     STEP: tl.constexpr = SPLIT_K * BLOCK_K
+    sz_rows = sz_ptr + (n4 // SZ_ROWS) * stride_szg + n4 % SZ_ROWS  # [1, BN, 1, 1]
     if PRELOAD:
         q_next = tl.load(q_ptrs + pid_k * BW, mask=mask_n4 & (pid_k * BW + w4 < KW), other=0)
+    if PRELOAD_SZ:
+        grp_next = (pid_k * BLOCK_K + w4 * (8 * WORDS)) // GROUP
+        sz_next = tl.load(sz_rows + grp_next * SZ_ROWS, mask=mask_n4 & (pid_k * BW + w4 < KW), other=0)
     pdl_enter(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     j4 = tl.arange(0, 8)[None, None, None, :]
@@ -161,8 +172,12 @@ def _w4a16_gemv_kernel(
             q = tl.load(q_ptrs + k0 // (8 * WORDS), mask=mask_q, other=0)
         grp = (k0 + w4 * (8 * WORDS)) // GROUP
         if PACKED:
-            sz_ptrs = sz_ptr + (n4 // SZ_ROWS) * stride_szg + grp * SZ_ROWS + n4 % SZ_ROWS  # [BW, BN, 1, 1]
-            sz = tl.reshape(tl.load(sz_ptrs, mask=mask_q, other=0), [BW, BLOCK_N, 1])
+            if PRELOAD_SZ:
+                sz = tl.reshape(sz_next, [BW, BLOCK_N, 1])
+                grp_next = (k0 + STEP + w4 * (8 * WORDS)) // GROUP
+                sz_next = tl.load(sz_rows + grp_next * SZ_ROWS, mask=mask_n4 & (k_next + w4 < KW), other=0)
+            else:
+                sz = tl.reshape(tl.load(sz_rows + grp * SZ_ROWS, mask=mask_q, other=0), [BW, BLOCK_N, 1])
             if s_ptr.dtype.element_ty == tl.bfloat16:
                 scale = (sz << 16).to(tl.float32, bitcast=True)
             else:
@@ -443,7 +458,7 @@ def w4a16_linear(
         _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
             *args[:7], s if sz is None else sz, *args[7:], 1, *strides, 0 if sz is None else sz.stride(0),
             **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, SZ_ROWS=SCALE_ZERO_ROWS, WORDS=words,
-            **pdl,
+            PRELOAD_SZ=GEMV_PRELOAD_SZ and PRELOAD_FIRST_TILE and sz is not None, **pdl,
         )  # fmt: skip
     else:
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
