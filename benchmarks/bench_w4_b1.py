@@ -316,7 +316,8 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
 
 
 def token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
-    """The engine's GEMV-form tiles for these experts, each kernel alone: gate-up, down (on its act)."""
+    """The engine's GEMV-form tiles for these experts, each kernel alone: gate-up, down (on its act; without
+    moe_w4_token's preload, since alone it has no gate-up kernel before it to overlap)."""
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
     cfg = tok.default_config()
     wts = [routes[i][0].reshape(-1).float().contiguous() for i in range(REPS)]

@@ -22,6 +22,7 @@ from test_triton_moe_w4 import CUDA, DEV, TOL, make_routing, random_qw, rel_err
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels import triton_moe_w4_gemv as token
 from ftransformers.kernels.quant_formats import quant_moe_ref
+from ftransformers.kernels.triton_w4a16 import gemv_words
 
 CFG = token.TokenGemvConfig
 
@@ -111,16 +112,20 @@ def test_down_preload_matches(d: int, inter: int, cfg: CFG, monkeypatch: pytest.
 
 
 def test_two_words_a_lane_only_where_the_layout_allows() -> None:
-    # The int64 view is taken for groups and K tiles of whole 16-element pairs on contiguous words; group 8,
-    # an odd word count or a sliced (misaligned) stack fall back to one word a lane and still match.
+    # The int64 view (triton_w4a16.gemv_words, shared with the dense GEMV) is taken for groups and K tiles of
+    # whole 16-element pairs on contiguous words; group 8, an odd row stride or a sliced (misaligned) stack fall
+    # back to one word a lane and still match.
     gen = torch.Generator(DEV).manual_seed(3)
     qw = random_qw("int4", 4, 64, 128, gen, group=32)
-    q, words = token._words(qw, 2, 128)
+    q, words = gemv_words(qw, 2, 128)
     assert words == 2 and q.dtype == torch.int64 and q.shape[-1] * 2 == qw.qweight.shape[-1]
-    assert token._words(qw, 1, 128)[1] == 1 and token._words(qw, 2, 8)[1] == 1
-    assert token._words(random_qw("int4", 4, 64, 128, gen, group=8), 2, 128)[1] == 1
+    assert q.stride() == tuple(st // 2 for st in qw.qweight.stride()[:-1]) + (1,)
+    assert gemv_words(qw, 1, 128)[1] == 1 and gemv_words(qw, 2, 8)[1] == 1
+    assert gemv_words(random_qw("int4", 4, 64, 128, gen, group=8), 2, 128)[1] == 1
+    odd_rows = torch.zeros(4, 64, 17, dtype=torch.int32, device=DEV)[:, :, :16]
+    assert gemv_words(dataclasses.replace(qw, qweight=odd_rows), 2, 128)[1] == 1
     sliced = dataclasses.replace(qw, qweight=qw.qweight[:, :, 1:3])
-    assert token._words(sliced, 2, 16)[1] == 1
+    assert gemv_words(sliced, 2, 16)[1] == 1
     wide = CFG(up_k=64, up_words=2, down_k=32, down_words=2)
     assert run(128, 64, 8, 4, torch.bfloat16, seed=4, cfg=wide, group=8, zeros=True) <= TOL
 

@@ -30,7 +30,7 @@ import triton.language as tl
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
-from ftransformers.kernels.triton_w4a16 import _TWO_49, _TWO_M49
+from ftransformers.kernels.triton_w4a16 import _TWO_49, _TWO_M49, gemv_words
 from ftransformers.kernels.w4_tiles import masked_load
 
 # fused_moe_w4 takes one token's int4 MoE here (where the CUDA-core pair path took it before);
@@ -49,7 +49,7 @@ _TWO_84: tl.constexpr = tl.constexpr(2.0**84)
 class TokenGemvConfig:
     """Rows a program and K tile (elements) of each kernel; down_slots slots share a down tile's word axis;
     *_words: int4 words a lane loads at once for each row (1, or 2 as one 8-byte load where the layout allows,
-    see _words)."""
+    see triton_w4a16.gemv_words)."""
 
     up_n: int = 4
     up_k: int = 1024
@@ -280,17 +280,6 @@ def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k
     )
 
 
-def _words(qw: QuantizedWeight, want: int, block_k: int) -> tuple[torch.Tensor, int]:
-    """The experts' words as the kernels read them and the words a lane loads at once: the int64 view (two
-    words an element) when asked and possible (every K tile and group a whole number of 16-element pairs, the
-    words contiguous along K with even strides and an 8-byte aligned start); else the int32 words, one."""
-    q = qw.qweight
-    if (want == 2 and qw.group_size % 16 == 0 and qw.in_features % 16 == 0 and block_k % 16 == 0
-            and q.stride(-1) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 and q.data_ptr() % 8 == 0):  # fmt: skip
-        return q.view(torch.int64), 2
-    return q, 1
-
-
 def _strides(qw: QuantizedWeight, words: int) -> tuple[int, ...]:
     # qweight's strides in the kernel's elements (words int32 words each)
     z = qw.zeros if qw.zeros is not None else qw.scales
@@ -311,7 +300,7 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     if act is None:
         act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_k = min(cfg.up_k, triton.next_power_of_2(d))
-    q, words = _words(w13, cfg.up_words, up_k)
+    q, words = gemv_words(w13, cfg.up_words, up_k)
     z = w13.zeros if w13.zeros is not None else w13.scales
     _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), top_k)](
         hidden.reshape(-1), q, w13.scales, z, act, ids.reshape(-1), inter, d, 1, *_strides(w13, words),
@@ -334,7 +323,7 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     if out is None:
         out = torch.empty(1, d, dtype=act.dtype, device=act.device)
     down_k = min(cfg.down_k, triton.next_power_of_2(inter))
-    q, words = _words(w2, cfg.down_words, down_k)
+    q, words = gemv_words(w2, cfg.down_words, down_k)
     z = w2.zeros if w2.zeros is not None else w2.scales
     _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
         act, q, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2, words),

@@ -101,6 +101,13 @@ def _scale_f32(s, FMT: tl.constexpr):
     return bits.to(tl.float32, bitcast=True) * _TWO_120
 
 
+@triton.jit
+def _int4_codes(q, j4, nib_mask):
+    # int32 words [BW, BN, 1, 1] -> [BW, BN, 1, 8] float32 code_j * 16^e * 2^-149: nibble j masked in place at
+    # bits 4e of q (j < 5) or of q >> 12 (j >= 5), its bits read as a subnormal
+    return (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["unit"])
 def _w4a16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, sz_ptr, M, N, K, unit,
@@ -187,17 +194,14 @@ def _w4a16_gemv_kernel(
         if FMT == 2:
             scale = scale * tl.reshape(gs, [1, BLOCK_N, 1])
         if FMT == 0:
-            if WORDS == 2:
+            if WORDS == 2:  # q's low half is the pair's first word, its high half the second
                 x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
-                qa = q.to(tl.int32)
-                qb = (q >> 32).to(tl.int32)
-                da = (tl.where(j4 < 5, qa, qa >> 12) & nib_mask).to(tl.float32, bitcast=True)  # [BW, BN, 1, 8]
-                db = (tl.where(j4 < 5, qb, qb >> 12) & nib_mask).to(tl.float32, bitcast=True)
+                da = _int4_codes(q.to(tl.int32), j4, nib_mask)
+                db = _int4_codes((q >> 32).to(tl.int32), j4, nib_mask)
                 t = tl.sum((x * x_mul) * da, axis=3) + tl.sum((x2 * x_mul) * db, axis=3)  # [BW, BN, BM]
                 xsum = (tl.sum(x, axis=3) + tl.sum(x2, axis=3)) * _TWO_M49  # [BW, 1, BM]
             else:
-                d = (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)  # [BW, BN, 1, 8]
-                t = tl.sum((x * x_mul) * d, axis=3)  # [BW, BN, BM]: 2^-49 * sum_j x_j code_j
+                t = tl.sum((x * x_mul) * _int4_codes(q, j4, nib_mask), axis=3)  # [BW, BN, BM]
                 xsum = tl.sum(x, axis=3) * _TWO_M49  # [BW, 1, BM]
             if PACKED:
                 zero = ((sz >> 16) & 0xFF).to(tl.float32)
@@ -369,12 +373,14 @@ def gemv_scale_zero(qw: QuantizedWeight) -> torch.Tensor | None:
 
 
 def gemv_words(qw: QuantizedWeight, want: int, block_k: int) -> tuple[torch.Tensor, int]:
-    """The words as the GEMV reads them and the words a thread loads at once for each row: the int64 view
-    (two words an element) when asked and possible (int4, every K tile and group a whole number of 16-element
-    pairs, words contiguous with an even row stride and an 8-byte aligned start); else the int32 words, one."""
+    """The words as a GEMV-form kernel reads them (this module's GEMV, the token MoE kernels of
+    triton_moe_w4_gemv, on [N, K / 8] or [E, N, K / 8] words) and the words a thread loads at once for each
+    row: the int64 view (two words an element, strides halved) when asked and possible (int4, every K tile and
+    group a whole number of 16-element pairs, words contiguous along K with even outer strides and an 8-byte
+    aligned start); else the int32 words, one."""
     q = qw.qweight
-    if (want == 2 and qw.fmt == "int4" and qw.group_size % 16 == 0 and block_k % 16 == 0 and q.stride(1) == 1
-            and q.stride(0) % 2 == 0 and q.data_ptr() % 8 == 0):  # fmt: skip
+    if (want == 2 and qw.fmt == "int4" and qw.group_size % 16 == 0 and block_k % 16 == 0 and q.stride(-1) == 1
+            and all(st % 2 == 0 for st in q.stride()[:-1]) and q.data_ptr() % 8 == 0):  # fmt: skip
         return q.view(torch.int64), 2
     return q, 1
 
@@ -433,10 +439,11 @@ def w4a16_linear(
             )
         return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
-    q, s, z, gs = qw.qweight, qw.scales, qw.zeros, qw.global_scale
+    q, words = gemv_words(qw, cfg.pop("WORDS", 1), cfg["BLOCK_K"]) if gemv else (qw.qweight, 1)
+    s, z, gs = qw.scales, qw.zeros, qw.global_scale
     if qw.fmt == "nvfp4":
         s = s.view(torch.uint8)
-    assert q.stride(1) == 1 and s.stride(1) == 1 and (z is None or z.stride(1) == 1)
+    assert qw.qweight.stride(1) == 1 and s.stride(1) == 1 and (z is None or z.stride(1) == 1)
     if split_k > 1:
         y = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
     else:
@@ -452,9 +459,6 @@ def w4a16_linear(
         sz = qw.scale_zero if USE_SCALE_ZERO else None
         if sz is not None:
             assert qw.fmt == "int4" and sz.shape[1:] == (K // qw.group_size, SCALE_ZERO_ROWS) and sz.is_contiguous()
-        qv, words = gemv_words(qw, cfg.pop("WORDS", 1), cfg["BLOCK_K"])
-        args = (x, qv, *args[2:])
-        strides = (strides[0], qv.stride(0), *strides[2:])
         _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
             *args[:7], s if sz is None else sz, *args[7:], 1, *strides, 0 if sz is None else sz.stride(0),
             **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, SZ_ROWS=SCALE_ZERO_ROWS, WORDS=words,
