@@ -249,3 +249,23 @@ def test_graph_steps_that_need_the_sampler(tiny_path: Path) -> None:
         assert a.token_id == b.token_id and [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
         assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
         assert [v for _, v in b.top_logprobs] == pytest.approx([v for _, v in a.top_logprobs], abs=1e-5)
+
+
+@on_cuda
+def test_early_triggers_keep_the_tokens(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every RMSNorm and decode stage 2 triggering its successor ahead of its own PDL wait (kernels/pdl.py,
+    "Early trigger"; EARLY_TRIGGER = 2 forces it beyond the 4-bit projections it is meant for) gives the same
+    greedy tokens, eager and graphed, as no early trigger: only the kernels' start times change."""
+    from ftransformers.kernels import triton_decode_attention, triton_norm
+
+    prompts = random_prompts(3, 300, seed=4)
+    expected = {}
+    for mode in (0, 2):
+        monkeypatch.setattr(triton_norm, "EARLY_TRIGGER", mode)
+        monkeypatch.setattr(triton_decode_attention, "EARLY_TRIGGER", mode)
+        for graphs in (False, True):
+            llm = _llm(tiny_path, "bfloat16", graphs=graphs, max_bs=4)
+            expected.setdefault(graphs, _generate(llm, prompts))
+            assert _generate(llm, prompts) == expected[graphs], f"early trigger {mode}, graphs {graphs}"
+            del llm
+    assert expected[True] == expected[False]

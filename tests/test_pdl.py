@@ -65,6 +65,17 @@ PREFETCH_BEFORE_WAIT = {
     "triton_norm._rmsnorm_kernel": "the norm weight",
     "triton_router._fused_router_kernel": "its gate rows",
 }
+# Kernels that trigger their successor's launch ahead of their own wait (pdl.py, "Early trigger"): a successor
+# may then start before this kernel's predecessor has completed. Safe while no kernel that can follow them reads,
+# ahead of its wait, a tensor that a kernel of the step writes. Only the kernels in STEP_DATA_BEFORE_WAIT do,
+# and their one predecessor is not here. Keyed module.kernel: the kernels that follow it.
+EARLY_TRIGGER = {
+    "triton_norm._rmsnorm_kernel": "a projection (GEMV or GEMM), the fused router, the LM head",
+    "triton_decode_attention._decode_stage2_kernel": "the o projection",
+}
+# Kernels that read, ahead of their wait, a tensor that a kernel of the step writes, and the one kernel that is
+# ever launched just before them (its wait returned, so the writer had completed before they could start).
+STEP_DATA_BEFORE_WAIT = {"triton_moe_w4_gemv._token_down_kernel": "triton_moe_w4_gemv._token_gate_up_kernel"}
 READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
     "gl.load", "gl.program_id",
@@ -78,6 +89,8 @@ def _is_prefetch_block(stmt: ast.stmt) -> bool:
 def _first_statement(fn: ast.FunctionDef, key: str) -> str:
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     tops = [ast.unparse(s) for s in body]
+    if tops[0] == "pdl_trigger(EARLY_TRIGGER)":  # an early trigger comes first of all (pdl.py)
+        body, tops = body[1:], tops[1:]
     if fn.name not in READ_BEFORE_WAIT and key not in PREFETCH_BEFORE_WAIT:
         return tops[0]
     assert "pdl_enter(USE_PDL)" in tops, f"{fn.name}: no top-level pdl_enter(USE_PDL)"
@@ -101,6 +114,18 @@ def _passes_prefetch(call: ast.Call) -> bool:
     return any(
         kw.arg is None and isinstance(kw.value, ast.Call) and ast.unparse(kw.value.func) == "pdl_launch"
         and any(k.arg == "prefetch" for k in kw.value.keywords)
+        for kw in call.keywords
+    )
+
+
+def _docless(fn: ast.FunctionDef) -> list[ast.stmt]:
+    return [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+
+
+def _passes_early(call: ast.Call) -> bool:
+    return any(
+        kw.arg is None and isinstance(kw.value, ast.Call) and ast.unparse(kw.value.func) == "pdl_launch"
+        and any(k.arg == "early" for k in kw.value.keywords)
         for kw in call.keywords
     )
 
@@ -141,6 +166,12 @@ def test_every_launched_kernel_keeps_the_pdl_contract() -> None:
             first = _first_statement(fn, f"{path.stem}.{name}") == "pdl_enter(USE_PDL)"
             passes = _passes_pdl(call, pdl_names)
             where = f"{path.name}:{call.lineno} {name}"
+            early = "EARLY_TRIGGER" in params
+            triggers_first = ast.unparse(_docless(fn)[0]) == "pdl_trigger(EARLY_TRIGGER)"
+            assert early == triggers_first == (f"{path.stem}.{name}" in EARLY_TRIGGER) == _passes_early(call), (
+                f"{where}: EARLY_TRIGGER param {early}, pdl_trigger first {triggers_first}, "
+                f"listed {f'{path.stem}.{name}' in EARLY_TRIGGER}, launched with early {_passes_early(call)}"
+            )
             prefetches = "PREFETCH" in params
             listed = f"{path.stem}.{name}" in PREFETCH_BEFORE_WAIT
             assert prefetches == listed == _passes_prefetch(call), (
@@ -154,6 +185,15 @@ def test_every_launched_kernel_keeps_the_pdl_contract() -> None:
             if not passes:
                 without.add(f"{path.stem}.{name}")
     assert checked >= 25 and without == set(WITHOUT_PDL)
+
+
+def test_no_early_trigger_before_a_kernel_reading_step_data_ahead_of_its_wait() -> None:
+    for reader, before in STEP_DATA_BEFORE_WAIT.items():
+        assert reader in READ_BEFORE_WAIT or reader.split(".")[1] in READ_BEFORE_WAIT, reader
+        assert before not in EARLY_TRIGGER, f"{before} triggers early, but {reader} reads step data ahead of its wait"
+        module, name = before.split(".")
+        fn = _jit_functions(ast.parse((KERNELS / f"{module}.py").read_text()))[name]
+        assert "EARLY_TRIGGER" not in [a.arg for a in fn.args.args], before
 
 
 def test_pdl_launch_arguments() -> None:
@@ -188,10 +228,15 @@ def test_prefetch_families() -> None:
         assert pdl.prefetch_lines(100, 4) == {"PF_STRIDE": 32, "PF_LINES": 4}
         assert pdl.prefetch_lines(1 << 20, 2) == {"PF_STRIDE": 64, "PF_LINES": pdl.MAX_PREFETCH_LINES}
         assert pdl.pdl_launch(torch.device("cpu"), prefetch="norm") == {}  # no PDL, so no prefetch either
+        assert pdl.pdl_launch(torch.device("cpu"), early=True) == {}
         if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9 and pdl.pdl_enabled():
             assert pdl.pdl_launch(torch.device("cuda"), prefetch="norm").get("PREFETCH") is True
             pdl.set_pdl_prefetch(frozenset({"router"}))
             assert "PREFETCH" not in pdl.pdl_launch(torch.device("cuda"), prefetch="norm")
+            assert pdl.pdl_launch(torch.device("cuda"), prefetch="router", early=True) == {
+                "USE_PDL": True, "launch_pdl": True, "PREFETCH": True, "EARLY_TRIGGER": True
+            }
+            assert "EARLY_TRIGGER" not in pdl.pdl_launch(torch.device("cuda"), prefetch="router")
     finally:
         pdl.set_pdl_prefetch(saved)
 
@@ -204,12 +249,16 @@ def test_disable_pdl_flag() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PDL needs a GPU")
-def test_pdl_chain_in_a_cuda_graph_matches_the_reference() -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_pdl_chain_in_a_cuda_graph_matches_the_reference(early: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # A chain of dependent kernels (norm -> GEMV -> norm -> ...) captured with PDL: any program that
-    # read its input before the previous kernel finished would break the comparison.
-    from ftransformers.kernels import pdl
+    # read its input before the previous kernel finished would break the comparison. early: the norms trigger
+    # the GEMVs ahead of their own waits.
+    from ftransformers.kernels import pdl, triton_norm
     from ftransformers.kernels.triton_gemv import gemv, gemv_ref
     from ftransformers.kernels.triton_norm import rms_norm
+
+    monkeypatch.setattr(triton_norm, "EARLY_TRIGGER", 2 if early else 0)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     d = 2048
@@ -239,3 +288,61 @@ def test_pdl_chain_in_a_cuda_graph_matches_the_reference() -> None:
     finally:
         pdl.set_pdl_enabled(saved)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)  # bf16 rounding of 8 layers' outputs
+
+
+def _qw(n: int, k: int, zeros: bool, fmt: str = "int4") -> object:
+    from ftransformers.kernels.quant_formats import QuantizedWeight
+
+    z = torch.zeros(n, k // 128, dtype=torch.uint8) if zeros else None
+    return QuantizedWeight(fmt, torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 128), n, k, 128, zeros=z)
+
+
+def test_which_4bit_gemvs_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The rule that makes the kernel before a 4-bit projection trigger early: the one-row GEMV with its first
+    # tile preloaded, where PDL is on; not the mma path's rows, the codes kernel's, a stack of experts or no PDL.
+    from ftransformers.kernels import triton_w4a16 as w4
+
+    qkv, big_asym = _qw(5120, 2048, zeros=True), _qw(7168, 16384, zeros=True)
+    assert not w4.gemv_reads_ahead(qkv, 1)  # on the CPU: no PDL
+    monkeypatch.setattr(w4, "pdl_launch", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    assert w4.gemv_reads_ahead(qkv, 1) and w4.gemv_reads_ahead(qkv, 2)
+    assert not w4.gemv_reads_ahead(qkv, 3)  # the codes kernel
+    assert not w4.gemv_reads_ahead(qkv, 64)
+    assert not w4.gemv_reads_ahead(big_asym, 1)  # the mma path takes one row of large weights with zeros
+    assert w4.gemv_reads_ahead(_qw(7168, 16384, zeros=False), 1)
+    monkeypatch.setattr(w4, "PRELOAD_FIRST_TILE", False)
+    assert not w4.gemv_reads_ahead(qkv, 1)
+
+
+def test_decoder_layer_asks_its_norm_and_attention_for_an_early_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
+    # LlamaDecoderLayer passes early_trigger to the input norm iff qkv reads ahead, and to the attention iff o does
+    from ftransformers.layers import attention, linear, norm
+    from ftransformers.models import llama
+
+    seen: dict[str, bool] = {}
+
+    def fake_norm(self: norm.RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None,
+                  early_trigger: bool = False) -> object:  # fmt: skip
+        seen.setdefault("norm", early_trigger)  # the input norm's call (the post-attention norm's comes second)
+        return x if residual is None else (x, residual)
+
+    def fake_attn(self: attention.Attention, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, rope: object, qk_norm: object = None, early_trigger: bool = False) -> torch.Tensor:  # fmt: skip
+        seen["attention"] = early_trigger
+        return torch.zeros(q.shape[0], self.num_heads * self.v_head_dim)
+
+    monkeypatch.setattr(norm.RMSNorm, "forward", fake_norm)
+    monkeypatch.setattr(attention.Attention, "forward_with_rope", fake_attn)
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, vocab_size=32, max_position_embeddings=64)  # fmt: skip
+    layer = llama.LlamaDecoderLayer(cfg, 0)
+    x, pos = torch.randn(1, 64), torch.zeros(1, dtype=torch.long)
+    for qkv_ahead, o_ahead in ((False, False), (True, False), (False, True)):
+        monkeypatch.setattr(layer.self_attn.qkv_proj, "reads_ahead_of_wait", lambda rows, a=qkv_ahead: a)
+        monkeypatch.setattr(layer.self_attn.o_proj, "reads_ahead_of_wait", lambda rows, a=o_ahead: a)
+        seen.clear()
+        layer(pos, x, x.clone())
+        assert seen == {"norm": qkv_ahead, "attention": o_ahead}
+    assert not linear.ReplicatedLinear(8, 8).reads_ahead_of_wait(1)  # unquantized: no

@@ -226,10 +226,13 @@ class TritonAttentionBackend(AttentionBackend):
         k_norm_weight: torch.Tensor | None = None,
         eps_q: float = 1e-6,
         eps_k: float = 1e-6,
+        early_trigger: bool = False,
     ) -> torch.Tensor:  # [T, H, D_v]
         """forward_mha after (optional per-head q/k RMSNorm and) neox rotary. Decode (with
         `fuse_decode_rope`, power-of-two head dims): inside the attention kernel's first stage
-        (triton_decode_attention.DecodeRope); otherwise one launch of kernels/triton_rope_store.py first."""
+        (triton_decode_attention.DecodeRope); otherwise one launch of kernels/triton_rope_store.py first.
+        early_trigger: the kernel after the attention reads ahead of its PDL wait (the fused decode's stage 2
+        then triggers it early; kernels/pdl.py)."""
         pool = batch.kv_pool
         assert isinstance(pool, MHAKVPool), "forward_mha_fused_rope needs an MHA KV pool"
         k_buf, v_buf = pool.get_kv(layer_id)
@@ -237,7 +240,7 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE and fuse:
             loc = batch.out_cache_loc
             rope = DecodeRope(k, v, positions, cos_sin_cache, loc, q_norm_weight, k_norm_weight, eps_q, eps_k)
-            return self._attend_mha(q, k, v, layer_id, scaling, batch, rope)
+            return self._attend_mha(q, k, v, layer_id, scaling, batch, rope, early_trigger)
         q, k_rot = rope_store(
             q, k, v, positions, cos_sin_cache, k_buf, v_buf, batch.out_cache_loc, q_norm_weight, k_norm_weight,
             eps_q, eps_k, write_k=batch.mode != ForwardMode.DECODE,
@@ -246,7 +249,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _attend_mha(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float, batch: ForwardBatch,
-        rope: DecodeRope | None = None,
+        rope: DecodeRope | None = None, early_trigger: bool = False,
     ) -> torch.Tensor:  # K/V already stored (by stage 1 itself with `rope`); k/v (new tokens) read by extend only
         k_buf, v_buf = batch.kv_pool.get_kv(layer_id)  # type: ignore[union-attr]
         T, H, _ = q.shape
@@ -261,7 +264,7 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, rope=rope,
-                preload=None if T <= GQA_PRELOAD_MAX_BS else False,
+                preload=None if T <= GQA_PRELOAD_MAX_BS else False, early_trigger=early_trigger,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return extend_attention_fwd(

@@ -17,6 +17,21 @@ torch ops before the step's first kernel) may be read ahead of the wait. Kernels
 with those tensors, in tests/test_pdl.py (READ_BEFORE_WAIT), which checks nothing is stored before it.
 Kernels of other origins (cuBLAS, torch) in between are ordinary launches: full serialisation.
 
+Early trigger (`pdl_trigger(EARLY_TRIGGER)` as a kernel's first statement, launched with
+`pdl_launch(device, early=True)`): the program signals `launch_dependents` before its wait, so the next
+kernel's programs may become resident (and start their reads ahead of their own wait) while this kernel still
+waits for its predecessor. Completion stays transitive for everything after a wait (a wait returns only once the
+predecessor completed, which needs the predecessor's own wait to have returned); what is lost is only the
+guarantee above for reads ahead of the wait: the next kernel may then start before the kernel before this one
+has completed. So a kernel may trigger early only if no kernel that can follow it reads, ahead of its wait,
+anything a kernel of the step writes (tests/test_pdl.py, EARLY_TRIGGER, lists them with their successors).
+It pays only where the next kernel has constant data to read ahead of its wait: the decoder layer's input RMSNorm
+before a 4-bit qkv GEMV and decode attention's stage 2 before a 4-bit o GEMV, whose first weight tile then
+streams in while the norm, or stage 1, still runs (LinearBase.reads_ahead_of_wait decides). H100, session 27,
+benchmarks/results/ab_early*_h100.*: Qwen3-30B-A3B W4A16 B=1 1.803 against 1.845 ms, B=2 2.569 against 2.625;
+the same early triggers before bf16 GEMVs, which read nothing ahead, cost 3.206 -> 3.263 ms, and early triggers
+in the GEMVs, stage 1, the token MoE's down kernel or every norm were neutral or slower.
+
 L2 prefetch ahead of the wait (`l2_prefetch`, kernels launched with `pdl_launch(device, prefetch=FAMILY)`):
 a program that is resident before its predecessor completes can already pull lines it will read from
 DRAM into L2: constant weights, and the KV cache of earlier tokens, which no kernel of the step writes.
@@ -70,6 +85,12 @@ _by_device: dict[int, dict[str, bool]] = {}
 _OFF: dict[str, bool] = {}
 _ON: dict[str, bool] = {"USE_PDL": True, "launch_pdl": True}
 _ON_PREFETCH: dict[str, bool] = {**_ON, "PREFETCH": True}
+_ON_FLAGS: dict[tuple[bool, bool], dict[str, bool]] = {  # (prefetch, early trigger) -> launch arguments
+    (False, False): _ON,
+    (True, False): _ON_PREFETCH,
+    (False, True): {**_ON, "EARLY_TRIGGER": True},
+    (True, True): {**_ON_PREFETCH, "EARLY_TRIGGER": True},
+}
 PREFETCH_FAMILIES = frozenset({"norm", "router"})
 _prefetch: frozenset[str] = (
     PREFETCH_FAMILIES if os.environ.get("FTRANSFORMERS_DISABLE_PDL_PREFETCH", "0") in ("", "0") else frozenset()
@@ -101,10 +122,11 @@ def pdl_prefetch_families() -> frozenset[str]:
     return _prefetch
 
 
-def pdl_launch(device: torch.device, prefetch: str | None = None) -> dict[str, bool]:
+def pdl_launch(device: torch.device, prefetch: str | None = None, early: bool = False) -> dict[str, bool]:
     """Extra launch arguments for a kernel taking `USE_PDL: tl.constexpr = False`: none where PDL is off,
     else the constexpr and Triton's `launch_pdl` option; with `prefetch` (the family of a kernel that
-    also takes `PREFETCH: tl.constexpr = False`) PREFETCH=True while that family's prefetch is on."""
+    also takes `PREFETCH: tl.constexpr = False`) PREFETCH=True while that family's prefetch is on; with
+    `early` (a kernel taking `EARLY_TRIGGER: tl.constexpr = False`, see the contract) EARLY_TRIGGER=True."""
     if not _enabled or device.type != "cuda":
         return _OFF
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -112,7 +134,17 @@ def pdl_launch(device: torch.device, prefetch: str | None = None) -> dict[str, b
     if args is None:
         args = _ON if torch.cuda.get_device_capability(index)[0] >= 9 else _OFF
         _by_device[index] = args
-    return _ON_PREFETCH if prefetch in _prefetch and args is _ON else args
+    if args is not _ON:
+        return args
+    return _ON_FLAGS[prefetch in _prefetch, early]
+
+
+@triton.jit
+def pdl_trigger(EARLY_TRIGGER: tl.constexpr):
+    # first statement of a kernel that triggers early (see the contract above); pdl_enter's own signal after
+    # the wait is then a repeat, which griddepcontrol allows
+    if EARLY_TRIGGER:
+        gdc_launch_dependents()
 
 
 @triton.jit

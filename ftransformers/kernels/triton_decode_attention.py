@@ -37,12 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch, pdl_trigger
 from ftransformers.kernels.triton_rope_store import norm_rope
 
 # With the fused rope (DecodeRope), stage 1 reads its first K/V tile before the PDL wait
 # (`set=triton_decode_attention.PRELOAD_FIRST_TILE=0` in benchmarks/ab_decode.py reads it after, for an A/B)
 PRELOAD_FIRST_TILE = True
+# Stage 2 triggers the next kernel's launch before its PDL wait (pdl.py, "Early trigger"), so that the o
+# projection's programs become resident, and read ahead of their own wait, while stage 1 runs: 0 never, 1 where
+# the caller says the o projection reads ahead (decode_attention_fwd's early_trigger), 2 always
+EARLY_TRIGGER = 1
 
 
 @triton.jit
@@ -210,9 +214,10 @@ def _decode_stage2_kernel(
     mid_o, mid_lse, O, seq_lens, num_kv_splits, min_split_len,
     s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, ALIGN: tl.constexpr, DIRECT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, EARLY_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     # all splits of one (sequence, head, CHUNK_DV slice) in one tile: a single round trip to memory
+    pdl_trigger(EARLY_TRIGGER)
     # PDL: seq_lens (metadata, never written by a kernel of the step) is read before the wait
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
@@ -257,6 +262,7 @@ def decode_combine(
     min_split_len: int,
     align: int,
     direct: bool = True,  # stage 1 wrote the rows of one split itself: skip them
+    early_trigger: bool = False,  # the next kernel reads ahead of its wait (EARLY_TRIGGER above)
 ) -> torch.Tensor:
     """Stage 2: merge each row's non-empty splits (same split rule as stage 1) into `out`."""
     B, H, DV = out.shape
@@ -267,7 +273,7 @@ def decode_combine(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, num_warps=4,
-        **pdl_launch(mid_o.device),
+        **pdl_launch(mid_o.device, early=EARLY_TRIGGER == 2 or (EARLY_TRIGGER == 1 and early_trigger)),
     )  # fmt: skip
     return out
 
@@ -315,6 +321,7 @@ def decode_attention_fwd(
     direct: bool = True,  # False: every row goes through the partials and stage 2 (the pre-2026-11 behaviour)
     rope: DecodeRope | None = None,  # norm + rope q and the new k, store k/v, here (seq_lens count it)
     preload: bool | None = None,  # the first K/V tile before the PDL wait (with `rope` only); None: PRELOAD_FIRST_TILE
+    early_trigger: bool = False,  # the kernel after this call reads ahead of its PDL wait (stage 2's EARLY_TRIGGER)
 ) -> torch.Tensor:
     B, H, D = q.shape
     H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
@@ -364,7 +371,7 @@ def decode_attention_fwd(
         **pdl_launch(q.device),
     )  # fmt: skip
     if num_kv_splits > 1 or not direct:
-        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct)
+        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct, early_trigger)
     return out
 
 

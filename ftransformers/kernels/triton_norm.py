@@ -10,7 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
+from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, pdl_trigger, prefetch_lines
+
+# The norm triggers the next kernel's launch before its PDL wait (pdl.py, "Early trigger"; the kernels after a
+# norm, a projection, the fused router or the LM head, read only constants ahead of their waits): 0 never, 1 on
+# the calls whose next kernel reads ahead of its wait (rms_norm's early_trigger: the decoder layer's input norm
+# before a 4-bit qkv GEMV), 2 always.
+EARLY_TRIGGER = 1
 
 
 @triton.jit
@@ -18,8 +24,9 @@ def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, D, eps,
     stride_x, stride_res, stride_out, stride_new_res,
     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr, PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, EARLY_TRIGGER: tl.constexpr = False,
 ):
+    pdl_trigger(EARLY_TRIGGER)
     if PREFETCH:  # noqa: SIM102 (a compile-time block, as tests/test_pdl.py reads it)
         # the weight, a constant, to L2 ahead of the wait (x and the residual come from L2 anyway)
         if tl.program_id(0) == 0:  # by one program: at B=32 every program hinting it cost ~40 us a step
@@ -45,8 +52,10 @@ def rms_norm(
     weight: torch.Tensor,  # [D]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., D]
+    early_trigger: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x), or with a residual (norm(x + residual), x + residual)."""
+    """norm(x), or with a residual (norm(x + residual), x + residual). early_trigger: the caller's next kernel
+    may start before this one's predecessor completes (EARLY_TRIGGER above)."""
     shape, d = x.shape, x.shape[-1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
@@ -68,7 +77,7 @@ def rms_norm(
             x2, res2, weight, out, new_res, d, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
-            **prefetch_lines(d, weight.element_size()), **pdl_launch(x2.device, prefetch="norm"),
+            **prefetch_lines(d, weight.element_size()), **pdl_launch(x2.device, prefetch="norm", early=EARLY_TRIGGER == 2 or (EARLY_TRIGGER == 1 and early_trigger)),
         )
     if residual is None:
         return out.view(shape)

@@ -364,6 +364,20 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
             "num_warps": warps, "num_stages": stages}  # fmt: skip
 
 
+def gemv_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
+    """Whether w4a16_linear on `rows` rows of the 2-D weight qw runs the GEMV with its first K tile read ahead of
+    the PDL wait (PRELOAD_FIRST_TILE): then the kernel before it gains by triggering early (pdl.py, "Early
+    trigger"), as the tile streams in while that kernel still waits. Not for the mma path's rows."""
+    if not PRELOAD_FIRST_TILE or qw.qweight.dim() != 2 or not 1 <= rows <= GEMV_MAX_M:
+        return False
+    if not pdl_launch(qw.qweight.device):
+        return False
+    n, k, zeros = qw.out_features, qw.in_features, qw.zeros is not None
+    if qw.fmt == "int4" and mma_path.takes(rows, n, k, zeros):
+        return False
+    return w4a16_config(rows, n, k, qw.fmt, qw.group_size)["GEMV"] == 1
+
+
 def gemv_scale_zero(qw: QuantizedWeight) -> torch.Tensor | None:
     """QuantizedWeight.scale_zero for a weight whose one- and two-row products run on the GEMV (int4 with
     16-bit scales, not taken by the mma kernel at one row); None for the others, which never read it."""

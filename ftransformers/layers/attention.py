@@ -61,6 +61,7 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [T, H_kv*D_v]
         rope: nn.Module,
         qk_norm: QKNorm | None = None,
+        early_trigger: bool = False,  # the caller's next kernel reads ahead of its PDL wait (kernels/pdl.py)
     ) -> torch.Tensor | None:  # [T, H*D_v], or None where the caller must norm, rope and call forward
         """Per-head q/k norm, rotary, K/V store and attention with the first three in one kernel, when
         the batch's backend offers it (triton, CUDA) and the rope is plain neox over its cache."""
@@ -84,5 +85,6 @@ class Attention(nn.Module):
             self.scaling,
             batch,
             *norm_args,
+            early_trigger=early_trigger,
         )
         return out.reshape(T, self.num_heads * self.v_head_dim)

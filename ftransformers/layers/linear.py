@@ -89,6 +89,11 @@ class LinearBase(nn.Module):
         """(offset, size) of each checkpoint module stacked in this layer's output (one for a plain layer)."""
         return [(0, self.output_size)]
 
+    def reads_ahead_of_wait(self, rows: int) -> bool:
+        """Whether this layer's kernel on `rows` rows reads its weight ahead of its PDL wait (kernels/pdl.py), so
+        that the kernel just before it should trigger early (RMSNorm, decode attention's stage 2)."""
+        return self.quant_method is not None and self.quant_method.reads_ahead_of_wait(self, rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         if self.quant_method is not None:

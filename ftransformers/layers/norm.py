@@ -20,13 +20,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, early_trigger: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # x: [..., D]. With a residual: returns (norm(x + residual), x + residual).
+        # x: [..., D]. With a residual: returns (norm(x + residual), x + residual). early_trigger: the next
+        # kernel reads ahead of its PDL wait, so the norm's kernel lets it start early (kernels/pdl.py).
         if x.is_cuda:  # one fused pass (kernels.triton_norm); imported here so CPU needs no triton
             from ftransformers.kernels.triton_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.variance_epsilon, residual)
+            return rms_norm(x, self.weight, self.variance_epsilon, residual, early_trigger)
         if residual is None:
             return self._norm(x)
         new_residual = x + residual

@@ -66,7 +66,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> q [T, H*Dh], k/v [T, H_kv*Dh]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params())
+        early = self.o_proj.reads_ahead_of_wait(hidden.shape[0])  # then the attention lets o start early
+        out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params(), early)
         if out is None:
             q, k = self.qk_norm(q, k)
             q, k = self.rotary_emb(positions, q, k)
@@ -91,10 +92,11 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # residual carries the un-normed stream; the first layer starts it from the embeddings.
+        early = self.self_attn.qkv_proj.reads_ahead_of_wait(hidden.shape[0])  # then the norm lets qkv start early
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, early_trigger=early)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, early_trigger=early)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

@@ -60,6 +60,11 @@ class LinearQuantMethod(ABC):
     def process_weights_after_loading(self, layer: LinearBase) -> None:  # noqa: B027 - optional hook
         """Repack loaded tensors for the kernels (default: nothing)."""
 
+    def reads_ahead_of_wait(self, layer: LinearBase, rows: int) -> bool:
+        """Whether `apply` on `rows` rows runs a kernel that reads its weight ahead of its PDL wait
+        (kernels/pdl.py), so that the kernel before it gains by triggering early (default: no)."""
+        return False
+
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -53,6 +53,15 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     return int8_linear(x, qw, bias)
 
 
+def quant_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
+    """Whether quant_linear on `rows` rows of qw reads the weight ahead of its PDL wait (kernels/pdl.py)."""
+    if not qw.qweight.is_cuda or qw.fmt not in FOUR_BIT_FORMATS:
+        return False
+    from ftransformers.kernels.triton_w4a16 import gemv_reads_ahead
+
+    return gemv_reads_ahead(qw, rows)
+
+
 def spec_tensor(spec: TensorSpec, n: int, k: int, shards: list[Shard], lead: tuple[int, ...],
                 device: torch.device, where: str) -> torch.Tensor:  # fmt: skip
     if spec.layout == "per_shard":
@@ -165,6 +174,10 @@ class KernelLinearMethod(LinearQuantMethod):
                 del layer._parameters[spec.suffix]
         del layer.quant_specs
         layer.quant_method = None
+
+    def reads_ahead_of_wait(self, layer: LinearBase, rows: int) -> bool:
+        qw = getattr(layer, "qw", None)
+        return qw is not None and quant_reads_ahead(qw, rows)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
