@@ -310,6 +310,9 @@ def test_which_4bit_gemvs_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not w4.gemv_reads_ahead(qkv, 64)
     assert not w4.gemv_reads_ahead(big_asym, 1)  # the mma path takes one row of large weights with zeros
     assert w4.gemv_reads_ahead(_qw(7168, 16384, zeros=False), 1)
+    import dataclasses
+
+    assert not w4.gemv_reads_ahead(dataclasses.replace(qkv, perm=torch.arange(2048)), 1)  # act order: x is permuted first
     monkeypatch.setattr(w4, "PRELOAD_FIRST_TILE", False)
     assert not w4.gemv_reads_ahead(qkv, 1)
 

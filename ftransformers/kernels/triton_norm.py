@@ -72,12 +72,13 @@ def rms_norm(
     else:
         res2 = new_res = x2
     block_d = triton.next_power_of_2(d)
+    early = EARLY_TRIGGER == 2 or (EARLY_TRIGGER == 1 and early_trigger)
     if rows > 0:
         _rmsnorm_kernel[(rows,)](
             x2, res2, weight, out, new_res, d, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
-            **prefetch_lines(d, weight.element_size()), **pdl_launch(x2.device, prefetch="norm", early=EARLY_TRIGGER == 2 or (EARLY_TRIGGER == 1 and early_trigger)),
+            **prefetch_lines(d, weight.element_size()), **pdl_launch(x2.device, prefetch="norm", early=early),
         )
     if residual is None:
         return out.view(shape)

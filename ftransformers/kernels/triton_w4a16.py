@@ -367,8 +367,9 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
 def gemv_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
     """Whether w4a16_linear on `rows` rows of the 2-D weight qw runs the GEMV with its first K tile read ahead of
     the PDL wait (PRELOAD_FIRST_TILE): then the kernel before it gains by triggering early (pdl.py, "Early
-    trigger"), as the tile streams in while that kernel still waits. Not for the mma path's rows."""
-    if not PRELOAD_FIRST_TILE or qw.qweight.dim() != 2 or not 1 <= rows <= GEMV_MAX_M:
+    trigger"), as the tile streams in while that kernel still waits. Not for the mma path's rows, nor behind
+    GPTQ act order's permutation of x (a torch op, launched without PDL, then comes between)."""
+    if not PRELOAD_FIRST_TILE or qw.qweight.dim() != 2 or qw.perm is not None or not 1 <= rows <= GEMV_MAX_M:
         return False
     if not pdl_launch(qw.qweight.device):
         return False
