@@ -92,7 +92,9 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # residual carries the un-normed stream; the first layer starts it from the embeddings.
-        early = self.self_attn.qkv_proj.reads_ahead_of_wait(hidden.shape[0])  # then the norm lets qkv start early
+        # the norm lets qkv start early where qkv reads ahead of its wait (MLA attention, in subclasses, has no qkv_proj)
+        qkv = getattr(self.self_attn, "qkv_proj", None)
+        early = qkv is not None and qkv.reads_ahead_of_wait(hidden.shape[0])
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden, early_trigger=early)
         else:
