@@ -139,6 +139,11 @@ def pdl_launch(device: torch.device, prefetch: str | None = None, early: bool = 
     return _ON_FLAGS[prefetch in _prefetch, early]
 
 
+def early_trigger_on(mode: int, asked: bool) -> bool:
+    """A kernel module's EARLY_TRIGGER toggle (0 never, 1 where the caller asks, 2 always) for one call."""
+    return mode == 2 or (mode == 1 and asked)
+
+
 @triton.jit
 def pdl_trigger(EARLY_TRIGGER: tl.constexpr):
     # first statement of a kernel that triggers early (see the contract above); pdl_enter's own signal after

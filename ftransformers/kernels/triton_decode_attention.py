@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import pdl_enter, pdl_launch, pdl_trigger
+from ftransformers.kernels.pdl import early_trigger_on, pdl_enter, pdl_launch, pdl_trigger
 from ftransformers.kernels.triton_rope_store import norm_rope
 
 # With the fused rope (DecodeRope), stage 1 reads its first K/V tile before the PDL wait
@@ -273,7 +273,7 @@ def decode_combine(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, num_warps=4,
-        **pdl_launch(mid_o.device, early=EARLY_TRIGGER == 2 or (EARLY_TRIGGER == 1 and early_trigger)),
+        **pdl_launch(mid_o.device, early=early_trigger_on(EARLY_TRIGGER, early_trigger)),
     )  # fmt: skip
     return out
 

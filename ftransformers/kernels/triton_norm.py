@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, pdl_trigger, prefetch_lines
+from ftransformers.kernels.pdl import early_trigger_on, l2_prefetch, pdl_enter, pdl_launch, pdl_trigger, prefetch_lines
 
 # The norm triggers the next kernel's launch before its PDL wait (pdl.py, "Early trigger"; the kernels after a
 # norm, a projection, the fused router or the LM head, read only constants ahead of their waits): 0 never, 1 on
@@ -72,13 +72,13 @@ def rms_norm(
     else:
         res2 = new_res = x2
     block_d = triton.next_power_of_2(d)
-    early = EARLY_TRIGGER == 2 or (EARLY_TRIGGER == 1 and early_trigger)
     if rows > 0:
         _rmsnorm_kernel[(rows,)](
             x2, res2, weight, out, new_res, d, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
-            **prefetch_lines(d, weight.element_size()), **pdl_launch(x2.device, prefetch="norm", early=early),
+            **prefetch_lines(d, weight.element_size()),
+            **pdl_launch(x2.device, prefetch="norm", early=early_trigger_on(EARLY_TRIGGER, early_trigger)),
         )
     if residual is None:
         return out.view(shape)
