@@ -3,7 +3,7 @@ and the transformers reference it is compared against.
 
 API (kept stable; other test files import it):
   make_tiny_checkpoint(kind, path, **overrides) -> Path
-  run_engineless_greedy(model_path, prompts, max_new_tokens, chunk_size, dtype) -> (tokens, logits)
+  run_engineless_greedy(model_path, prompts, max_new_tokens, chunk_size, dtype, ..., on_model) -> (tokens, logits)
   hf_greedy_reference(model_path, prompts, max_new_tokens, dtype) -> (tokens, logits)
   random_prompts(n, vocab_size, lengths, seed) -> list[list[int]]
   single_thread() -> context manager running torch on one CPU thread (tiny models on a busy
@@ -15,7 +15,7 @@ tokens: one list of generated ids per prompt; logits: one float32 [max_new_token
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -172,8 +172,10 @@ def run_engineless_greedy(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     attention_backend: str = "torch_native",
+    on_model: Callable[[torch.nn.Module], None] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decoding through the loader, a paged KV pool and ForwardBatch, without the scheduler.
+    `on_model` sees the loaded model before the first forward (to hook it).
 
     Each step runs every decoding sequence (one token) plus prefill chunks of up to `chunk_size`
     prompt tokens in total, so chunks and decodes of several sequences share one forward. KV slots
@@ -188,6 +190,8 @@ def run_engineless_greedy(
 
     mc = ModelConfig.from_pretrained(model_path, dtype=str(dtype).removeprefix("torch."))
     model = load_model(mc, device, dtype)
+    if on_model is not None:
+        on_model(model)
     spec = get_model_class(mc.architecture).kv_spec(mc.hf_config)
     max_len = max(len(p) for p in prompts) + max_new_tokens
     capacity = sum(len(p) for p in prompts) + len(prompts) * max_new_tokens

@@ -11,11 +11,13 @@ and the activation quantization its format implies ("int8": per token; "fp8": pe
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import types
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -253,15 +255,81 @@ def fake_quant_act(x: torch.Tensor, kind: str | None) -> torch.Tensor:
     return q.view(flat.shape[0], -1)[:, :k].reshape(x.shape).to(x.dtype)
 
 
-def _quant_experts_forward(act: str) -> Callable[..., torch.Tensor]:
+SNAP_RTOL = 1e-5  # float32 op-order noise after a few layers is ~1e-6 of a row's max; an E4M3 step is 1/16
+
+
+class EngineActInputs:
+    """The engine's activation-quantized inputs, per module name in call order: what its reference
+    path (`quant_formats._fake_quant_act`, CPU) was given inside each quantized module's forward."""
+
+    def __init__(self) -> None:
+        self.by_module: dict[str, list[torch.Tensor]] = {}
+        self._current: str | None = None
+
+    def attach(self, model: torch.nn.Module) -> None:
+        for name, module in model.named_modules():
+            if getattr(module, "quant_method", None) is not None:
+                module.register_forward_pre_hook(lambda m, args, name=name: self._enter(name))
+                module.register_forward_hook(lambda m, args, out: self._enter(None))
+
+    def _enter(self, name: str | None) -> None:
+        self._current = name
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        from ftransformers.kernels import quant_formats
+
+        real = quant_formats._fake_quant_act
+
+        def record(x: torch.Tensor, qw: Any) -> torch.Tensor:
+            if self._current is not None and qw.fmt in ("fp8_block", "int8"):
+                self.by_module.setdefault(self._current, []).append(x.detach().float().clone())
+            return real(x, qw)
+
+        quant_formats._fake_quant_act = record
+        try:
+            yield
+        finally:
+            quant_formats._fake_quant_act = real
+
+
+def snap_to_engine(x: torch.Tensor, engine_x: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] with each row replaced by the engine's where the two agree to SNAP_RTOL of the row's
+    max: the reference then rounds what the engine rounded, so a 1e-7 op-order difference next to an
+    E4M3 / int8 rounding boundary cannot flip one element (a 1/16 step) and every later layer.
+    A difference above float noise is kept and shows in the logits."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    if engine_x is None or engine_x.shape != flat.shape:
+        return x
+    close = ((flat - engine_x).abs() <= SNAP_RTOL * flat.abs().amax(-1, keepdim=True)).all(-1, keepdim=True)
+    return torch.where(close, engine_x, flat).reshape(x.shape).to(x.dtype)
+
+
+class _EngineInputs:
+    """The engine's inputs for the reference's calls: the n-th call of HF module `name` takes the n-th
+    recorded input of the engine module holding it (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj)."""
+
+    def __init__(self, recorded: dict[str, list[torch.Tensor]] | None) -> None:
+        self.recorded, self.calls = recorded or {}, dict[str, int]()
+
+    def take(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        parent, _, leaf = name.rpartition(".")
+        fused = next((f for f, parts in FUSED.items() if leaf in parts), leaf)
+        n = self.calls.get(name, 0)
+        self.calls[name] = n + 1
+        seen = self.recorded.get(f"{parent}.{fused}", [])
+        return snap_to_engine(x, seen[n] if n < len(seen) else None)
+
+
+def _quant_experts_forward(act: str, take: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
     def forward(self: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
-        for e in range(self.gate_up_proj.shape[0]):
+        for e in range(self.gate_up_proj.shape[0]):  # the engine's order: experts ascending, tokens ascending
             tok, slot = torch.where(top_k_index == e)
             if tok.numel() == 0:
                 continue
-            gate, up = (fake_quant_act(hidden[tok], act) @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
-            y = fake_quant_act(torch.nn.functional.silu(gate) * up, act) @ self.down_proj[e].t()
+            gate, up = (fake_quant_act(take(hidden[tok]), act) @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            y = fake_quant_act(take(torch.nn.functional.silu(gate) * up), act) @ self.down_proj[e].t()
             out.index_add_(0, tok, y * top_k_weights[tok, slot, None])
         return out
 
@@ -269,27 +337,33 @@ def _quant_experts_forward(act: str) -> Callable[..., torch.Tensor]:
 
 
 def hf_logits(float_dir: Path, deq: dict[str, tuple[torch.Tensor, str | None]], sequences: list[list[int]],
-              prompt_lens: list[int] | None = None) -> list[torch.Tensor]:
+              prompt_lens: list[int] | None = None,
+              engine_inputs: dict[str, list[torch.Tensor]] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """transformers (float32, eager) on the dequantized checkpoint, quantizing each quantized module's
     input as its format does: teacher-forced logits [len, V] of each sequence.
 
     With `prompt_lens`, each sequence runs as a decoding engine runs it: its prompt in one forward,
     then one token per forward on the KV cache; returns [len - prompt_len + 1, V], the rows that
-    chose each token after the prompt. Activation quantization needs this: the same position's row
-    computed inside a longer forward sums in another order (1e-7), which can carry an element across
-    an E4M3 rounding boundary; on the tiny DeepSeek-V3 one such flip moves logits by 0.034.
+    chose each token after the prompt. With `engine_inputs` too (EngineActInputs.by_module of the
+    engine run on the same sequences, one per batch), each quantized input row within float noise of
+    the engine's is replaced by the engine's before rounding (snap_to_engine): the same position's
+    row summed in another order (1e-7) can carry an element across an E4M3 boundary, and on the tiny
+    DeepSeek-V3 one such flip moves the logits by 0.18.
     """
     from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    inputs = _EngineInputs(engine_inputs)
     for name, module in model.named_modules():
         kind = deq.get(name, (None, None))[1]
         if isinstance(module, torch.nn.Linear) and kind is not None:
-            module.register_forward_pre_hook(lambda m, args, kind=kind: (fake_quant_act(args[0], kind),))
+            module.register_forward_pre_hook(
+                lambda m, args, kind=kind, name=name: (fake_quant_act(inputs.take(name, args[0]), kind),))
         if hasattr(module, "gate_up_proj") and getattr(module.gate_up_proj, "dim", lambda: 0)() == 3:
             kind = deq.get(f"{name}.0.gate_proj", (None, None))[1]
             if kind is not None:
-                module.forward = types.MethodType(_quant_experts_forward(kind), module)
+                take = functools.partial(inputs.take, name)
+                module.forward = types.MethodType(_quant_experts_forward(kind, take), module)
     with torch.no_grad():
         if prompt_lens is None:
             return [model(torch.tensor([seq]), use_cache=False).logits[0].float() for seq in sequences]
