@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA test matrix of gpu_validate.sh in about half the time: the compile-bound kernel test files in
-# four parallel pytest processes (Triton compiles on the CPU), then engine parity in bf16 with graphs on
-# and off, and the quantized whole-model tests (each alone: they size their KV pool from free memory).
+# The CUDA test matrix of gpu_validate.sh, and the Gluon / MLA-prefill / sampler files it lacks, in less time:
+# the compile-bound kernel test files round-robin over eight parallel pytest processes (Triton compiles on the
+# CPU), then engine parity in bf16 with graphs on and off, and the quantized whole-model tests (each alone: they size their KV pool from free memory).
 # PDL is on by default on Hopper, so these run the kernels as the engine launches them. Logs under $OUT.
 #   OUT=/tmp/out bash benchmarks/gpu_validate_parallel.sh [group ...]   (groups: see below; default all)
 set -u
@@ -14,18 +14,34 @@ t() {  # name pytest-args...
   python -m pytest -q -p no:cacheprovider "$@" > "$L/$n.log" 2>&1 || status=1
   echo "$n: $(tail -1 "$L/$n.log")"
 }
-groups=${*:-"kernels parity quant_load"}
-if [[ " $groups " == *" kernels "* ]]; then
-  t moe_w4 tests/test_triton_moe_w4.py &
-  t dense tests/test_triton_w4a16.py tests/test_triton_gemv.py tests/test_pdl.py tests/test_triton_w8.py &
-  t kern tests/test_triton_moe.py tests/test_triton_router.py tests/test_triton_fusions.py \
-    tests/test_triton_rope_store.py tests/test_triton_attention.py &
-  t runner tests/test_cuda_graph.py tests/test_model_runner.py tests/test_sampler.py tests/test_scheduler.py &
-  wait  # the background jobs' exit codes are lost: judge their logs
-  for n in moe_w4 dense kern runner; do
-    tail -1 "$L/$n.log" | grep -q -E "failed|error|^$" && status=1
-    tail -1 "$L/$n.log" | grep -q "passed" || status=1
+shards() {  # name count files...: the files' tests round-robin over `count` parallel pytest processes
+  local n=$1 k=$2 ids; shift 2
+  local tmp; tmp=$(mktemp -d)  # id lists off $OUT (parametrize ids may hold spaces: one id a line)
+  python -m pytest -q -p no:cacheprovider --collect-only "$@" 2>/dev/null | grep "::" > "$tmp/all"
+  for i in $(seq 0 $((k - 1))); do
+    awk -v k="$k" -v i="$i" 'NR % k == i' "$tmp/all" > "$tmp/$i"
+    mapfile -t ids < "$tmp/$i"
+    [ ${#ids[@]} -gt 0 ] && t "$n.$i" "${ids[@]}" &
   done
+  wait
+  for i in $(seq 0 $((k - 1))); do
+    [ -s "$tmp/$i" ] || continue
+    tail -1 "$L/$n.$i.log" | grep -q -E "failed|error|^$" && status=1
+    tail -1 "$L/$n.$i.log" | grep -q "passed" || status=1
+  done
+  rm -rf "$tmp"
+}
+groups=${*:-"kernels gluon parity quant_load"}
+if [[ " $groups " == *" kernels "* ]]; then  # compile-bound (Triton compiles on the CPU): 8 processes
+  shards kernels 8 tests/test_triton_moe_w4.py tests/test_triton_w4a16.py tests/test_triton_gemv.py tests/test_pdl.py \
+    tests/test_triton_w8.py tests/test_triton_moe.py tests/test_triton_router.py tests/test_triton_fusions.py \
+    tests/test_triton_rope_store.py tests/test_triton_attention.py tests/test_cuda_graph.py tests/test_model_runner.py \
+    tests/test_sampler.py tests/test_scheduler.py
+fi
+if [[ " $groups " == *" gluon "* ]]; then  # Hopper-only Gluon kernels, MLA prefill, the sampler kernels
+  shards gluon 8 tests/test_gluon_moe_w4_mma.py tests/test_gluon_w4a16_mma.py tests/test_gluon_mla_compile.py \
+    tests/test_gluon_mma_compile.py tests/test_w4a16_mma_rule.py tests/test_mla_prefill.py tests/test_triton_greedy.py \
+    tests/test_triton_sampling.py tests/test_triton_moe_w4_gemv.py tests/test_quant_formats.py
 fi
 if [[ " $groups " == *" parity "* ]]; then
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 t parity_bf16_default tests/test_engine_parity.py
