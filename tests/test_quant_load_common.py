@@ -311,14 +311,20 @@ class _EngineInputs:
 
     def __init__(self, recorded: dict[str, list[torch.Tensor]] | None) -> None:
         self.recorded, self.calls = recorded or {}, dict[str, int]()
+        self.unmatched: list[str] = []  # reference calls with no engine input of their shape
 
     def take(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if not self.recorded:
+            return x
         parent, _, leaf = name.rpartition(".")
         fused = next((f for f, parts in FUSED.items() if leaf in parts), leaf)
         n = self.calls.get(name, 0)
         self.calls[name] = n + 1
         seen = self.recorded.get(f"{parent}.{fused}", [])
-        return snap_to_engine(x, seen[n] if n < len(seen) else None)
+        engine_x = seen[n] if n < len(seen) else None
+        if engine_x is None or engine_x.shape != x.reshape(-1, x.shape[-1]).shape:
+            self.unmatched.append(f"{name} call {n} {tuple(x.shape)}")
+        return snap_to_engine(x, engine_x)
 
 
 def _quant_experts_forward(act: str, take: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -374,6 +380,8 @@ def hf_logits(float_dir: Path, deq: dict[str, tuple[torch.Tensor, str | None]], 
             for tok in seq[n:-1]:  # the last token is generated, never fed
                 rows.append(model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True).logits[0, -1])
             out.append(torch.stack(rows).float())
+        assert not inputs.unmatched, ("the engine and transformers ran different experts or layers; reference calls "
+                                      f"without an engine input of their shape: {inputs.unmatched[:3]}")  # fmt: skip
         return out
 
 

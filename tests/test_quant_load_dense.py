@@ -27,7 +27,15 @@ import pytest
 import torch
 
 from tests.model_harness import make_tiny_checkpoint, run_engineless_greedy
-from tests.test_quant_load_common import EngineActInputs, engine_weights, hf_logits, write_dequantized, write_quantized
+from tests.test_quant_load_common import (
+    SNAP_RTOL,
+    EngineActInputs,
+    engine_weights,
+    hf_logits,
+    snap_to_engine,
+    write_dequantized,  # fmt: skip
+    write_quantized,
+)
 
 PROMPTS = [[5, 9, 17, 33, 2, 71], [7, 7, 7, 120, 3]]
 NEW_TOKENS = 5
@@ -103,3 +111,19 @@ def test_act_order_becomes_a_column_permutation(qwen3: Path, tmp_path: Path) -> 
     qw = model.model.layers[0].mlp.down_proj.qw
     assert qw.perm is None and qw.zeros is None and sym is not None  # symmetric v1: every zero 8, dropped
     assert not any("qweight" in n or "g_idx" in n for n, _ in model.named_parameters())  # checkpoint layouts freed
+
+
+def test_reference_snaps_only_rows_within_float_noise() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 3, 64, generator=gen)  # [..., K]: rows are the flattened leading dims
+    flat = x.reshape(-1, 64)
+    row_max = flat.abs().amax(-1, keepdim=True)
+    engine = flat + (torch.rand(flat.shape, generator=gen) - 0.5) * SNAP_RTOL * row_max  # noise: within
+    engine[5, 17] += 10 * SNAP_RTOL * row_max[5, 0]  # a real difference in one element of row 5
+    got = snap_to_engine(x, engine).reshape(-1, 64)
+    torch.testing.assert_close(got[5], flat[5], rtol=0, atol=0)  # kept: the logits will show it
+    others = [r for r in range(flat.shape[0]) if r != 5]
+    torch.testing.assert_close(got[others], engine[others], rtol=0, atol=0)
+    assert not torch.equal(got[others], flat[others])
+    assert snap_to_engine(x, engine[:-1]) is x  # no engine input of this shape: the reference's own
+    assert snap_to_engine(x, None) is x
