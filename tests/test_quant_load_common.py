@@ -269,10 +269,10 @@ class EngineActInputs:
     def attach(self, model: torch.nn.Module) -> None:
         for name, module in model.named_modules():
             if getattr(module, "quant_method", None) is not None:
-                module.register_forward_pre_hook(lambda m, args, name=name: self._enter(name))
-                module.register_forward_hook(lambda m, args, out: self._enter(None))
+                module.register_forward_pre_hook(lambda m, args, name=name: self._inside(name))
+                module.register_forward_hook(lambda m, args, out: self._inside(None))
 
-    def _enter(self, name: str | None) -> None:
+    def _inside(self, name: str | None) -> None:  # the quantized module whose forward runs now, or None
         self._current = name
 
     @contextmanager
