@@ -57,6 +57,8 @@ READ_BEFORE_WAIT = {
     "_w4a16_gemv_kernel": "the first K tile of its (constant) words, with PRELOAD_SZ that of its scale_zero copy",
     "_token_down_kernel": "with PRELOAD the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",
+    "_token_down_w8_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after that "
+    "kernel's wait) and its rows of the experts' (constant) weights and scales",
 }
 # Kernels that prefetch into L2 ahead of their wait (an `if PREFETCH:` block): what they prefetch, and
 # what they load there only to form addresses (a hint: any value is safe while the address is in bounds).
@@ -75,7 +77,10 @@ EARLY_TRIGGER = {
 }
 # Kernels that read, ahead of their wait, a tensor that a kernel of the step writes, and the one kernel that is
 # ever launched just before them (its wait returned, so the writer had completed before they could start).
-STEP_DATA_BEFORE_WAIT = {"triton_moe_w4_gemv._token_down_kernel": "triton_moe_w4_gemv._token_gate_up_kernel"}
+STEP_DATA_BEFORE_WAIT = {
+    "triton_moe_w4_gemv._token_down_kernel": "triton_moe_w4_gemv._token_gate_up_kernel",
+    "triton_moe_w8_token._token_down_w8_kernel": "triton_moe_w8_token._token_gate_up_w8_kernel",
+}
 READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
     "gl.load", "gl.program_id",

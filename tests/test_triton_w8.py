@@ -43,6 +43,7 @@ from ftransformers.kernels.triton_fp8_gemm import Fp8GemmConfig, Fp8GemvConfig, 
 from ftransformers.kernels.triton_fused_moe import MoEConfig
 from ftransformers.kernels.triton_fused_moe_w8 import W8PairConfig, fused_moe_w8
 from ftransformers.kernels.triton_int8_gemm import Int8GemmConfig, Int8GemvConfig, int8_linear, quant_act_int8
+from ftransformers.kernels.triton_moe_w8_token import TokenW8Config, moe_w8_token, takes
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -230,6 +231,42 @@ def test_fused_moe_w8_one_token_default() -> None:
     hidden, w13, w2 = make_moe("int8", 1, 160, 96, 4, torch.bfloat16, gen)
     weights, ids = make_routing(1, 4, 2, gen)
     assert rel_err(fused_moe_w8(hidden, w13, w2, weights, ids), quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
+
+
+# One token's path (kernels/triton_moe_w8_token.py): (D, I, E, top-k, config). CPU: K not a power of two (masked
+# past it), I = 96 so the up rows start inside a 128-row fp8 scale block, top-k 3 padded to 4 slots.
+TOKEN_CASES = (
+    [(2048, 768, 128, 8, None), (4096, 1536, 64, 6, None), (2048, 768, 128, 8, TokenW8Config(2, 4, 8, 4))]
+    if CUDA
+    else [
+        (160, 96, 8, 2, None),
+        (160, 96, 4, 3, TokenW8Config(8, 2, 2, 4)),
+        (300, 200, 6, 4, TokenW8Config(1, 4, 1, 2)),
+    ]
+)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "int8"])
+@pytest.mark.parametrize("case", range(len(TOKEN_CASES)))
+def test_token_path_matches_reference(fmt: str, case: int) -> None:
+    d, inter, e, k, cfg = TOKEN_CASES[case]
+    for dtype in DTYPES if CUDA else DTYPES[case % 2 : case % 2 + 1]:
+        gen = torch.Generator().manual_seed(case * 7 + k)
+        hidden, w13, w2 = make_moe(fmt, 1, d, inter, e, dtype, gen)
+        weights, ids = make_routing(1, e, k, gen)
+        assert takes(hidden, w13, w2) == (fmt == "int8")  # fp8 keeps the pair path (takes' docstring)
+        out = moe_w8_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids, cfg)
+        assert out.shape == hidden.shape and out.dtype == dtype
+        assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL, (case, dtype)
+
+
+def test_token_path_takes_one_token_of_int8_experts_up_to_max_k() -> None:
+    gen = torch.Generator().manual_seed(3)
+    hidden, w13, w2 = make_moe("int8", 2, 160, 96, 4, torch.bfloat16, gen)
+    assert takes(hidden[:1], w13, w2) and not takes(hidden, w13, w2)
+    assert not takes(*make_moe("fp8_block", 1, 160, 96, 4, torch.bfloat16, gen))
+    wide, w13w, w2w = make_moe("int8", 1, 4104, 96, 2, torch.bfloat16, gen)  # D past MAX_K
+    assert not takes(wide, w13w, w2w)
 
 
 def _graph_replays_match(fn, inputs: list[torch.Tensor], refill) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ for T*K <= PAIR_MAX_PAIRS (one decode token) or a W8PairConfig, else the aligned
   convert and one FMA (its group scale folded into x): four launches, as in triton_fp8_gemm's
   decode path, where quantizing inside the GEMV was far slower. Weak spot: on an H100 (Qwen3-30B-A3B,
   one token) int8 took 37.7 us against 34.4 us for the bf16 pair path, far from its 12.8 us byte
-  floor; the aligned path at one token was not measured.
+  floor, so one int8 token now goes to kernels/triton_moe_w8_token.py instead (fp8 stays here).
 - Aligned path: x quantized by one kernel, `moe_align` sorts pairs into expert blocks of BLOCK_M rows,
   then grouped GEMMs with fp8 / int8 tl.dot: gate-up with SiLU * up fused in the epilogue (fp8: each
   K group's dot scaled into a float32 accumulator; int8: int32 accumulation, scales in the epilogue),
@@ -37,6 +37,8 @@ from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fp8_gemm import quant_act_fp8
 from ftransformers.kernels.triton_fused_moe import PAIR_MAX_PAIRS, MoEConfig, moe_align, moe_sum
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_act_int8, quant_int8
+from ftransformers.kernels.triton_moe_w8_token import moe_w8_token
+from ftransformers.kernels.triton_moe_w8_token import takes as token_takes
 
 W8_FORMATS = ("fp8_block", "int8")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -368,7 +370,8 @@ def fused_moe_w8(
     topk_ids: torch.Tensor,  # [T, K]
     config: MoEConfig | W8PairConfig | None = None,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """The pair path for a W8PairConfig (or T*K <= PAIR_MAX_PAIRS), else the aligned path."""
+    """One token: kernels/triton_moe_w8_token.py where it `takes` the call (config None); else the pair path for a
+    W8PairConfig (or T*K <= PAIR_MAX_PAIRS), else the aligned path."""
     if w13.fmt not in W8_FORMATS or w2.fmt != w13.fmt:
         raise ValueError(f"fused_moe_w8 needs fp8_block or int8 experts, got {w13.fmt!r} / {w2.fmt!r}")
     t, d = hidden.shape
@@ -380,6 +383,8 @@ def fused_moe_w8(
     ids = topk_ids.contiguous()
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
+    if config is None and token_takes(hidden, w13, w2):
+        return moe_w8_token(hidden, w13, w2, weights, ids)
     if isinstance(config, W8PairConfig) or (config is None and t * top_k <= PAIR_MAX_PAIRS):
         return _pair_path(hidden, w13, w2, weights, ids, config if isinstance(config, W8PairConfig) else W8PairConfig())
     cfg = config if isinstance(config, MoEConfig) else default_w8_config(t, e, top_k)
