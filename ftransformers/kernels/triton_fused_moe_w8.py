@@ -37,7 +37,7 @@ from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fp8_gemm import quant_act_fp8
 from ftransformers.kernels.triton_fused_moe import PAIR_MAX_PAIRS, MoEConfig, moe_align, moe_sum
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_act_int8, quant_int8
-from ftransformers.kernels.triton_moe_w8_token import moe_w8_token
+from ftransformers.kernels.triton_moe_w8_token import moe_w8_token, pow2_dividing
 from ftransformers.kernels.triton_moe_w8_token import takes as token_takes
 
 W8_FORMATS = ("fp8_block", "int8")
@@ -274,12 +274,6 @@ def default_w8_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfi
     return MoEConfig(128, 128, 128, 128, 128, 8, 8, 3)
 
 
-def _pow2_dividing(n: int, *sizes: int) -> int:
-    while n > 1 and any(s % n for s in sizes):
-        n //= 2
-    return n
-
-
 def _quant_act(x: torch.Tensor, qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return quant_act_fp8(x, qw.group_size) if qw.fmt == "fp8_block" else quant_act_int8(x)
 
@@ -325,7 +319,7 @@ def w8_moe_gemm(
 
 def _pair_tiles(qw: QuantizedWeight, block_n: int, block_k: int, k: int, *row_offsets: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K); fp8 needs BLOCK_N to divide the scale block and the row offsets."""
-    bn = _pow2_dividing(block_n, qw.block_n, *row_offsets) if qw.fmt == "fp8_block" else block_n
+    bn = pow2_dividing(block_n, qw.block_n, *row_offsets) if qw.fmt == "fp8_block" else block_n
     return bn, min(block_k, triton.next_power_of_2(k))
 
 

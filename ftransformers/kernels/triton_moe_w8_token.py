@@ -153,7 +153,8 @@ def _token_down_w8_kernel(
     tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
 
 
-def _pow2_dividing(n: int, *sizes: int) -> int:
+def pow2_dividing(n: int, *sizes: int) -> int:
+    """The largest power of two <= n dividing every size (1 at least): fp8 row tiles that stay in one scale block."""
     while n > 1 and any(s % n for s in sizes):
         n //= 2
     return n
@@ -204,7 +205,7 @@ def moe_w8_token(
     fp8 = w13.fmt == "fp8_block"
     assert w13.qweight.stride(-1) == 1 and w2.qweight.stride(-1) == 1 and hidden.stride(-1) == 1
     act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [K, I]
-    bn = _pow2_dividing(cfg.up_n, w13.block_n, inter) if fp8 else cfg.up_n
+    bn = pow2_dividing(cfg.up_n, w13.block_n, inter) if fp8 else cfg.up_n
     group, ng = _k_tiles(w13)
     s13, se, sn = _scales(w13)
     _token_gate_up_w8_kernel[(triton.cdiv(inter, bn), top_k)](
@@ -214,7 +215,7 @@ def moe_w8_token(
         **pdl_launch(hidden.device),
     )  # fmt: skip
     out = torch.empty(1, d, dtype=hidden.dtype, device=hidden.device)
-    bn = _pow2_dividing(cfg.down_n, w2.block_n) if fp8 else cfg.down_n
+    bn = pow2_dividing(cfg.down_n, w2.block_n) if fp8 else cfg.down_n
     group, ng = _k_tiles(w2)
     s2, se, sn = _scales(w2)
     _token_down_w8_kernel[(triton.cdiv(d, bn),)](
