@@ -57,6 +57,7 @@ READ_BEFORE_WAIT = {
     "_w4a16_gemv_kernel": "the first K tile of its (constant) words, with PRELOAD_SZ that of its scale_zero copy",
     "_token_down_kernel": "with PRELOAD the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",
+    "_w8_row_kernel": "its rows of the (constant) 8-bit weight and their scales (and bias)",
     "_token_down_w8_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after that "
     "kernel's wait) and its rows of the experts' (constant) weights and scales",
 }

@@ -44,6 +44,7 @@ from ftransformers.kernels.triton_fused_moe import MoEConfig
 from ftransformers.kernels.triton_fused_moe_w8 import W8PairConfig, fused_moe_w8
 from ftransformers.kernels.triton_int8_gemm import Int8GemmConfig, Int8GemvConfig, int8_linear, quant_act_int8
 from ftransformers.kernels.triton_moe_w8_token import TokenW8Config, moe_w8_token, takes
+from ftransformers.kernels.triton_w8_row import w8_row
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -171,6 +172,34 @@ def test_linear_every_kernel_variant(fmt: str, cfg: object, M: int) -> None:
     x = torch.randn(M, 400, generator=gen).to(DEV, torch.bfloat16)[:, 50:350]
     out = LINEARS[fmt](x, qw, None, cfg)
     assert rel_err(out, quant_linear_ref(x, qw)) <= TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "int8"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tiles", [(None, None), (4, 16), (2, 512)])  # (warps, weight elements a thread)
+def test_w8_row_matches_reference(fmt: str, bias: bool, tiles: tuple[int | None, int | None]) -> None:
+    shapes = [(5120, 2048), (2048, 4096), (160, 300)] if CUDA else [(160, 256), (37, 300)]
+    for i, (n, k) in enumerate(shapes):
+        gen = torch.Generator().manual_seed(17 + i)
+        qw = make_weight(fmt, (n, k), gen)
+        dtype = DTYPES[i % 2]
+        x = torch.randn(1, k, generator=gen).to(DEV, dtype)
+        b = torch.randn(n, generator=gen).to(DEV, dtype) if bias else None
+        out = w8_row(x, qw, b, torch.empty(1, n, device=DEV, dtype=dtype), *tiles)
+        assert rel_err(out, quant_linear_ref(x, qw, b)) <= TOL, (fmt, n, k, dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="quant_linear takes the kernels on CUDA only")
+@pytest.mark.parametrize("fmt", ["fp8_block", "int8"])
+def test_quant_linear_takes_the_row_kernel_for_one_row(fmt: str) -> None:
+    from ftransformers.kernels import triton_w8_row
+    from ftransformers.quant.kernel_method import quant_linear, quant_reads_ahead
+
+    gen = torch.Generator().manual_seed(5)
+    qw = make_weight(fmt, (2048, 4096), gen)
+    x = torch.randn(1, 4096, generator=gen).to(DEV, torch.bfloat16)
+    assert triton_w8_row.takes(x, qw) and quant_reads_ahead(qw, 1) and not quant_reads_ahead(qw, 2)
+    assert rel_err(quant_linear(x, qw), quant_linear_ref(x, qw)) <= TOL
 
 
 def test_linear_rejects_other_formats() -> None:

@@ -44,6 +44,10 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
         return w4a16_linear(x, qw, bias)
+    from ftransformers.kernels import triton_w8_row
+
+    if qw.perm is None and triton_w8_row.takes(x, qw):  # one row, all of K in one load
+        return triton_w8_row.w8_row(x.contiguous(), qw, bias, x.new_empty(1, qw.out_features))
     if qw.fmt == "fp8_block":
         from ftransformers.kernels.triton_fp8_gemm import fp8_block_linear
 
@@ -55,7 +59,13 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
 
 def quant_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
     """Whether quant_linear on `rows` rows of qw reads the weight ahead of its PDL wait (kernels/pdl.py)."""
-    if not qw.qweight.is_cuda or qw.fmt not in FOUR_BIT_FORMATS:
+    if not qw.qweight.is_cuda:
+        return False
+    if qw.fmt in ("int8", "fp8_block"):
+        from ftransformers.kernels import triton_w8_row
+
+        return triton_w8_row.reads_ahead(qw, rows)
+    if qw.fmt not in FOUR_BIT_FORMATS:
         return False
     from ftransformers.kernels.triton_w4a16 import gemv_reads_ahead
 
