@@ -30,7 +30,9 @@ before a 4-bit qkv GEMV and decode attention's stage 2 before a 4-bit o GEMV, wh
 streams in while the norm, or stage 1, still runs (LinearBase.reads_ahead_of_wait decides). H100, session 27,
 benchmarks/results/ab_early*_h100.*: Qwen3-30B-A3B W4A16 B=1 1.803 against 1.845 ms, B=2 2.569 against 2.625;
 the same early triggers before bf16 GEMVs, which read nothing ahead, cost 3.206 -> 3.263 ms, and early triggers
-in the GEMVs, stage 1, the token MoE's down kernel or every norm were neutral or slower.
+in the GEMVs, stage 1, the token MoE's down kernel or every norm were neutral or slower. The 8-bit row kernel
+(triton_w8_row, all of its weight rows before the wait) gains the same way: W8A8 B=1 2.637 against 2.733 ms
+(session 29, ab_w8row_30b_w8a8_h100.*).
 
 L2 prefetch ahead of the wait (`l2_prefetch`, kernels launched with `pdl_launch(device, prefetch=FAMILY)`):
 a program that is resident before its predecessor completes can already pull lines it will read from
