@@ -298,6 +298,17 @@ def test_token_path_takes_one_token_of_int8_experts_up_to_max_k() -> None:
     assert not takes(wide, w13w, w2w)
 
 
+def test_fp8_one_token_takes_the_pair_gate_up_then_the_token_down() -> None:
+    from ftransformers.kernels.triton_moe_w8_token import takes_down
+
+    gen = torch.Generator().manual_seed(4)
+    hidden, w13, w2 = make_moe("fp8_block", 1, 160, 96, 8, torch.bfloat16, gen)
+    weights, ids = make_routing(1, 8, 3, gen)
+    assert takes_down(hidden, w13, w2) and not takes(hidden, w13, w2)
+    out = fused_moe_w8(hidden, w13, w2, weights, ids)
+    assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
+
+
 def _graph_replays_match(fn, inputs: list[torch.Tensor], refill) -> None:  # type: ignore[no-untyped-def]
     fn(*inputs)  # compile outside the capture
     stream = torch.cuda.Stream()

@@ -16,7 +16,8 @@ for T*K <= PAIR_MAX_PAIRS (one decode token) or a W8PairConfig, else the aligned
   convert and one FMA (its group scale folded into x): four launches, as in triton_fp8_gemm's
   decode path, where quantizing inside the GEMV was far slower. Weak spot: on an H100 (Qwen3-30B-A3B,
   one token) int8 took 37.7 us against 34.4 us for the bf16 pair path, far from its 12.8 us byte
-  floor, so one int8 token now goes to kernels/triton_moe_w8_token.py instead (fp8 stays here).
+  floor, so one int8 token now goes to kernels/triton_moe_w8_token.py instead, and one fp8 token's down
+  projection to that module's down kernel.
 - Aligned path: x quantized by one kernel, `moe_align` sorts pairs into expert blocks of BLOCK_M rows,
   then grouped GEMMs with fp8 / int8 tl.dot: gate-up with SiLU * up fused in the epilogue (fp8: each
   K group's dot scaled into a float32 accumulator; int8: int32 accumulation, scales in the epilogue),
@@ -37,8 +38,9 @@ from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fp8_gemm import quant_act_fp8
 from ftransformers.kernels.triton_fused_moe import PAIR_MAX_PAIRS, MoEConfig, moe_align, moe_sum
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_act_int8, quant_int8
-from ftransformers.kernels.triton_moe_w8_token import moe_w8_token, pow2_dividing
+from ftransformers.kernels.triton_moe_w8_token import fp8_down_config, moe_w8_token, pow2_dividing, token_down
 from ftransformers.kernels.triton_moe_w8_token import takes as token_takes
+from ftransformers.kernels.triton_moe_w8_token import takes_down as token_takes_down
 
 W8_FORMATS = ("fp8_block", "int8")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -323,11 +325,9 @@ def _pair_tiles(qw: QuantizedWeight, block_n: int, block_k: int, k: int, *row_of
     return bn, min(block_k, triton.next_power_of_2(k))
 
 
-def _pair_path(
-    hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
-    pc: W8PairConfig,
-) -> torch.Tensor:  # fmt: skip
-    t, d = hidden.shape
+def _pair_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, pc: W8PairConfig) -> torch.Tensor:
+    """The pair path's first kernel (fp8: behind x's quantization): act [T*K, I] in hidden's dtype."""
+    d = hidden.shape[1]
     num_pairs, top_k = ids.numel(), ids.shape[1]
     inter = w13.qweight.shape[1] // 2
     fp8 = w13.fmt == "fp8_block"
@@ -342,6 +342,18 @@ def _pair_path(
         LATE_SUM=pc.late_sum, num_warps=pc.up_warps, num_stages=pc.up_stages,
         **pdl_launch(x.device),
     )  # fmt: skip
+    return act
+
+
+def _pair_path(
+    hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+    pc: W8PairConfig,
+) -> torch.Tensor:  # fmt: skip
+    t, d = hidden.shape
+    top_k = ids.shape[1]
+    inter = w13.qweight.shape[1] // 2
+    fp8 = w13.fmt == "fp8_block"
+    act = _pair_gate_up(hidden, w13, ids, pc)
     a = quant_act_fp8(act, w2.group_size, fake=True)[0] if fp8 else act  # fp8: float32 [T*K, I]
     out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
     bn, bk = _pair_tiles(w2, pc.down_n, pc.down_k, inter)
@@ -364,8 +376,9 @@ def fused_moe_w8(
     topk_ids: torch.Tensor,  # [T, K]
     config: MoEConfig | W8PairConfig | None = None,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """One token: kernels/triton_moe_w8_token.py where it `takes` the call (config None); else the pair path for a
-    W8PairConfig (or T*K <= PAIR_MAX_PAIRS), else the aligned path."""
+    """One token (config None): int8 in kernels/triton_moe_w8_token.py where it `takes` the call; fp8 the pair path's
+    gate-up kernel, then that module's down kernel (`takes_down`). Else the pair path for a W8PairConfig (or
+    T*K <= PAIR_MAX_PAIRS), else the aligned path."""
     if w13.fmt not in W8_FORMATS or w2.fmt != w13.fmt:
         raise ValueError(f"fused_moe_w8 needs fp8_block or int8 experts, got {w13.fmt!r} / {w2.fmt!r}")
     t, d = hidden.shape
@@ -379,6 +392,8 @@ def fused_moe_w8(
         hidden = hidden.contiguous()
     if config is None and token_takes(hidden, w13, w2):
         return moe_w8_token(hidden, w13, w2, weights, ids)
+    if config is None and token_takes_down(hidden, w13, w2):  # one fp8 token: pair gate-up, then the token down
+        return token_down(_pair_gate_up(hidden, w13, ids, W8PairConfig()), w2, weights, ids, fp8_down_config())
     if isinstance(config, W8PairConfig) or (config is None and t * top_k <= PAIR_MAX_PAIRS):
         return _pair_path(hidden, w13, w2, weights, ids, config if isinstance(config, W8PairConfig) else W8PairConfig())
     cfg = config if isinstance(config, MoEConfig) else default_w8_config(t, e, top_k)

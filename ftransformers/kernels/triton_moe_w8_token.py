@@ -60,8 +60,17 @@ UP_N, UP_WARPS, DOWN_N, DOWN_WARPS = (TokenW8Config.up_n, TokenW8Config.up_warps
                                       TokenW8Config.down_warps)  # fmt: skip
 
 
+# fp8: the down kernel on 16 warps (538 us a step against 913 on 32), after the pair path's gate-up kernel, which
+# was faster than this module's on fp8 (540 against 649-749 us); FP8_DOWN = 0 leaves one fp8 token to the pair path
+FP8_DOWN, FP8_DOWN_WARPS = True, 16
+
+
 def default_config() -> TokenW8Config:
     return TokenW8Config(UP_N, UP_WARPS, DOWN_N, DOWN_WARPS)
+
+
+def fp8_down_config() -> TokenW8Config:
+    return TokenW8Config(UP_N, UP_WARPS, DOWN_N, FP8_DOWN_WARPS)
 
 
 @triton.jit
@@ -175,6 +184,18 @@ def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight) -> bo
     )
 
 
+def takes_down(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight) -> bool:
+    """Whether fused_moe_w8 runs one fp8 token's down projection here (`token_down`, after the pair path's
+    gate-up kernel): one token, fp8_block experts, I at most MAX_K."""
+    return (
+        FP8_DOWN
+        and hidden.shape[0] == 1
+        and w13.fmt == w2.fmt == "fp8_block"
+        and w2.in_features <= MAX_K
+        and hidden.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
 def _k_tiles(qw: QuantizedWeight) -> tuple[int, int]:
     """(GROUP, NG): K as NG groups of GROUP, NG * GROUP the next power of two >= K (fp8: GROUP = its K block)."""
     bk = triton.next_power_of_2(qw.in_features)
@@ -190,20 +211,12 @@ def _scales(qw: QuantizedWeight) -> tuple[torch.Tensor, int, int]:
     return s, s.stride(0), s.stride(1)
 
 
-def moe_w8_token(
-    hidden: torch.Tensor,  # [1, D] bf16 / fp16, unit stride
-    w13: QuantizedWeight,  # [E, 2I, D]: rows [gate | up]
-    w2: QuantizedWeight,  # [E, D, I]
-    weights: torch.Tensor,  # [K] float32 contiguous
-    ids: torch.Tensor,  # [1, K] int
-    cfg: TokenW8Config | None = None,
-) -> torch.Tensor:  # [1, D] hidden.dtype
-    """quant_moe_ref's function for one token, in the two kernels above (check `takes` first)."""
-    cfg = cfg or default_config()
+def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenW8Config) -> torch.Tensor:
+    """The first kernel: act [K, I] in hidden's dtype."""
     d, top_k = hidden.shape[1], ids.numel()
     inter = w13.out_features // 2
     fp8 = w13.fmt == "fp8_block"
-    assert w13.qweight.stride(-1) == 1 and w2.qweight.stride(-1) == 1 and hidden.stride(-1) == 1
+    assert w13.qweight.stride(-1) == 1 and hidden.stride(-1) == 1
     act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [K, I]
     bn = pow2_dividing(cfg.up_n, w13.block_n, inter) if fp8 else cfg.up_n
     group, ng = _k_tiles(w13)
@@ -214,7 +227,18 @@ def moe_w8_token(
         FP8=fp8, SCALE_N=w13.block_n, GROUP=group, NG=ng, BLOCK_N=bn, num_warps=cfg.up_warps,
         **pdl_launch(hidden.device),
     )  # fmt: skip
-    out = torch.empty(1, d, dtype=hidden.dtype, device=hidden.device)
+    return act
+
+
+def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+               cfg: TokenW8Config) -> torch.Tensor:  # fmt: skip
+    """The second kernel: [1, D] in act's dtype. It reads ids, weights and w2 before its PDL wait, so the kernel
+    launched just before it must have read ids after its own wait (either gate-up kernel of one token does)."""
+    top_k, inter = act.shape
+    d = w2.out_features
+    fp8 = w2.fmt == "fp8_block"
+    assert w2.qweight.stride(-1) == 1 and act.is_contiguous() and weights.is_contiguous()
+    out = torch.empty(1, d, dtype=act.dtype, device=act.device)
     bn = pow2_dividing(cfg.down_n, w2.block_n) if fp8 else cfg.down_n
     group, ng = _k_tiles(w2)
     s2, se, sn = _scales(w2)
@@ -225,3 +249,16 @@ def moe_w8_token(
         BLOCK_N=bn, num_warps=cfg.down_warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out
+
+
+def moe_w8_token(
+    hidden: torch.Tensor,  # [1, D] bf16 / fp16, unit stride
+    w13: QuantizedWeight,  # [E, 2I, D]: rows [gate | up]
+    w2: QuantizedWeight,  # [E, D, I]
+    weights: torch.Tensor,  # [K] float32 contiguous
+    ids: torch.Tensor,  # [1, K] int
+    cfg: TokenW8Config | None = None,
+) -> torch.Tensor:  # [1, D] hidden.dtype
+    """quant_moe_ref's function for one token, in the two kernels above (check `takes` first)."""
+    cfg = cfg or default_config()
+    return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg)
