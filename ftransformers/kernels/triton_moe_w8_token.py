@@ -170,11 +170,10 @@ def pow2_dividing(n: int, *sizes: int) -> int:
 
 
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight) -> bool:
-    """Whether fused_moe_w8 runs this call here: one token, int8 experts, D and I at most MAX_K. fp8_block experts
-    keep the pair path: in the step (H100, Qwen3-30B-A3B, ab_w8tok{2,3}_30b_fp8_h100.*) this path's fp8 down kernel
-    on 32 warps took 913 us a step against the pair path's 666 (on 16 warps 538) and its gate-up 649-749 against
-    540, so the whole step was no faster (replay 3.440 against 3.102 ms; 3.117-3.168 against 3.102-3.377 on 16
-    warps). moe_w8_token still runs fp8 when called directly (tests, benchmarks)."""
+    """Whether fused_moe_w8 runs this call here, both kernels: one token, int8 experts, D and I at most MAX_K. On fp8
+    experts (H100, Qwen3-30B-A3B, ab_w8tok{2,3}_30b_fp8_h100.*) this gate-up kernel lost to the pair path's (649-749
+    against 540 us a step) while the down kernel won on 16 warps (538 against 666; 913 on 32), so one fp8 token
+    takes only the down kernel (`takes_down`). moe_w8_token still runs fp8 whole when called directly (tests)."""
     return (
         ENABLED
         and hidden.shape[0] == 1
