@@ -34,8 +34,8 @@ from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fp8_gemm import fp8_scale, quant_fp8
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_int8
 
-# fused_moe_w8 takes one int8 token here (`takes`); `set=triton_moe_w8_token.ENABLED=0` in benchmarks/ab_decode.py restores the
-# pair path for an A/B.
+# fused_moe_w8 takes one int8 token here (`takes`); `set=triton_moe_w8_token.ENABLED=0` in benchmarks/ab_decode.py
+# restores the pair path for an A/B.
 ENABLED = True
 MAX_K = 4096  # a program holds its rows over all of K; wider experts (DeepSeek-V3's D) keep the pair path
 
@@ -141,7 +141,7 @@ def _token_down_w8_kernel(
     )  # [BN, SLOTS, BK]  # fmt: skip
     if FP8:
         ws = tl.load(ws_ptr + expert[:, None] * stride_se + (pid * BLOCK_N // SCALE_N) * stride_sn + g[None, :],
-                     mask=(s < TOP_K)[:, None] & (g < tl.cdiv(K, GROUP))[None, :], other=0.0)  # [SLOTS, NG]  # fmt: skip
+                     mask=(s < TOP_K)[:, None] & (g < tl.cdiv(K, GROUP))[None, :], other=0.0)  # [SLOTS, NG] # fmt: skip
     else:
         ws = tl.load(ws_ptr + expert[None, :] * stride_se + n[:, None] * stride_sn,
                      mask=(n < N)[:, None] & (s < TOP_K)[None, :], other=0.0)  # [BN, SLOTS]  # fmt: skip
