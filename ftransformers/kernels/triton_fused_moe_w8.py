@@ -38,9 +38,10 @@ from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fp8_gemm import quant_act_fp8
 from ftransformers.kernels.triton_fused_moe import PAIR_MAX_PAIRS, MoEConfig, moe_align, moe_sum
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_act_int8, quant_int8
-from ftransformers.kernels.triton_moe_w8_token import fp8_down_config, moe_w8_token, pow2_dividing, token_down
+from ftransformers.kernels.triton_moe_w8_token import fp8_down_config, moe_w8_token, token_down
 from ftransformers.kernels.triton_moe_w8_token import takes as token_takes
 from ftransformers.kernels.triton_moe_w8_token import takes_down as token_takes_down
+from ftransformers.kernels.triton_w8_row import pow2_dividing
 
 W8_FORMATS = ("fp8_block", "int8")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

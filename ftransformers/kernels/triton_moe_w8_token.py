@@ -33,6 +33,7 @@ from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fp8_gemm import fp8_scale, quant_fp8
 from ftransformers.kernels.triton_int8_gemm import int8_scale, quant_int8
+from ftransformers.kernels.triton_w8_row import k_tiles, pow2_dividing, quant_row
 
 # fused_moe_w8 takes one int8 token here (`takes`); `set=triton_moe_w8_token.ENABLED=0` in benchmarks/ab_decode.py
 # restores the pair path for an A/B.
@@ -96,21 +97,17 @@ def _token_gate_up_w8_kernel(
         mask=(n < N)[:, None, None] & (kk < K)[None, None, :], other=0.0 if FP8 else 0,
     )  # [BN, 2, BK]  # fmt: skip
     x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)  # [BK]
+    xq, sx = quant_row(x, FP8, NG, GROUP)
     if FP8:
         g = tl.arange(0, NG)
-        x2 = tl.reshape(x, [NG, GROUP])
-        sx = fp8_scale(tl.max(tl.abs(x2), axis=1))  # [NG]
-        xd = quant_fp8(x2, sx[:, None]).to(tl.float32) * sx[:, None]  # [NG, G]
         blocks = (pid_n * BLOCK_N + h * N) // SCALE_N  # [2]
         ws = tl.load(ws_ptr + expert * stride_se + blocks[:, None] * stride_sn + g[None, :],
                      mask=(g < tl.cdiv(K, GROUP))[None, :], other=0.0)  # [2, NG]  # fmt: skip
-        xw = tl.reshape(xd[None, :, :] * ws[:, :, None], [2, BK])
+        xw = tl.reshape(xq[None, :, :] * ws[:, :, None], [2, BK])
         y = tl.sum(w.to(tl.float32) * xw[None, :, :], axis=2)  # [BN, 2]
     else:
-        sx = int8_scale(tl.max(tl.abs(x), axis=0))
-        q = quant_int8(x, sx).to(tl.int32)
         ws = tl.load(ws_ptr + expert * stride_se + rows * stride_sn, mask=(n < N)[:, None], other=0.0)  # [BN, 2]
-        y = tl.sum(w.to(tl.int32) * q[None, None, :], axis=2).to(tl.float32) * (sx * ws)
+        y = tl.sum(w.to(tl.int32) * xq[None, None, :], axis=2).to(tl.float32) * (sx * ws)
     gate, up = tl.split(y.to(act_ptr.dtype.element_ty).to(tl.float32))
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + slot * N + n, act.to(act_ptr.dtype.element_ty), mask=n < N)
@@ -162,13 +159,6 @@ def _token_down_w8_kernel(
     tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
 
 
-def pow2_dividing(n: int, *sizes: int) -> int:
-    """The largest power of two <= n dividing every size (1 at least): fp8 row tiles that stay in one scale block."""
-    while n > 1 and any(s % n for s in sizes):
-        n //= 2
-    return n
-
-
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight) -> bool:
     """Whether fused_moe_w8 runs this call here, both kernels: one token, int8 experts, D and I at most MAX_K. On fp8
     experts (H100, Qwen3-30B-A3B, ab_w8tok{2,3}_30b_fp8_h100.*) this gate-up kernel lost to the pair path's (649-749
@@ -195,13 +185,6 @@ def takes_down(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight) 
     )
 
 
-def _k_tiles(qw: QuantizedWeight) -> tuple[int, int]:
-    """(GROUP, NG): K as NG groups of GROUP, NG * GROUP the next power of two >= K (fp8: GROUP = its K block)."""
-    bk = triton.next_power_of_2(qw.in_features)
-    group = min(qw.group_size, bk) if qw.fmt == "fp8_block" else min(128, bk)
-    return group, max(1, bk // group)
-
-
 def _scales(qw: QuantizedWeight) -> tuple[torch.Tensor, int, int]:
     # (scales, expert stride, row (int8) or row-block (fp8) stride); fp8's K blocks are contiguous
     s = qw.scales
@@ -218,7 +201,7 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     assert w13.qweight.stride(-1) == 1 and hidden.stride(-1) == 1
     act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [K, I]
     bn = pow2_dividing(cfg.up_n, w13.block_n, inter) if fp8 else cfg.up_n
-    group, ng = _k_tiles(w13)
+    group, ng = k_tiles(w13)
     s13, se, sn = _scales(w13)
     _token_gate_up_w8_kernel[(triton.cdiv(inter, bn), top_k)](
         hidden, w13.qweight, s13, act, ids, inter, d,
@@ -239,7 +222,7 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     assert w2.qweight.stride(-1) == 1 and act.is_contiguous() and weights.is_contiguous()
     out = torch.empty(1, d, dtype=act.dtype, device=act.device)
     bn = pow2_dividing(cfg.down_n, w2.block_n) if fp8 else cfg.down_n
-    group, ng = _k_tiles(w2)
+    group, ng = k_tiles(w2)
     s2, se, sn = _scales(w2)
     _token_down_w8_kernel[(triton.cdiv(d, bn),)](
         act, w2.qweight, s2, out, ids, weights, d, inter,

@@ -32,6 +32,20 @@ ROW_ELEMS = 64  # weight elements a thread: BLOCK_N = ROW_ELEMS * threads / K pa
 
 
 @triton.jit
+def quant_row(x, FP8: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr):
+    # x float32 [NG * GROUP] (zero past K) quantized as the scheme says -> fp8: (q * scale float32 [NG, GROUP],
+    # scale [NG]); int8: (q int32 [NG * GROUP], scale [])
+    if FP8:
+        x2 = tl.reshape(x, [NG, GROUP])
+        scale = fp8_scale(tl.max(tl.abs(x2), axis=1))
+        values = quant_fp8(x2, scale[:, None]).to(tl.float32) * scale[:, None]
+    else:
+        scale = int8_scale(tl.max(tl.abs(x), axis=0))
+        values = quant_int8(x, scale).to(tl.int32)
+    return values, scale
+
+
+@triton.jit
 def _w8_row_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn,
     FP8: tl.constexpr, SCALE_N: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -53,31 +67,45 @@ def _w8_row_kernel(
         bias = tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     pdl_enter(USE_PDL)
     x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)  # [BK]
+    xq, sx = quant_row(x, FP8, NG, GROUP)
     if FP8:
-        x2 = tl.reshape(x, [NG, GROUP])
-        sx = fp8_scale(tl.max(tl.abs(x2), axis=1))  # [NG]
-        xd = quant_fp8(x2, sx[:, None]).to(tl.float32) * (sx * ws)[:, None]
-        y = tl.sum(w.to(tl.float32) * tl.reshape(xd, [BK])[None, :], axis=1)  # [BN]
+        y = tl.sum(w.to(tl.float32) * tl.reshape(xq * ws[:, None], [BK])[None, :], axis=1)  # [BN]
     else:
-        sx = int8_scale(tl.max(tl.abs(x), axis=0))
-        q = quant_int8(x, sx).to(tl.int32)
-        y = tl.sum(w.to(tl.int32) * q[None, :], axis=1).to(tl.float32) * (sx * ws)
+        y = tl.sum(w.to(tl.int32) * xq[None, :], axis=1).to(tl.float32) * (sx * ws)
     if HAS_BIAS:
         y += bias
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+def _switched_on(qw: QuantizedWeight) -> bool:
+    return INT8_ENABLED if qw.fmt == "int8" else FP8_ENABLED if qw.fmt == "fp8_block" else False
+
+
+def pow2_dividing(n: int, *sizes: int) -> int:
+    """The largest power of two <= n dividing every size (1 at least): fp8 row tiles that stay in one scale block."""
+    while n > 1 and any(s % n for s in sizes):
+        n //= 2
+    return n
+
+
+def k_tiles(qw: QuantizedWeight) -> tuple[int, int]:
+    """(GROUP, NG): K as NG groups of GROUP, NG * GROUP the next power of two >= K (fp8: GROUP = its K block)."""
+    bk = triton.next_power_of_2(qw.in_features)
+    group = min(qw.group_size, bk) if qw.fmt == "fp8_block" else min(128, bk)
+    return group, max(1, bk // group)
+
+
 def takes(x: torch.Tensor, qw: QuantizedWeight) -> bool:
     """One row of a 16-bit x on CUDA (or the interpreter), K <= MAX_K, the format's switch on."""
-    on = INT8_ENABLED if qw.fmt == "int8" else FP8_ENABLED if qw.fmt == "fp8_block" else False
-    return on and x.shape[0] == 1 and qw.in_features <= MAX_K and x.dtype in (torch.bfloat16, torch.float16)
+    return (
+        _switched_on(qw) and x.shape[0] == 1 and qw.in_features <= MAX_K and x.dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 def reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
     """Whether quant_linear on `rows` rows of qw runs this kernel, which reads its weight ahead of its PDL wait (the
     16-bit x that `takes` also asks for is the model's dtype)."""
-    on = INT8_ENABLED if qw.fmt == "int8" else FP8_ENABLED if qw.fmt == "fp8_block" else False
-    return READS_AHEAD and on and rows == 1 and qw.in_features <= MAX_K and qw.perm is None
+    return READS_AHEAD and _switched_on(qw) and rows == 1 and qw.in_features <= MAX_K and qw.perm is None
 
 
 def w8_row(
@@ -90,19 +118,18 @@ def w8_row(
 ) -> torch.Tensor:
     n, k = qw.qweight.shape
     fp8 = qw.fmt == "fp8_block"
-    bk = triton.next_power_of_2(k)
-    group = min(qw.group_size, bk) if fp8 else min(128, bk)
+    group, ng = k_tiles(qw)
     warps = warps or ROW_WARPS
-    block_n = max(1, min(16, (elems or ROW_ELEMS) * 32 * warps // bk))
+    block_n = max(1, min(16, (elems or ROW_ELEMS) * 32 * warps // (group * ng)))
     block_n = 1 << (block_n.bit_length() - 1)  # a power of two
     if fp8:
-        block_n = min(block_n, qw.block_n & -qw.block_n)  # a power of two dividing the scale block
+        block_n = pow2_dividing(block_n, qw.block_n)  # inside one scale block
     ws = qw.scales if fp8 else qw.scales.reshape(-1)
     assert x.stride(-1) == 1 and qw.qweight.stride(-1) == 1 and ws.stride(-1) == 1
     _w8_row_kernel[(triton.cdiv(n, block_n),)](
         x, qw.qweight, ws, bias if bias is not None else ws, out, n, k, qw.qweight.stride(0),
         ws.stride(0) if fp8 else 1,
-        FP8=fp8, SCALE_N=qw.block_n, GROUP=group, NG=max(1, bk // group), BLOCK_N=block_n, HAS_BIAS=bias is not None,
+        FP8=fp8, SCALE_N=qw.block_n, GROUP=group, NG=ng, BLOCK_N=block_n, HAS_BIAS=bias is not None,
         num_warps=warps, **pdl_launch(x.device),
     )  # fmt: skip
     return out
