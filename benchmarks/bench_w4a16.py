@@ -10,6 +10,7 @@ before it is timed. Kernels are compiled first in a process pool (Triton's disk 
 spends its time measuring.
 
     PYTHONPATH=. python benchmarks/bench_w4a16.py --out $OUT/w4a16_h100.json [--sweep]
+    PYTHONPATH=. python benchmarks/bench_w4a16.py --out $OUT/w4a16_mid_h100.json --mid-sweep [--shapes ...]
 """
 
 from __future__ import annotations
@@ -197,6 +198,78 @@ def loop_opcodes(sass: str) -> dict[str, int]:
     return {"loop_instructions": hi + 1 - lo, **dict(ops.most_common(30))}
 
 
+MID_ROWS = [4, 8, 16, 32, 64]
+MID_VARIANTS = ["int4-asym", "mxfp4", "nvfp4"]
+
+
+def mid_configs(M: int, fmt: str) -> list[dict[str, int]]:
+    """Tiles at M rows: int4 on the codes kernel (kernels/triton_w4a16_codes.py; x tiles of max(16, M) rows,
+    weight tiles of 64 / 128 rows and 64 / 128 K, K split 1-8, 4 warps, 8 too on 128-row tiles); FP4 on the
+    dequantizing GEMM's decode-shaped tiles (one row tile of max(16, M) rows, 16-64 columns, K split 1-8)."""
+    bm = max(16, triton.next_power_of_2(M))
+    if fmt == "int4":
+        return [{"CODES": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w,
+                 "num_stages": 3} for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4, 8)
+                for w in ((4,) if bn == 64 else (4, 8))]  # fmt: skip
+    return [{"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "GROUP_M": 1, "num_warps": 4,
+             "num_stages": 3} for bn, bk in ((16, 256), (32, 256), (64, 128)) for sk in (1, 2, 4, 8)]  # fmt: skip
+
+
+def legacy_config(M: int, N: int, K: int, variant: str) -> dict[str, int] | None:
+    """The config w4a16_linear ran at M rows before session 30 took 17-64 rows to the codes kernel (int4) and
+    to decode-shaped dequantizing tiles (FP4): up to 16 rows the default (None), then 64 x 128 x 128 tiles."""
+    if M <= 16:
+        return None
+    return {"GEMV": 0, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 4,
+            "num_stages": 3}  # fmt: skip
+
+
+def mid_sweep(out: dict[str, Any], path: str, workers: int, bw: float, peak: float, shapes: list[str],
+              variants: list[str], rows: list[int]) -> None:  # fmt: skip
+    """3-64 rows (decode at batch 3-64): the default config beside the pre-session-30 one, mid_configs' tiles and
+    cuBLAS bf16, each beside its floor max(bytes / copy, FLOPs / matmul rate); rows appended to
+    out["mid"]."""
+    jobs = [(v, *SHAPES[s], M, c) for s in shapes for v in variants for M in rows
+            for c in [None, legacy_config(M, *SHAPES[s], v)] + mid_configs(M, VARIANTS[v][0])]  # fmt: skip
+    precompile(jobs, workers)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    for name in shapes:
+        N, K = SHAPES[name]
+        w16 = [torch.randn(N, K, device=DEV, dtype=DT, generator=gen) / K**0.5 for _ in range(max(2, -(-4 * L2_BYTES // (2 * N * K))))]  # fmt: skip
+        xs = {M: torch.randn(M, K, device=DEV, dtype=DT, generator=gen) for M in rows}
+        cublas = {M: time_per_call(lambda i, x=xs[M], w=w16: F.linear(x, w[i]), len(w16)) for M in rows}
+        for v in variants:
+            probe = make_weight(v, N, K, gen)
+            qws = [probe] + [make_weight(v, N, K, gen) for _ in range(max(2, -(-4 * L2_BYTES // probe.nbytes())) - 1)]
+            for M in rows:
+                x = xs[M]
+                nbytes = probe.nbytes() + 2 * M * (K + N)
+                floor = max(nbytes / bw / 1e6, 2 * M * N * K / peak / 1e9)
+                b16_floor = max((2 * N * K + 2 * M * (K + N)) / bw / 1e6, 2 * M * N * K / peak / 1e9)
+                legacy = legacy_config(M, N, K, v)
+                t_def, t_old = checked_time(x, qws, None), checked_time(x, qws, legacy)
+                timed = [(c, checked_time(x, qws, c, rep=5)) for c in mid_configs(M, VARIANTS[v][0])]
+                ok = sorted(((t, c) for c, t in timed if not isinstance(t, str)), key=lambda r: r[0])
+                row = {"shape": name, "fmt": v, "M": M, "bytes": nbytes, "floor_ms": floor, "default": w4a16_config(
+                       M, N, K, *VARIANTS[v][:2]), "default_ms": t_def, "legacy": legacy, "legacy_ms": t_old,
+                       "cublas_bf16_ms": cublas[M], "cublas_bf16_floor_ms": b16_floor, "results": [[c, t] for c, t in timed]}  # fmt: skip
+                out.setdefault("mid", []).append(row)
+
+                def us(t: float | str, floor: float = floor) -> str:
+                    return f"{t * 1e3:6.1f} us (x{t / floor:4.2f})" if not isinstance(t, str) else t[:60]
+
+                best = f"best {us(ok[0][0])} {ok[0][1]}" if ok else "no config ran"
+                print(f"mid {name:20s} {v:9s} M={M:<3d} floor {floor * 1e3:5.1f} us | default {us(t_def)} | before "
+                      f"{us(t_old)} | cublas bf16 {cublas[M] * 1e3:6.1f} us (x{cublas[M] / b16_floor:4.2f} its floor) | {best}",
+                      flush=True)  # fmt: skip
+                for c, t in timed:
+                    if isinstance(t, str):
+                        print(f"  mid FAILED {name} {v} M={M} {c}: {t}", flush=True)
+                Path(path).write_text(json.dumps(out, indent=1))
+            del qws, probe
+        del w16
+
+
 def prefill_sweep() -> list[dict[str, int]]:
     return [{"GEMV": 0, "SPLIT_K": 1, "GROUP_M": 8, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w,
              "num_stages": s} for bm, bn, bk, w, s in [(128, 128, 128, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3),
@@ -269,7 +342,19 @@ def main() -> None:
     p.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS + PREFILL_ROWS)))
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--codes-sweep", action="store_true", help="only sweep the int4 codes kernel (codes_sweep)")
+    p.add_argument("--mid-sweep", action="store_true", help="only the 3-64-row comparison (mid_sweep; --shapes, "
+                   "--variants default to its own, --rows to MID_ROWS)")  # fmt: skip
     args = p.parse_args()
+    if args.mid_sweep:
+        bw, peak = copy_bandwidth(), matmul_rate()
+        out = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw,
+               "bf16_matmul_TFLOPs": peak}  # fmt: skip
+        print(f"{out['device']}  copy {bw:.0f} GB/s  bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+        rows = MID_ROWS if args.rows == p.get_default("rows") else [int(m) for m in args.rows.split(",")]
+        variants = MID_VARIANTS if args.variants == p.get_default("variants") else args.variants.split(",")
+        mid_sweep(out, args.out, args.workers, bw, peak, args.shapes.split(","), variants, rows)
+        return
     if args.codes_sweep:
         bw = copy_bandwidth()
         out = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -219,6 +219,13 @@ def test_config_paths() -> None:
     )
     assert "CODES" not in w4a16_config(8, 5120, 2048, "int4", 16)  # group 16: no K tile fits in a group
     assert w4a16_config(16, 5120, 2048, "nvfp4")["GEMV"] == 0 and w4a16_config(16, 5120, 2048, "nvfp4")["BLOCK_M"] == 16
+    # int4, 17-64 rows: the codes kernel with a 32- or 64-row x tile; past 32 rows K split until 256 programs
+    mid = [w4a16_config(m, 5120, 2048, "int4") for m in (32, 64)]
+    assert [(c["BLOCK_M"], c["SPLIT_K"]) for c in mid] == [(32, 8), (64, 4)]
+    assert "CODES" not in w4a16_config(65, 5120, 2048, "int4")
+    # FP4, 17-64 rows: one decode-shaped row tile of max(16, M) rows
+    assert w4a16_config(33, 5120, 2048, "mxfp4")["BLOCK_M"] == 64
+    assert w4a16_config(24, 5120, 2048, "nvfp4")["GROUP_M"] == 1
     # FP4, 3-16 rows: K split only under 128 column tiles (deep, narrow weights), at least two K tiles per part
     shapes = ((5120, 2048), (2048, 4096), (4096, 12288), (7168, 16384), (24576, 4096), (256, 512), (1024, 2048))
     assert [w4a16_config(8, n, k, "mxfp4")["SPLIT_K"] for n, k in shapes] == [1, 1, 8, 8, 1, 1, 4]
@@ -263,7 +270,7 @@ CODES_BASE = {"CODES": 1, "BLOCK_M": 16, "num_warps": 4, "num_stages": 2}
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_codes_kernel(dtype: torch.dtype) -> None:
     """The int4 codes kernel (scale after the dot): split K with tickets (last program out), zero points,
-    bias, masked N and M, group 64 and 128."""
+    bias, masked N and M, group 64 and 128, 2-64 rows."""
     gen = torch.Generator().manual_seed(11)
     n, k = (1029, 4096) if DEV == "cuda" else (40, 512)
     cases = [
@@ -271,13 +278,16 @@ def test_codes_kernel(dtype: torch.dtype) -> None:
         (64, False, 16, 16, 64, 3),
         (128, True, 9, 128, 64, 4),
         (64, True, 2, 16, 64, 7),
+        (128, False, 33, 64, 64, 2),
+        (64, True, 64, 16, 64, 3),
     ]
     for group, zeros, M, bn, bk, split in cases:
         bn = bn if DEV == "cuda" else 16
         qw = random_weight("int4", n, k, gen, group, zeros, torch.bfloat16 if group == 64 else torch.float16)
         x = torch.randn(M, k, generator=gen).to(DEV, dtype)
         b = torch.randn(n, generator=gen).to(DEV, dtype)
-        cfg = {**CODES_BASE, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
+        bm = max(16, 1 << (M - 1).bit_length())
+        cfg = {**CODES_BASE, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
         assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < tol(dtype), cfg
 
 
@@ -295,7 +305,7 @@ def test_codes_split_without_tickets(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_codes_rejects_what_it_cannot_take() -> None:
-    """Only int4 with 16-bit x, <= 16 rows and K tiles inside a group; float32 x (whose 1e-5 tolerance the
+    """Only int4 with 16-bit x, <= 64 rows and K tiles inside a group; float32 x (whose 1e-5 tolerance the
     offset codes' rounding would exceed) gets the dequantizing kernels by default."""
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(4, 512, generator=gen).to(DEV, torch.bfloat16)
@@ -306,7 +316,9 @@ def test_codes_rejects_what_it_cannot_take() -> None:
         w4a16_linear(x, random_weight("int4", 40, 512, gen, group=64), config=cfg)
     with pytest.raises(ValueError, match="codes kernel"):
         w4a16_linear(
-            torch.randn(17, 512, generator=gen).to(DEV, torch.bfloat16), random_weight("int4", 40, 512, gen), config=cfg
+            torch.randn(65, 512, generator=gen).to(DEV, torch.bfloat16),
+            random_weight("int4", 40, 512, gen),
+            config={**cfg, "BLOCK_M": 128},
         )
     qw, x32 = random_weight("int4", 40, 512, gen), x.float()
     with pytest.raises(ValueError, match="codes kernel"):

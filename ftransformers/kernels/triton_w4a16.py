@@ -12,7 +12,7 @@ kernels, chosen by `w4a16_config` from M, the format and the weight size:
   one LOP3 and one FMA per row (int4) or three integer ops and one FMA per row (FP4). int4 weights loaded
   by the engine carry `QuantizedWeight.scale_zero` (`gemv_scale_zero`), which the GEMV reads instead of
   the scales and zeros: a thread's 4 rows of a group in one 16-byte load.
-- `triton_w4a16_codes` (int4, 3 <= M <= 16): tensor cores on the raw codes, scales applied per group
+- `triton_w4a16_codes` (int4, 3 <= M <= 64): tensor cores on the raw codes, scales applied per group
   after the dot, split K with a last-one-out sum (its module docstring).
 - `_w4a16_gemm_kernel` (FP4 with M > 2, int4 groups the codes kernel cannot take, prefill): tensor
   cores (mma / wgmma). The weight tile is dequantized per nibble, interleaved in registers into K order
@@ -49,7 +49,7 @@ from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
 from ftransformers.kernels.tiling import grouped_tile
-from ftransformers.kernels.triton_w4a16_codes import codes_config, codes_supported, w4a16_codes
+from ftransformers.kernels.triton_w4a16_codes import CODES_MAX_M, codes_config, codes_supported, w4a16_codes
 
 GEMV_MAX_M = 4
 # The GEMV's first K tile of words loaded before the PDL wait (its PRELOAD; benchmarks/ab_decode.py
@@ -72,7 +72,9 @@ GEMV_WARPS = 4
 # B=2 2.601 against 2.617, Qwen3-8B B=1 2.696 / 2.705 against 2.686 / 2.712 (H100, ab_szpre{,2}_*_h100.*).
 # Session 23 measured it on one word (1024-wide tiles) slower, 2.142 against 2.126.
 GEMV_PRELOAD_SZ = True
-DECODE_MAX_M = 16
+# Up to this many rows the dequantizing GEMM runs decode-shaped: one row tile of max(16, M) rows, K split where
+# the column tiles are few (decode_split)
+DECODE_MAX_M = 64
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
@@ -319,17 +321,17 @@ def _w4a16_gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def decode_split(N: int, K: int, block_n: int, block_k: int) -> int:
+def decode_split(N: int, K: int, block_n: int, block_k: int, programs: int = 512) -> int:
     """K split of a decode-shaped (one row tile) dequantizing product. Deep, narrow weights (Qwen3-8B's
     down, DeepSeek-V3's o: 64-112 column tiles over 12-16K) leave most SMs idle: those split into the
-    fewest of 2, 4, 8 parts that gives 512 programs, keeping at least two K tiles per part. From
+    fewest of 2, 4, 8 parts that gives `programs` programs, keeping at least two K tiles per part. From
     `DECODE_MIN_TILES` column tiles up the product runs unsplit: on the H100 a split there cost more
     (partials and their sum) than it gained (benchmarks/results/w4a16_fp4_split_h100.json)."""
     tiles = triton.cdiv(N, block_n)
     allowed = [s for s in (2, 4, 8) if triton.cdiv(K, block_k) >= 2 * s]
     if tiles >= DECODE_MIN_TILES or not allowed:
         return 1
-    return next((s for s in allowed if tiles * s >= 512), allowed[-1])
+    return next((s for s in allowed if tiles * s >= programs), allowed[-1])
 
 
 def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool = True) -> dict[str, int]:
@@ -339,10 +341,13 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, int4 two words a thread
     (GEMV_WORDS: one warp per 32 word pairs of a 2048-wide K tile; FP4 one word, 1024), 4 warps, 4 output rows
     per program on small weights, 8 on large. int4 with 3
-    to 16 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
-    dot, split K), 1.0-2.4x the dequantizing GEMM there. FP4 up to 16 rows: one 16-row tensor-core tile,
-    narrow and deep on small weights (more programs), wide on large ones, K split where the column tiles
-    are fewer than the SMs (`decode_split`; float32 partials summed after the kernel). Prefill from M = 129: 256 x 128
+    to 64 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
+    dot, split K), 1.0-2.4x the dequantizing GEMM there. FP4 up to DECODE_MAX_M rows: one tensor-core row tile of
+    max(16, M) rows, narrow and deep on small weights (more programs) up to 32 rows, wide on large ones and past
+    32 rows, K split where the column tiles are fewer than the SMs (`decode_split`, aiming at 512 programs, 256
+    past 32 rows; float32 partials summed after the kernel). From the H100 sweep at 24-64 rows
+    (benchmarks/results/w4a16_mid4_h100.json): 1.1-3.7x the 64 x 128 x 128 tiles it ran before on Qwen3 weights,
+    except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Prefill from M = 129: 256 x 128
     tiles (two warpgroups share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
     codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and M > 2 else None
@@ -354,12 +359,11 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
         return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": bk,
                 "SPLIT_K": 1, "WORDS": words, "num_warps": GEMV_WARPS, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
-        bn, bk = (64, 128) if large else (16, 256)
-        return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": decode_split(N, K, bn, bk),
-                "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
-    bm, bn, bk, warps, stages = (
-        (64, 128, 128, 4, 3) if M <= 64 else (128, 128, 64, 8, 4) if M <= 128 else (256, 128, 64, 8, 3)
-    )
+        bn, bk = (64, 128) if large or M > 32 else (16, 256)
+        split = decode_split(N, K, bn, bk, 512 if M <= 32 else 256)
+        return {"GEMV": 0, "BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": bn, "BLOCK_K": bk,
+                "SPLIT_K": split, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
+    bm, bn, bk, warps, stages = (128, 128, 64, 8, 4) if M <= 128 else (256, 128, 64, 8, 3)
     return {"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "GROUP_M": 8,
             "num_warps": warps, "num_stages": stages}  # fmt: skip
 
@@ -376,7 +380,7 @@ def gemv_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
     n, k, zeros = qw.out_features, qw.in_features, qw.zeros is not None
     if qw.fmt == "int4" and mma_path.takes(rows, n, k, zeros):
         return False
-    return w4a16_config(rows, n, k, qw.fmt, qw.group_size)["GEMV"] == 1
+    return w4a16_config(rows, n, k, qw.fmt, qw.group_size).get("GEMV") == 1
 
 
 def gemv_scale_zero(qw: QuantizedWeight) -> torch.Tensor | None:
@@ -450,7 +454,8 @@ def w4a16_linear(
         if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"]):
             got = f"{qw.fmt}, {x.dtype}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}"
             raise ValueError(
-                f"w4a16_linear: the codes kernel takes int4, 16-bit x, <= 16 rows and BLOCK_K dividing the group; got {got}"
+                f"w4a16_linear: the codes kernel takes int4, 16-bit x, <= {CODES_MAX_M} rows and BLOCK_K dividing the "
+                f"group; got {got}"
             )
         return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)

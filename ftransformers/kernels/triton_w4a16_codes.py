@@ -1,4 +1,4 @@
-"""Tensor-core int4 GEMM for few rows (decode, M <= 16) that scales after the dot: y = x @ W^T with
+"""Tensor-core int4 GEMM for few rows (decode, M <= CODES_MAX_M = 64) that scales after the dot: y = x @ W^T with
 W[n, k] = (code[n, k] - zero[n, g]) * scale[n, g], g = k // GROUP (the "int4" layout of
 kernels/quant_formats.py).
 
@@ -45,6 +45,7 @@ from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CODES_MAX_M = 64  # rows the codes kernel takes (x's tile up to 64 rows)
 # (magic pair, code offset) per x dtype: bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0
 MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
 
@@ -161,22 +162,26 @@ def codes_block_k(group: int) -> int:
 
 def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     """Tiles for the codes kernel on an int4 [N, K] weight with this group size, or None where it does not
-    apply (K tiles of 64, or 32 for group 32). From the H100 sweep (benchmarks/results/
-    w4a16_codes_sweep2_h100.json): 64-row weight tiles; K split into the fewest of 1, 2, 4, 8 parts that
-    gives 512 programs (four per SM), e.g. 8 for Qwen3-30B's qkv and o, 2 for Qwen3-8B's gate_up."""
+    apply (K tiles of 64, or 32 for group 32; more than CODES_MAX_M rows). From the H100 sweep
+    (benchmarks/results/w4a16_codes_sweep2_h100.json): 64-row weight tiles; K split into the fewest of 1, 2, 4,
+    8 parts that gives 512 programs (four per SM), e.g. 8 for Qwen3-30B's qkv and o, 2 for Qwen3-8B's gate_up.
+    Past 16 rows x's tile is 32 or 64 rows, and past 32 rows the split aims at 256 programs (w4a16_mid3_h100.json:
+    at 64 rows Qwen3-30B's qkv 14.1 us split 4 against 20.4 split 8, Qwen3-8B's gate_up 62.8 unsplit against
+    75.5 split 2)."""
     bk = codes_block_k(group)
-    if not bk or K % bk or M > 16:
+    if not bk or K % bk or M > CODES_MAX_M:
         return None
     tiles = triton.cdiv(N, 64)
-    split = next((s for s in (1, 2, 4) if tiles * s >= 512), 8)
-    return {"CODES": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "SPLIT_K": min(split, K // bk),
-            "num_warps": 4, "num_stages": 3}  # fmt: skip
+    want = 512 if M <= 32 else 256
+    split = next((s for s in (1, 2, 4) if tiles * s >= want), 8)
+    return {"CODES": 1, "BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": 64, "BLOCK_K": bk,
+            "SPLIT_K": min(split, K // bk), "num_warps": 4, "num_stages": 3}  # fmt: skip
 
 
 def codes_supported(M: int, K: int, group: int, fmt: str, x_dtype: torch.dtype, block_k: int) -> bool:
-    """Whether `w4a16_codes` takes this product: int4 weights, 16-bit x, at most 16 rows, K tiles inside a
-    group."""
-    return fmt == "int4" and M <= 16 and group % block_k == 0 and K % block_k == 0 and x_dtype in MAGIC
+    """Whether `w4a16_codes` takes this product: int4 weights, 16-bit x, at most CODES_MAX_M rows, K tiles inside
+    a group."""
+    return fmt == "int4" and M <= CODES_MAX_M and group % block_k == 0 and K % block_k == 0 and x_dtype in MAGIC
 
 
 def w4a16_codes(
