@@ -74,6 +74,26 @@ def make_weight(variant: str, N: int, K: int, gen: torch.Generator) -> Quantized
     return QuantizedWeight(fmt, q, scales, N, K, group, zeros=zeros, global_scale=gs)
 
 
+def quant_copies(variant: str, N: int, K: int, gen: torch.Generator) -> list[QuantizedWeight]:
+    """Enough distinct random weights that a graph of products over them reads past L2 four times."""
+    qws = [make_weight(variant, N, K, gen)]
+    return qws + [make_weight(variant, N, K, gen) for _ in range(max(2, -(-4 * L2_BYTES // qws[0].nbytes())) - 1)]
+
+
+def bf16_copies(N: int, K: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """quant_copies' bf16 peer: distinct [N, K] weights, four times L2 in all."""
+    return [torch.randn(N, K, device=DEV, dtype=DT, generator=gen) / K**0.5 for _ in range(max(2, -(-4 * L2_BYTES // (2 * N * K))))]  # fmt: skip
+
+
+def header(bw: float, peak: float | None = None) -> dict[str, Any]:
+    """The result file's head: device, date, command, versions and the ceilings measured in this run."""
+    out = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw}  # fmt: skip
+    if peak is not None:
+        out["bf16_matmul_TFLOPs"] = peak
+    return out
+
+
 def sweep_configs(M: int) -> list[dict[str, int]]:
     def dot(bn: int, bk: int, warps: int = 4, split_k: int = 1) -> dict[str, int]:
         return {"GEMV": 0, "BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": 1,
@@ -111,10 +131,10 @@ def sweep_rows(out: dict[str, Any], path: str, workers: int, bw: float, shapes: 
     res = []
     for name in shapes:
         N, K = SHAPES[name]
-        w16 = [torch.randn(N, K, device=DEV, dtype=DT, generator=gen) / K**0.5 for _ in range(max(2, -(-4 * L2_BYTES // (2 * N * K))))]  # fmt: skip
+        w16 = bf16_copies(N, K, gen)
         for v in fmts:
-            probe = make_weight(v, N, K, gen)
-            qws = [probe] + [make_weight(v, N, K, gen) for _ in range(max(2, -(-4 * L2_BYTES // probe.nbytes())) - 1)]
+            qws = quant_copies(v, N, K, gen)
+            probe = qws[0]
             for M in rows:
                 x = torch.randn(M, K, device=DEV, dtype=DT, generator=gen)
                 nbytes = probe.nbytes() + 2 * M * (K + N)
@@ -215,7 +235,7 @@ def mid_configs(M: int, fmt: str) -> list[dict[str, int]]:
              "num_stages": 3} for bn, bk in ((16, 256), (32, 256), (64, 128)) for sk in (1, 2, 4, 8)]  # fmt: skip
 
 
-def legacy_config(M: int, N: int, K: int, variant: str) -> dict[str, int] | None:
+def legacy_config(M: int) -> dict[str, int] | None:
     """The config w4a16_linear ran at M rows before session 30 took 17-64 rows to the codes kernel (int4) and
     to decode-shaped dequantizing tiles (FP4): up to 16 rows the default (None), then 64 x 128 x 128 tiles."""
     if M <= 16:
@@ -230,23 +250,23 @@ def mid_sweep(out: dict[str, Any], path: str, workers: int, bw: float, peak: flo
     cuBLAS bf16, each beside its floor max(bytes / copy, FLOPs / matmul rate); rows appended to
     out["mid"]."""
     jobs = [(v, *SHAPES[s], M, c) for s in shapes for v in variants for M in rows
-            for c in [None, legacy_config(M, *SHAPES[s], v)] + mid_configs(M, VARIANTS[v][0])]  # fmt: skip
+            for c in [None, legacy_config(M)] + mid_configs(M, VARIANTS[v][0])]  # fmt: skip
     precompile(jobs, workers)
     gen = torch.Generator(device=DEV).manual_seed(2)
     for name in shapes:
         N, K = SHAPES[name]
-        w16 = [torch.randn(N, K, device=DEV, dtype=DT, generator=gen) / K**0.5 for _ in range(max(2, -(-4 * L2_BYTES // (2 * N * K))))]  # fmt: skip
+        w16 = bf16_copies(N, K, gen)
         xs = {M: torch.randn(M, K, device=DEV, dtype=DT, generator=gen) for M in rows}
         cublas = {M: time_per_call(lambda i, x=xs[M], w=w16: F.linear(x, w[i]), len(w16)) for M in rows}
         for v in variants:
-            probe = make_weight(v, N, K, gen)
-            qws = [probe] + [make_weight(v, N, K, gen) for _ in range(max(2, -(-4 * L2_BYTES // probe.nbytes())) - 1)]
+            qws = quant_copies(v, N, K, gen)
+            probe = qws[0]
             for M in rows:
                 x = xs[M]
                 nbytes = probe.nbytes() + 2 * M * (K + N)
                 floor = max(nbytes / bw / 1e6, 2 * M * N * K / peak / 1e9)
                 b16_floor = max((2 * N * K + 2 * M * (K + N)) / bw / 1e6, 2 * M * N * K / peak / 1e9)
-                legacy = legacy_config(M, N, K, v)
+                legacy = legacy_config(M)
                 t_def, t_old = checked_time(x, qws, None), checked_time(x, qws, legacy)
                 timed = [(c, checked_time(x, qws, c, rep=5)) for c in mid_configs(M, VARIANTS[v][0])]
                 ok = sorted(((t, c) for c, t in timed if not isinstance(t, str)), key=lambda r: r[0])
@@ -347,9 +367,7 @@ def main() -> None:
     args = p.parse_args()
     if args.mid_sweep:
         bw, peak = copy_bandwidth(), matmul_rate()
-        out = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw,
-               "bf16_matmul_TFLOPs": peak}  # fmt: skip
+        out = header(bw, peak)
         print(f"{out['device']}  copy {bw:.0f} GB/s  bf16 matmul {peak:.0f} TFLOP/s", flush=True)
         rows = MID_ROWS if args.rows == p.get_default("rows") else [int(m) for m in args.rows.split(",")]
         variants = MID_VARIANTS if args.variants == p.get_default("variants") else args.variants.split(",")
@@ -357,8 +375,7 @@ def main() -> None:
         return
     if args.codes_sweep:
         bw = copy_bandwidth()
-        out = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw}  # fmt: skip
+        out = header(bw)
         print(f"{out['device']}  copy {bw:.0f} GB/s", flush=True)
         codes_sweep(out, args.out, args.workers, bw)
         return
@@ -372,19 +389,16 @@ def main() -> None:
     precompile(jobs, args.workers)
 
     bw, peak = copy_bandwidth(), matmul_rate()
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
-                           "copy_GBps": bw, "bf16_matmul_TFLOPs": peak, "rows": [], "prefill": [], "sweep": []}  # fmt: skip
+    out: dict[str, Any] = {**header(bw, peak), "rows": [], "prefill": [], "sweep": []}
     print(f"{out['device']}  copy {bw:.0f} GB/s  bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     peers: dict[tuple[str, int], tuple[float, float]] = {}
     for name in shapes:
         N, K = SHAPES[name]
-        w16 = [torch.randn(N, K, device=DEV, dtype=DT, generator=gen) / K**0.5 for _ in range(max(2, -(-4 * L2_BYTES // (2 * N * K))))]  # fmt: skip
+        w16 = bf16_copies(N, K, gen)
         for v in variants:
-            probe = make_weight(v, N, K, gen)
-            copies = max(2, -(-4 * L2_BYTES // probe.nbytes()))
-            qws = [probe] + [make_weight(v, N, K, gen) for _ in range(copies - 1)]
+            qws = quant_copies(v, N, K, gen)
+            probe = qws[0]
             for M in rows:
                 x = torch.randn(M, K, device=DEV, dtype=DT, generator=gen)
                 t = checked_time(x, qws, None)

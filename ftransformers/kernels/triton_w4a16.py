@@ -49,7 +49,13 @@ from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
 from ftransformers.kernels.tiling import grouped_tile
-from ftransformers.kernels.triton_w4a16_codes import CODES_MAX_M, codes_config, codes_supported, w4a16_codes
+from ftransformers.kernels.triton_w4a16_codes import (
+    CODES_MAX_M,
+    codes_config,
+    codes_supported,
+    split_programs,
+    w4a16_codes,
+)
 
 GEMV_MAX_M = 4
 # The GEMV's first K tile of words loaded before the PDL wait (its PRELOAD; benchmarks/ab_decode.py
@@ -360,7 +366,7 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
                 "SPLIT_K": 1, "WORDS": words, "num_warps": GEMV_WARPS, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
         bn, bk = (64, 128) if large or M > 32 else (16, 256)
-        split = decode_split(N, K, bn, bk, 512 if M <= 32 else 256)
+        split = decode_split(N, K, bn, bk, split_programs(M))
         return {"GEMV": 0, "BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": bn, "BLOCK_K": bk,
                 "SPLIT_K": split, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
     bm, bn, bk, warps, stages = (128, 128, 64, 8, 4) if M <= 128 else (256, 128, 64, 8, 3)

@@ -160,6 +160,12 @@ def codes_block_k(group: int) -> int:
     return 64 if group % 64 == 0 else 32 if group % 32 == 0 else 0
 
 
+def split_programs(M: int) -> int:
+    """The programs a decode-shaped 4-bit product's K split aims at (this module's and triton_w4a16's
+    decode_split): 512 (four per SM) up to 32 rows, 256 past them, where each program's x tile is larger."""
+    return 512 if M <= 32 else 256
+
+
 def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     """Tiles for the codes kernel on an int4 [N, K] weight with this group size, or None where it does not
     apply (K tiles of 64, or 32 for group 32; more than CODES_MAX_M rows). From the H100 sweep
@@ -172,8 +178,7 @@ def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     if not bk or K % bk or M > CODES_MAX_M:
         return None
     tiles = triton.cdiv(N, 64)
-    want = 512 if M <= 32 else 256
-    split = next((s for s in (1, 2, 4) if tiles * s >= want), 8)
+    split = next((s for s in (1, 2, 4) if tiles * s >= split_programs(M)), 8)
     return {"CODES": 1, "BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": 64, "BLOCK_K": bk,
             "SPLIT_K": min(split, K // bk), "num_warps": 4, "num_stages": 3}  # fmt: skip
 
