@@ -5,9 +5,10 @@ Floors, from ceilings measured in the same run: decode = bytes the step must rea
 weights, the expected distinct experts E*(1-(1-K/E)^B) per MoE layer under uniform routing, the KV
 of every sequence) / device-to-device copy bandwidth (read + write bytes); prefill = model FLOPs
 (2 per weight per token, causal attention with the model's own head dims, MLA counted
-non-absorbed) / bf16 matmul rate (8192^3). Decode KV is random, filled in place: each sequence is
-registered once with `prefix_len = context` and its slots, then timed steps re-decode position
-`context` (slots_start = context), so no prefill is needed.
+non-absorbed) / bf16 matmul rate (8192^3). Decode KV is the model's own: each sequence's random prompt of
+`context` tokens is prefilled for real once (`decode_batch`), then timed steps re-decode position `context`
+(slots_start = context). Until session 31 the KV was a uniform(-1, 1) fill instead, which skewed MoE routing
+for quantized dummy weights (see `decode_batch`).
 
 Engine rows (`engine_overlap_ms`, `engine_sync_ms`): the same batch served through the `Scheduler`
 loop (requests of `context` prompt tokens, greedy or `--engine-sampling`, ignore_eos, 64 new tokens), with overlap
@@ -180,9 +181,30 @@ def seq_step(i: int, ids: list[int], prefix: int, start: int, slots: list[int]) 
     )  # fmt: skip
 
 
+PREFILL_TOKENS = 16384  # most prompt tokens one prefill step of decode_batch carries
+
+
+def decode_batch(runner: Any, vocab: int, batch: int, ctx: int) -> Any:
+    """The timed decode step: `batch` sequences (request slots 0..batch-1, KV slots 1 + i*(ctx+1) on, in order)
+    each decoding position `ctx` of a random prompt that is first prefilled for real, so the KV is the model's
+    own and attention outputs, hence MoE routing, have the scale the engine sees. A uniform(-1, 1) KV fill
+    instead sent Qwen3-30B-A3B W4A16's 32 tokens to 81 distinct experts a layer, not the 111.8 of uniform
+    routing the floor counts, and its replay ran 2.2 ms faster than the engine (session 31,
+    probe_engine_routing.py)."""
+    from ftransformers.runtime.step_io import StepBatch
+
+    n = ctx + 1
+    group = max(1, PREFILL_TOKENS // max(ctx, 1))
+    for g0 in range(0, batch, group):
+        runner.forward_step(StepBatch([seq_step(i, torch.randint(0, vocab, (ctx,)).tolist(), 0, 0,
+                                                list(range(1 + i * n, 1 + i * n + ctx)))
+                                       for i in range(g0, min(batch, g0 + group))]))  # fmt: skip
+    toks = torch.randint(0, vocab, (batch,)).tolist()  # distinct inputs: routing spreads like real traffic
+    return StepBatch([seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
+
+
 def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: int, iters: int,
                  engine: bool = True) -> dict[str, Any]:
-    from ftransformers.runtime.step_io import StepBatch
 
     row: dict[str, Any] = {"batch": batch, "context": ctx}
     floor = decode_bytes(acc, batch, ctx) / bw * 1e3
@@ -192,12 +214,7 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
     if batch * (ctx + 1) > runner.kv_capacity:
         row["skipped"] = f"KV of {batch}x{ctx + 1} tokens > pool {runner.kv_capacity} tokens at this depth"
         return row
-    n = ctx + 1
-    toks = torch.randint(0, acc["vocab"], (batch,)).tolist()  # distinct inputs: routing spreads like real traffic
-    runner.forward_step(
-        StepBatch([seq_step(i, [toks[i]], ctx, 0, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(batch)])
-    )
-    timed = StepBatch([seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
+    timed = decode_batch(runner, acc["vocab"], batch, ctx)
     graphs = runner.graph_runner
     row["distinct_experts"] = distinct_experts(runner, timed)
     for mode in ("graph", "eager"):
@@ -405,7 +422,7 @@ def run_model(
             param.data.zero_()  # outweigh the ~1e-5 score spread and send every token to the same experts
     pool = runner.kv_pool
     for buf in getattr(pool, "k_buffers", []) + getattr(pool, "v_buffers", []) + getattr(pool, "latent_buffers", []):
-        buf.uniform_(-1.0, 1.0)
+        buf.uniform_(-1.0, 1.0)  # finite data where no sequence writes (slot 0, read by graph padding rows)
     bw, rate = ceil["copy_GBps"] * 1e9, ceil["matmul_TFLOPs"] * 1e12
     res["decode"] = [bench_decode(runner, acc, bw, b, c, args.iters, engine=c == contexts[0])
                      for c in contexts for b in args.batches]  # fmt: skip

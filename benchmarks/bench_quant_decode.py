@@ -6,9 +6,10 @@ loader fills valid quantized tensors), so every linear and every MoE expert runs
 Floor = bytes one decode step must read / device-to-device copy bandwidth measured in the same run:
 the model's own tensor bytes (quantized weights with their scales and zeros; embeddings excluded),
 with MoE experts counted for the expected distinct experts E*(1-(1-K/E)^B) per layer under uniform
-routing, plus the KV of every sequence. Rows: `graph_ms` (one `forward_step` replaying the decode CUDA
-graph) and `engine_ms` (steady decode through the Scheduler loop with overlap on, as a user sees it;
-bench_decode.py's method).
+routing, plus the KV of every sequence (prefilled for real: bench_decode.decode_batch). Rows: `graph_ms`
+(one `forward_step` replaying the decode CUDA graph), `distinct_experts` (of that step, a layer's mean) and
+`engine_ms` (steady decode through the Scheduler loop with overlap on, as a user sees it; bench_decode.py's
+method).
 
     PYTHONPATH=$PWD python benchmarks/bench_quant_decode.py --out $OUT/quant_decode_h100.json \
         --models qwen3-30b-a3b:48 --formats bf16,w4a16,w8a8,fp8,mxfp4,nvfp4 --batches 1,8,32
@@ -120,7 +121,7 @@ def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Names
             param.data.zero_()  # see bench_decode.run_model
     pool = runner.kv_pool
     for buf in getattr(pool, "k_buffers", []) + getattr(pool, "v_buffers", []) + getattr(pool, "latent_buffers", []):
-        buf.uniform_(-1.0, 1.0)
+        buf.uniform_(-1.0, 1.0)  # finite data where no sequence writes; timed steps prefill theirs (bd.decode_batch)
     acc = accounting(runner.model, cfg, layers)
     res["accounting"] = acc
     res["decode"] = []
@@ -148,7 +149,6 @@ def profile(runner: Any, acc: dict[str, Any], batch: int, ctx: int) -> dict[str,
 
 
 def decode_row(runner: Any, acc: dict[str, Any], bw: float, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    from ftransformers.runtime.step_io import StepBatch
 
     ctx = args.context
     floor = decode_bytes(acc, batch, ctx) / bw * 1e3
@@ -156,12 +156,9 @@ def decode_row(runner: Any, acc: dict[str, Any], bw: float, batch: int, args: ar
     if batch * (ctx + 1) > runner.kv_capacity:
         row["skipped"] = f"KV of {batch}x{ctx + 1} tokens > pool {runner.kv_capacity}"
         return row
-    n = ctx + 1
-    toks = torch.randint(0, acc["vocab"], (batch,)).tolist()
-    runner.forward_step(
-        StepBatch([bd.seq_step(i, [toks[i]], ctx, 0, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(batch)])
-    )
-    timed = StepBatch([bd.seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
+    timed = bd.decode_batch(runner, acc["vocab"], batch, ctx)
+    if acc.get("experts"):
+        row["distinct_experts"] = bd.distinct_experts(runner, timed)
     t = bd.median_ms(lambda: runner.forward_step(timed), args.iters)
     row.update(graph_ms=t, graph_ratio=t / floor, tok_per_s=batch / t * 1e3)
     if not args.no_engine:
