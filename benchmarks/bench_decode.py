@@ -205,7 +205,6 @@ def decode_batch(runner: Any, vocab: int, batch: int, ctx: int) -> Any:
 
 def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: int, iters: int,
                  engine: bool = True) -> dict[str, Any]:
-
     row: dict[str, Any] = {"batch": batch, "context": ctx}
     floor = decode_bytes(acc, batch, ctx) / bw * 1e3
     E, K = acc["experts"], acc["top_k"]
@@ -275,13 +274,12 @@ def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool,
     return statistics.median(times) * 1e3 if len(times) >= 8 else None
 
 
-def distinct_experts(runner: Any, step: Any) -> float | None:
-    """Mean number of distinct experts the step's tokens route to per MoE layer (one eager step)."""
+def eager_with_moe_hook(runner: Any, step: Any, pre: Any) -> None:
+    """One eager `forward_step` of `step` (graphs off) with `pre(module, args)` as a forward pre-hook on every
+    MoE layer (args: hidden [T, D], topk_weights, topk_ids [T, K])."""
     from ftransformers.layers.moe.experts import FusedMoE
 
-    counts: list[int] = []
-    hooks = [m.register_forward_pre_hook(lambda _m, a: counts.append(int(a[2].unique().numel())))
-             for m in runner.model.modules() if isinstance(m, FusedMoE)]  # fmt: skip
+    hooks = [m.register_forward_pre_hook(pre) for m in runner.model.modules() if isinstance(m, FusedMoE)]
     graphs, runner.graph_runner = runner.graph_runner, None
     try:
         runner.forward_step(step)
@@ -289,6 +287,12 @@ def distinct_experts(runner: Any, step: Any) -> float | None:
         runner.graph_runner = graphs
         for h in hooks:
             h.remove()
+
+
+def distinct_experts(runner: Any, step: Any) -> float | None:
+    """Mean number of distinct experts the step's tokens route to per MoE layer (one eager step)."""
+    counts: list[int] = []
+    eager_with_moe_hook(runner, step, lambda _m, a: counts.append(int(a[2].unique().numel())))
     return sum(counts) / len(counts) if counts else None
 
 

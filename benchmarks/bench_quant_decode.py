@@ -149,7 +149,6 @@ def profile(runner: Any, acc: dict[str, Any], batch: int, ctx: int) -> dict[str,
 
 
 def decode_row(runner: Any, acc: dict[str, Any], bw: float, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-
     ctx = args.context
     floor = decode_bytes(acc, batch, ctx) / bw * 1e3
     row: dict[str, Any] = {"batch": batch, "context": ctx, "floor_ms": floor, "bytes_GB": decode_bytes(acc, batch, ctx) / 1e9}

@@ -215,13 +215,7 @@ def replay_modes(runner: Any, batch: int, ctx: int, vocab: int, n: int = 40) -> 
         gpus.append(e0.elapsed_time(e1))
     out["waited"] = {"wall_ms": statistics.median(walls), "gpu_ms": statistics.median(gpus), "unix": [t0, time.time()]}
     t0 = time.time()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    pendings = [runner.launch_step(timed) for _ in range(n)]
-    e1.record()
-    pendings[-1].result()
-    torch.cuda.synchronize()
-    out["queued"] = {"gpu_ms": e0.elapsed_time(e1) / n, "unix": [t0, time.time()]}
+    out["queued"] = {"gpu_ms": queued_ms(runner, timed, n), "unix": [t0, time.time()]}
     return out
 
 
@@ -251,7 +245,7 @@ def slot_layout(runner: Any, step: Any) -> dict[str, Any]:
 
 def eager_view(runner: Any, step: Any, experts: int) -> dict[str, Any]:
     """One eager forward of `step` (graphs off): per MoE layer input, the routing spread, the hidden state's
-    largest magnitude and its non-finite count; the step's logits' too."""
+    largest magnitude and its non-finite count (mean over layers, the first and last layer's)."""
     rows: list[dict[str, float]] = []
 
     def pre(_m: Any, a: tuple[torch.Tensor, ...]) -> None:
@@ -259,14 +253,7 @@ def eager_view(runner: Any, step: Any, experts: int) -> dict[str, Any]:
         rows.append({**spread(a[2], experts), "absmax": float(h.abs().nan_to_num(0.0).max()),
                      "nonfinite": int((~h.isfinite()).sum())})  # fmt: skip
 
-    hooks = [m.register_forward_pre_hook(pre) for m in moe_layers(runner)]
-    graphs, runner.graph_runner = runner.graph_runner, None
-    try:
-        runner.forward_step(step)
-    finally:
-        runner.graph_runner = graphs
-        for h in hooks:
-            h.remove()
+    bd.eager_with_moe_hook(runner, step, pre)
     if not rows:
         return {}
     keys = ("distinct", "max_per_expert", "absmax", "nonfinite")
@@ -355,22 +342,13 @@ def routing(
 
 
 def random_step_routing(runner: Any, batch: int, ctx: int, vocab: int, experts: int) -> dict[str, float]:
-    """Spread of one decode step on random tokens (the graph replay's input, bench_quant_decode.decode_row)."""
+    """Spread of one decode step on random tokens over the KV slots graph_ms's step uses (whatever they hold now)."""
     from ftransformers.runtime.step_io import StepBatch
 
-    rows: list[dict[str, float]] = []
-    hooks = [m.register_forward_pre_hook(lambda _m, a: rows.append(spread(a[2], experts))) for m in moe_layers(runner)]
     n = ctx + 1
     toks = torch.randint(0, vocab, (batch,)).tolist()
     step = StepBatch([bd.seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
-    graphs, runner.graph_runner = runner.graph_runner, None
-    try:
-        runner.forward_step(step)
-    finally:
-        runner.graph_runner = graphs
-        for h in hooks:
-            h.remove()
-    return {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
+    return eager_view(runner, step, experts)["mean"]
 
 
 def moe_us(
