@@ -199,6 +199,15 @@ def decode_batch(runner: Any, vocab: int, batch: int, ctx: int) -> Any:
         runner.forward_step(StepBatch([seq_step(i, torch.randint(0, vocab, (ctx,)).tolist(), 0, 0,
                                                 list(range(1 + i * n, 1 + i * n + ctx)))
                                        for i in range(g0, min(batch, g0 + group))]))  # fmt: skip
+    return decode_step(vocab, batch, ctx)
+
+
+def decode_step(vocab: int, batch: int, ctx: int) -> Any:
+    """Random tokens of `batch` sequences at position `ctx`, sequence i's KV in slots 1 + i*(ctx+1) on (the slots
+    `decode_batch` prefills; this writes none of the first `ctx`)."""
+    from ftransformers.runtime.step_io import StepBatch
+
+    n = ctx + 1
     toks = torch.randint(0, vocab, (batch,)).tolist()  # distinct inputs: routing spreads like real traffic
     return StepBatch([seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
 

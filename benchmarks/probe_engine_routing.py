@@ -123,8 +123,6 @@ def kernels_engine_vs_replay(
     """Per-kernel GPU us per step: steps 10-19 of an engine run against ten graph replays on random tokens."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ftransformers.runtime.step_io import StepBatch
-
     batch, steps = len(prompts), 10
     state = {"full": 0}
     prof = profile(activities=[ProfilerActivity.CUDA])
@@ -143,11 +141,7 @@ def kernels_engine_vs_replay(
     serve(runner, prompts, max(new_tokens, 24), on_launch)
     engine = per_kernel(prof, steps)
     n = ctx + 1
-    toks = torch.randint(0, vocab, (batch,)).tolist()
-    runner.forward_step(
-        StepBatch([bd.seq_step(i, [toks[i]], ctx, 0, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(batch)])
-    )
-    timed = StepBatch([bd.seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
+    timed = registered_step(runner, vocab, ctx, torch.arange(1, 1 + batch * n).view(batch, n).tolist())
     runner.forward_step(timed)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as replay_prof:
@@ -195,11 +189,7 @@ def replay_modes(runner: Any, batch: int, ctx: int, vocab: int, n: int = 40) -> 
     """One random-token decode step replayed n times three ways: each waited for (wall ms, as graph_ms), each
     waited for (GPU ms between events around the launch), and n launches queued back to back (GPU ms / n,
     as in the engine, where the next step is queued while this one runs). Unix times bracket each mode."""
-    from ftransformers.runtime.step_io import StepBatch
-
-    step_n = ctx + 1
-    toks = torch.randint(0, vocab, (batch,)).tolist()
-    timed = StepBatch([bd.seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * step_n]) for i in range(batch)])
+    timed = bd.decode_step(vocab, batch, ctx)
     runner.forward_step(timed)
     out: dict[str, Any] = {}
     t0 = time.time()
@@ -261,24 +251,28 @@ def eager_view(runner: Any, step: Any, experts: int) -> dict[str, Any]:
             "first_layer": rows[0], "last_layer": rows[-1], "max_absmax": max(r["absmax"] for r in rows)}  # fmt: skip
 
 
-def layouts(runner: Any, saved: Any, batch: int, ctx: int, vocab: int, capacity: int) -> dict[str, Any]:
-    """Queued replays of the engine's own saved step (its tokens, its KV slots), of random tokens in contiguous
-    slots (graph_ms's layout), and of random tokens in slots scattered over the whole pool."""
+def registered_step(runner: Any, vocab: int, ctx: int, slots: list[list[int]]) -> Any:
+    """Random tokens at position `ctx`, sequence i's KV in slots[i] (ctx + 1 of them): the first ctx registered
+    in req_to_token by one decode step, holding whatever the pool holds there (no prefill)."""
     from ftransformers.runtime.step_io import StepBatch
 
+    toks = torch.randint(0, vocab, (len(slots),)).tolist()
+    runner.forward_step(StepBatch([bd.seq_step(i, [t], ctx, 0, slots[i]) for i, t in enumerate(toks)]))
+    return StepBatch([bd.seq_step(i, [t], ctx, ctx, [slots[i][-1]]) for i, t in enumerate(toks)])
+
+
+def layouts(runner: Any, saved: Any, batch: int, ctx: int, vocab: int, capacity: int, experts: int) -> dict[str, Any]:
+    """Queued replays of the engine's own saved step (its tokens, its KV slots), of random tokens in contiguous
+    slots (graph_ms's layout), and of random tokens in slots scattered over the whole pool."""
     out: dict[str, Any] = {"engine_layout": slot_layout(runner, saved)}
-    experts = len(moe_layers(runner)) and moe_layers(runner)[0].num_experts
     out["engine_step_queued_ms"] = queued_ms(runner, saved)
     out["engine_step_eager"] = eager_view(runner, saved, experts)
     n = ctx + 1
-    toks = torch.randint(0, vocab, (batch,)).tolist()
     for name, order in (
         ("contiguous", torch.arange(1, 1 + batch * n)),
         ("scattered", 1 + torch.randperm(capacity - 1)[: batch * n]),
     ):
-        slots = order.view(batch, n).tolist()
-        runner.forward_step(StepBatch([bd.seq_step(i, [toks[i]], ctx, 0, slots[i]) for i in range(batch)]))
-        step = StepBatch([bd.seq_step(i, [toks[i]], ctx, ctx, [slots[i][-1]]) for i in range(batch)])
+        step = registered_step(runner, vocab, ctx, order.view(batch, n).tolist())
         out[f"{name}_layout"] = slot_layout(runner, step)
         out[f"{name}_queued_ms"] = queued_ms(runner, step)
         out[f"{name}_eager"] = eager_view(runner, step, experts)
@@ -343,12 +337,7 @@ def routing(
 
 def random_step_routing(runner: Any, batch: int, ctx: int, vocab: int, experts: int) -> dict[str, float]:
     """Spread of one decode step on random tokens over the KV slots graph_ms's step uses (whatever they hold now)."""
-    from ftransformers.runtime.step_io import StepBatch
-
-    n = ctx + 1
-    toks = torch.randint(0, vocab, (batch,)).tolist()
-    step = StepBatch([bd.seq_step(i, [toks[i]], ctx, ctx, [(i + 1) * n]) for i in range(batch)])
-    return eager_view(runner, step, experts)["mean"]
+    return eager_view(runner, bd.decode_step(vocab, batch, ctx), experts)["mean"]
 
 
 def moe_us(
@@ -419,7 +408,7 @@ def main() -> None:
     out["engine"]["unix"] = [t0, time.time()]
     print(f"engine: {out['engine']}", flush=True)
     if args.layouts:
-        out["layouts"] = layouts(runner, saved[0], args.batch, args.context, vocab, runner.kv_capacity)
+        out["layouts"] = layouts(runner, saved[0], args.batch, args.context, vocab, runner.kv_capacity, experts)
         print(f"layouts: {out['layouts']}", flush=True)
     if args.cpu:
         out["cpu"] = c = cpu_profile(runner, prompts, args.new_tokens)
