@@ -10,8 +10,9 @@ and waves. Every config is checked against the plain-PyTorch reference first.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4_b1.py --out $OUT/w4_b1_h100.json
 
-The "token" section runs one token's int4 MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) over
-a sweep of their tiles beside the pair path, and times their two kernels alone.
+The "token" section runs one token's 4-bit MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) over
+a sweep of their tiles beside the pair path, and times their two kernels alone, for each of `--token-formats`
+(bench_moe_w4's format names: int4 asymmetric and symmetric, mxfp4, nvfp4).
 
 The "codes" section runs the MoE at one token on the aligned path's int4 codes kernels (tensor cores)
 beside the pair path, and times their four kernels alone.
@@ -289,18 +290,18 @@ def token_configs() -> list[tok.TokenGemvConfig]:
     return [base] + ups + downs + [base]
 
 
-def bench_token(out: dict[str, Any], bw_gbs: float, log) -> None:
-    """One token's int4 MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) beside the pair path's
+def bench_token(out: dict[str, Any], bw_gbs: float, log, formats: list[str]) -> None:
+    """One token's 4-bit MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) beside the pair path's
     default in the same process, each config checked against the reference and timed as the pair rows; then
     the default's two kernels alone beside the pair path's."""
     d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
     fns = [tok._token_gate_up_kernel, tok._token_down_kernel]
-    for fname in FORMATS.values():
+    for fname in formats:
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
         # the pair path, the engine's tiles for these experts, then the sweep
         engine = tok.default_config()
-        for cfg in [w4.default_w4_pair_config(1, d, "int4"), engine, *token_configs()]:
+        for cfg in [w4.default_w4_pair_config(1, d, w13.fmt), engine, *token_configs()]:
             grids = (k * triton.cdiv(inter, cfg.up_n), triton.cdiv(d, cfg.down_n))
             err, us, occ = checked_with_occupancy(cfg, fns, grids, w13, w2, hiddens, routes, ref)
             name = "pair" if isinstance(cfg, w4.W4PairConfig) else "token"
@@ -335,7 +336,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, parts, pair, codes, token")
+    p.add_argument("--token-formats", default=",".join(FORMATS.values()),
+                   help=f"the token section's expert formats, of {', '.join(bm.FORMATS)}")  # fmt: skip
     args = p.parse_args()
+    formats = [f for f in args.token_formats.split(",") if f]
+    if unknown := [f for f in formats if f not in bm.FORMATS]:
+        p.error(f"--token-formats: unknown {unknown}; known {', '.join(bm.FORMATS)}")
     bw_gbs = bw.copy_bandwidth()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                            "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
@@ -357,7 +363,7 @@ def main() -> None:
     if "codes" not in skip:
         bench_codes(out, bw_gbs, log)
     if "token" not in skip:
-        bench_token(out, bw_gbs, log)
+        bench_token(out, bw_gbs, log, formats)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")
 

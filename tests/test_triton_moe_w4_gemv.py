@@ -1,6 +1,7 @@
-"""One token's int4 MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) vs quant_moe_ref.
+"""One token's 4-bit MoE on the GEMV-form kernels (kernels/triton_moe_w4_gemv.py) vs quant_moe_ref.
 
-Fresh random words, scales (bf16 / fp16 / float32), zeros present or not, groups 32-128, top-k 2-8,
+Fresh random words, scales (bf16 / fp16 / float32), zeros present or not, groups 32-128, top-k 2-8; mxfp4 and
+nvfp4 experts (random E8M0 / E4M3 scales, nvfp4's global scales) on the same tiles,
 hidden bf16 / fp16; tiles that divide D and I and tiles that leave tails (masked words and rows), the
 down kernel's slots grouped 1 to 8 a tile. CPU: TRITON_INTERPRET=1 on small shapes; CUDA: Qwen3-30B-A3B's
 experts (E=128, D=2048, I=768) too. Tolerance as tests/test_triton_moe_w4.py: ||out - ref|| / ||ref|| <=
@@ -27,11 +28,12 @@ from ftransformers.kernels.triton_w4a16 import gemv_words
 CFG = token.TokenGemvConfig
 
 
-def run(d: int, inter: int, e: int, k: int, dtype: torch.dtype, seed: int, cfg: CFG | None, **qkw) -> float:
+def run(d: int, inter: int, e: int, k: int, dtype: torch.dtype, seed: int, cfg: CFG | None, fmt: str = "int4",
+        **qkw) -> float:  # fmt: skip
     gen = torch.Generator(DEV).manual_seed(seed)
     hidden = torch.randn(1, d, generator=gen, device=DEV).to(dtype)
-    w13 = random_qw("int4", e, 2 * inter, d, gen, **qkw)
-    w2 = random_qw("int4", e, d, inter, gen, **qkw)
+    w13 = random_qw(fmt, e, 2 * inter, d, gen, **qkw)
+    w2 = random_qw(fmt, e, d, inter, gen, **qkw)
     weights, ids = make_routing(1, e, k, gen)
     out = token.moe_w4_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids, cfg)
     assert out.shape == hidden.shape and out.dtype == dtype
@@ -64,6 +66,42 @@ def test_token_path_matches_reference(case: tuple) -> None:
     d, inter, e, k, dtype, qkw, cfg = case
     err = run(d, inter, e, k, dtype, seed=d + inter + k, cfg=cfg, **qkw)
     assert err <= TOL, (case, err)
+
+
+# FP4 (group 32 / 16 fixed by the format): the default tiles, one word a lane with tails, two words with tails
+FP4_CFGS = [
+    None,
+    CFG(up_n=8, up_k=64, up_warps=1, down_n=8, down_k=64, down_slots=2, down_warps=1, up_words=1, down_words=1),
+    CFG(up_n=64, up_k=64, up_warps=1, down_n=64, down_k=128, down_slots=1, down_warps=2, up_words=2, down_words=2),
+]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("shape_cfg", [((128, 128, 8, 8), 0), ((160, 96, 8, 4), 1), ((224, 160, 8, 2), 2)],
+                         ids=["default", "one-word-tails", "two-word-tails"])  # fmt: skip
+def test_fp4_token_path_matches_reference(fmt: str, shape_cfg: tuple) -> None:
+    (d, inter, e, k), c = shape_cfg
+    dtype = torch.float16 if c == 1 else torch.bfloat16
+    err = run(d, inter, e, k, dtype, seed=d + c, cfg=FP4_CFGS[c], fmt=fmt)
+    assert err <= TOL, (fmt, shape_cfg, err)
+
+
+def test_fp4_preload_and_slot_groups_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    # nvfp4's global scales are read before the PDL wait with the preload and per slot group without it
+    d, inter, e, k = (128, 64, 8, 8) if not CUDA else QWEN
+    errs = []
+    for preload, slots in ((True, 8), (False, 8), (False, 2)):
+        monkeypatch.setattr(token, "DOWN_PRELOAD", preload)
+        errs.append(run(d, inter, e, k, torch.bfloat16, seed=11, cfg=CFG(down_slots=slots), fmt="nvfp4"))
+    assert max(errs) <= TOL, errs
+
+
+@pytest.mark.skipif(not CUDA, reason="the real expert shapes are slow in the interpreter")
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("cfg", [None, CFG(up_words=1, down_words=2, down_k=512)])
+def test_fp4_token_path_qwen3_experts(fmt: str, cfg: CFG | None) -> None:
+    d, inter, e, k = QWEN
+    assert run(d, inter, e, k, torch.bfloat16, seed=7, cfg=cfg, fmt=fmt) <= TOL
 
 
 @pytest.mark.skipif(not CUDA, reason="the real expert shapes are slow in the interpreter")
@@ -130,9 +168,9 @@ def test_two_words_a_lane_only_where_the_layout_allows() -> None:
     assert run(128, 64, 8, 4, torch.bfloat16, seed=4, cfg=wide, group=8, zeros=True) <= TOL
 
 
-def test_fused_moe_w4_takes_one_int4_token_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    # fused_moe_w4 sends one int4 token here; two tokens, FP4 experts, hidden wider than MAX_HIDDEN or
-    # ENABLED off go elsewhere (and still match the reference).
+def test_fused_moe_w4_takes_one_4bit_token_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fused_moe_w4 sends one token of int4 or FP4 experts here; two tokens, FP4 with FP4 off, hidden wider than
+    # MAX_HIDDEN or ENABLED off go elsewhere (and still match the reference).
     calls: list[int] = []
     real = token.moe_w4_token
     monkeypatch.setattr(token, "moe_w4_token", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -145,13 +183,17 @@ def test_fused_moe_w4_takes_one_int4_token_here(monkeypatch: pytest.MonkeyPatch)
         weights, ids = make_routing(t, e, k, gen)
         return rel_err(w4.fused_moe_w4(hidden, w13, w2, weights, ids), quant_moe_ref(hidden, w13, w2, weights, ids))
 
-    assert moe(1) <= TOL and calls == [1]
-    assert moe(2) <= TOL and moe(1, "mxfp4") <= TOL and calls == [1]
+    assert moe(1) <= TOL and len(calls) == 1
+    assert moe(2) <= TOL and len(calls) == 1
+    assert moe(1, "mxfp4") <= TOL and moe(1, "nvfp4") <= TOL and len(calls) == 3
+    monkeypatch.setattr(token, "FP4", False)
+    assert moe(1, "mxfp4") <= TOL and len(calls) == 3
+    assert moe(1) <= TOL and len(calls) == 4
     monkeypatch.setattr(token, "MAX_HIDDEN", d // 2)
-    assert moe(1) <= TOL and calls == [1]
+    assert moe(1) <= TOL and len(calls) == 4
     monkeypatch.setattr(token, "MAX_HIDDEN", d)
     monkeypatch.setattr(token, "ENABLED", False)
-    assert moe(1) <= TOL and calls == [1]
+    assert moe(1) <= TOL and len(calls) == 4
 
 
 def test_default_config_is_the_module_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,8 +215,8 @@ def test_odd_top_k_and_bad_slot_groups() -> None:
     weights, ids = torch.full((2,), 0.5, device=DEV), torch.tensor([[0, 1]], device=DEV)
     with pytest.raises(ValueError, match="down_slots must be a power of two"):
         token.moe_w4_token(hidden, w13, w2, weights, ids, dataclasses.replace(CFG(), down_slots=3))
-    # a TokenGemvConfig forces this path: two tokens or FP4 experts get a clear error, not a wrong answer
-    with pytest.raises(ValueError, match="one token of int4 experts, got 2 tokens"):
+    # a TokenGemvConfig forces this path: two tokens or experts of two formats get a clear error, not a wrong answer
+    with pytest.raises(ValueError, match="one token of 4-bit experts in one format .*, got 2 tokens"):
         w4.fused_moe_w4(hidden.expand(2, -1).contiguous(), w13, w2, weights.expand(2, -1), ids.expand(2, -1), CFG())
     fp4 = random_qw("mxfp4", 4, 64, 64, gen)
     with pytest.raises(ValueError, match="experts int4 / mxfp4"):

@@ -175,21 +175,47 @@ def test_gemv_two_words_a_thread(group: int, zeros: bool, packed: bool, preload:
         assert rel_err(w4a16_linear(xb, qw, config={**base, **cfg}), quant_linear_ref(xb, qw)) < 1e-2, cfg
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("preload", [True, False])
+def test_gemv_fp4_two_words_a_thread(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP4 on the int64 view (two words a thread and row; the pair inside one group of 16 or 32) matches the
+    reference on the int4 test's tiles: K tails, split K, one and two rows, one tile mostly masked."""
+    monkeypatch.setattr(triton_w4a16, "PRELOAD_FIRST_TILE", preload)
+    gen = torch.Generator().manual_seed(17 + preload)
+    qw = random_weight(fmt, 40, 384, gen)
+    base = {"GEMV": 1, "SPLIT_K": 1, "WORDS": 2, "num_warps": 2, "num_stages": 2}
+    cases = [
+        (1, {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 256}),
+        (2, {"BLOCK_M": 2, "BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 2}),
+        (1, {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 1}),
+    ]
+    for M, cfg in cases:
+        x = torch.randn(M, 384, generator=gen).to(DEV)
+        b = torch.randn(40, generator=gen).to(DEV)
+        assert rel_err(w4a16_linear(x, qw, b, config={**base, **cfg}), quant_linear_ref(x, qw, b)) < 1e-5, cfg
+        xb = x.to(torch.bfloat16)
+        assert rel_err(w4a16_linear(xb, qw, config={**base, **cfg}), quant_linear_ref(xb, qw)) < 1e-2, cfg
+
+
 def test_gemv_words_where_the_layout_allows(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two words a thread for int4 groups and K tiles of whole 16-element pairs on contiguous, aligned words;
-    # group 8, FP4 and a misaligned start read one word. GEMV_WORDS sets the default tiles' words and K tile.
+    # Two words a thread for groups and K tiles of whole 16-element pairs on contiguous, aligned words (FP4's
+    # groups of 16 and 32 too); group 8 and a misaligned start read one word. GEMV_WORDS / FP4_GEMV_WORDS set the
+    # default tiles' words and K tile.
     gen = torch.Generator().manual_seed(5)
     qw = random_weight("int4", 8, 256, gen, 32)
     q, words = triton_w4a16.gemv_words(qw, 2, 256)
     assert words == 2 and q.dtype == torch.int64 and q.shape == (8, 16)
     assert triton_w4a16.gemv_words(qw, 1, 256)[1] == 1 and triton_w4a16.gemv_words(qw, 2, 8)[1] == 1
     assert triton_w4a16.gemv_words(random_weight("int4", 8, 256, gen, 8), 2, 256)[1] == 1
-    assert triton_w4a16.gemv_words(random_weight("mxfp4", 8, 256, gen), 2, 256)[1] == 1
+    assert triton_w4a16.gemv_words(random_weight("mxfp4", 8, 256, gen), 2, 256)[1] == 2
+    assert triton_w4a16.gemv_words(random_weight("nvfp4", 8, 256, gen), 2, 256)[1] == 2
     assert triton_w4a16.gemv_words(replace(qw, qweight=qw.qweight[:, 1:17]), 2, 256)[1] == 1
     monkeypatch.setattr(triton_w4a16, "GEMV_WORDS", 2)
     cfg = w4a16_config(1, 5120, 2048, "int4")
     assert (cfg["WORDS"], cfg["BLOCK_K"], cfg["num_warps"]) == (2, 2048, 4)
-    assert w4a16_config(1, 5120, 2048, "mxfp4")["WORDS"] == 1
+    assert (w4a16_config(1, 5120, 2048, "mxfp4")["WORDS"], w4a16_config(1, 5120, 2048, "nvfp4")["BLOCK_K"]) == (2, 2048)
+    monkeypatch.setattr(triton_w4a16, "FP4_GEMV_WORDS", 1)
+    assert (w4a16_config(1, 5120, 2048, "mxfp4")["WORDS"], w4a16_config(1, 5120, 2048, "nvfp4")["BLOCK_K"]) == (1, 1024)
     x = torch.randn(1, 384, generator=gen).to(DEV)
     w8 = random_weight("int4", 40, 384, gen, 8, True)  # asks for two words, reads one
     assert rel_err(w4a16_linear(x, w8), quant_linear_ref(x, w8)) < 1e-5

@@ -1,4 +1,4 @@
-"""One token's int4 MoE as two GEMV-form kernels (the layout of triton_w4a16's `_w4a16_gemv_kernel`).
+"""One token's 4-bit MoE as two GEMV-form kernels (the layout of triton_w4a16's `_w4a16_gemv_kernel`).
 
 The pair path of kernels/triton_fused_moe_w4.py spreads a quantization group over four lanes, decodes each
 nibble with a shift and a mask, and moves x from its load layout to the weights' through shared memory
@@ -15,8 +15,13 @@ and one FMA a weight; rows are summed over the words once, at the end.
   slot is fixed, its partial is scaled by that slot's routing weight, and the lanes are summed at the end
   (no partials, no tickets).
 
+FP4 experts (mxfp4, nvfp4; FMT 1 / 2) run the same kernels: nibble j shifted to bits 31..28, arithmetic-shifted
+right by 6 and masked is the float32 e2m1 * 2^-126 (as in triton_w4a16's GEMV: three integer ops and one FMA a
+weight), against x * 2^77, so that the products carry int4's 2^-49; the group scale is decoded from its E8M0 /
+E4M3 byte (times the row's global scale for nvfp4), and there is no zero term.
+
 int4 with 16-bit or float32 scales, zeros present or not (symmetric: 8), bf16 / fp16 x; one token only.
-Invariants (as the dense GEMV): |x| < 2^28 and scales < 2^100. Graph-safe: no host syncs.
+Invariants (as the dense GEMV): |x| < 2^28, int4 scales < 2^100, FP4 scales < 2^64. Graph-safe: no host syncs.
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.quant_formats import QuantizedWeight
+from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
-from ftransformers.kernels.triton_w4a16 import _TWO_49, _TWO_M49, gemv_words
+from ftransformers.kernels.triton_w4a16 import _FMT_ID, _TWO_49, _TWO_M49, _scale_f32, gemv_words
 from ftransformers.kernels.w4_tiles import masked_load
 
 # fused_moe_w4 takes one token's int4 MoE here (where the CUDA-core pair path took it before);
 # `set=triton_moe_w4_gemv.ENABLED=0` in benchmarks/ab_decode.py restores the pair path for an A/B.
 ENABLED = True
+# FP4 experts (mxfp4, nvfp4) take it too (`set=triton_moe_w4_gemv.FP4=0` sends them to the pair path, for an A/B)
+FP4 = True
 MAX_HIDDEN = 4096  # wider experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
 
 _TWO_100: tl.constexpr = tl.constexpr(2.0**100)
@@ -43,6 +50,8 @@ _TWO_96: tl.constexpr = tl.constexpr(2.0**96)
 _TWO_92: tl.constexpr = tl.constexpr(2.0**92)
 _TWO_88: tl.constexpr = tl.constexpr(2.0**88)
 _TWO_84: tl.constexpr = tl.constexpr(2.0**84)
+_TWO_77: tl.constexpr = tl.constexpr(2.0**77)
+_E2M1_MASK: tl.constexpr = tl.constexpr(-0x7E400000)  # 0x81C00000: the sign and bits 24..22
 
 
 @dataclass(frozen=True)
@@ -90,9 +99,10 @@ def default_config() -> TokenGemvConfig:
 
 
 @triton.jit
-def _x_planes(x):
+def _x_planes(x, FMT: tl.constexpr):
     # x [BW, 8] float32 (8 in-thread) -> (x_0..x_7 [BW, 1], each times 2^(100 - 4e_j), sum_j x_j * 2^-49):
-    # nibble j is bits 4e_j.. of q (e_j = j, j < 5) or of q >> 12 (e_j = j - 3, j >= 5)
+    # nibble j is bits 4e_j.. of q (e_j = j, j < 5) or of q >> 12 (e_j = j - 3, j >= 5). FP4: each times 2^77
+    # (against e2m1 * 2^-126), and a zero sum (no zero point).
     bw: tl.constexpr = x.shape[0]
     even, odd = tl.split(tl.reshape(x, [bw, 4, 2]))  # j = 0 2 4 6 / 1 3 5 7
     e04, e26 = tl.split(tl.reshape(even, [bw, 2, 2]))
@@ -101,23 +111,31 @@ def _x_planes(x):
     x2, x6 = tl.split(e26)
     x1, x5 = tl.split(o15)
     x3, x7 = tl.split(o37)
-    xsum = ((((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))) * _TWO_M49)[:, None]
-    xm = ((x0 * _TWO_100)[:, None], (x1 * _TWO_96)[:, None], (x2 * _TWO_92)[:, None], (x3 * _TWO_88)[:, None],
-          (x4 * _TWO_84)[:, None], (x5 * _TWO_92)[:, None], (x6 * _TWO_88)[:, None],
-          (x7 * _TWO_84)[:, None])  # fmt: skip
+    if FMT == 0:
+        xsum = ((((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))) * _TWO_M49)[:, None]
+        xm = ((x0 * _TWO_100)[:, None], (x1 * _TWO_96)[:, None], (x2 * _TWO_92)[:, None], (x3 * _TWO_88)[:, None],
+              (x4 * _TWO_84)[:, None], (x5 * _TWO_92)[:, None], (x6 * _TWO_88)[:, None],
+              (x7 * _TWO_84)[:, None])  # fmt: skip
+    else:
+        xsum = tl.zeros_like(x0)[:, None]
+        xm = ((x0 * _TWO_77)[:, None], (x1 * _TWO_77)[:, None], (x2 * _TWO_77)[:, None], (x3 * _TWO_77)[:, None],
+              (x4 * _TWO_77)[:, None], (x5 * _TWO_77)[:, None], (x6 * _TWO_77)[:, None],
+              (x7 * _TWO_77)[:, None])  # fmt: skip
     return xm, xsum
 
 
 @triton.jit
-def _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr):
+def _tile_x(
+    x_ptrs, k0, w2, n2, N, K, GROUP: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr, FMT: tl.constexpr = 0
+):
     # One K tile from k0: _x_planes of the activations of each of an element's WORDS words (x_ptrs [BW, 8] at
     # an element's first word), each element's group [BW, 1] and the elements' mask [BW, BN] (elements past
     # K, rows past N; the masks are not applied when EVEN). An element's words share one group.
     mask_x = k0 // (8 * WORDS) + w2 < K // (8 * WORDS)
-    xa, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32))
+    xa, xsum = _x_planes(masked_load(x_ptrs + k0, mask_x, EVEN).to(tl.float32), FMT)
     xb = xa
     if WORDS == 2:
-        xb, xsum_b = _x_planes(masked_load(x_ptrs + k0 + 8, mask_x, EVEN).to(tl.float32))
+        xb, xsum_b = _x_planes(masked_load(x_ptrs + k0 + 8, mask_x, EVEN).to(tl.float32), FMT)
         xsum += xsum_b
     return xa, xb, xsum, (k0 + w2 * (8 * WORDS)) // GROUP, (n2 < N) & mask_x
 
@@ -139,49 +157,87 @@ def _nibble_dot(q, xm):
 
 
 @triton.jit
-def _scaled_dot(q, xa, xb, xsum, scale, zero, WORDS: tl.constexpr):
+def _e2m1(q, J: tl.constexpr):
+    # nibble J of int32 words q as float32 e2m1 * 2^-126: moved to bits 31..28, then the arithmetic shift puts
+    # the sign at 31 and the exponent and mantissa at 24..22 (+-0.5 is the subnormal 2^-127)
+    if J < 7:
+        q = q << (28 - 4 * J)
+    return ((q >> 6) & _E2M1_MASK).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_dot(q, xm):
+    # sum_j e2m1_j(q) x_j 2^-49 for int32 words q and x planes times 2^77
+    t = _e2m1(q, 0) * xm[0]
+    t += _e2m1(q, 1) * xm[1]
+    t += _e2m1(q, 2) * xm[2]
+    t += _e2m1(q, 3) * xm[3]
+    t += _e2m1(q, 4) * xm[4]
+    t += _e2m1(q, 5) * xm[5]
+    t += _e2m1(q, 6) * xm[6]
+    t += _e2m1(q, 7) * xm[7]
+    return t
+
+
+@triton.jit
+def _codes_dot(q, xm, FMT: tl.constexpr):
+    if FMT == 0:
+        return _nibble_dot(q, xm)
+    return _e2m1_dot(q, xm)
+
+
+@triton.jit
+def _scaled_dot(q, xa, xb, xsum, scale, zero, WORDS: tl.constexpr, FMT: tl.constexpr = 0):
     # q [BW, BN] elements (int32 words, or int64 pairs of words when WORDS == 2), xa / xb / xsum from _tile_x,
-    # float32 scale and zero [BW, BN] -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j over the element.
+    # float32 scale and zero [BW, BN] -> [BW, BN] 2^-49 * scale * sum_j (code_j - zero) x_j over the element
+    # (FP4: 2^-49 * scale * sum_j e2m1_j x_j; zero unused).
     if WORDS == 2:
-        t = _nibble_dot(q.to(tl.int32), xa) + _nibble_dot((q >> 32).to(tl.int32), xb)
+        t = _codes_dot(q.to(tl.int32), xa, FMT) + _codes_dot((q >> 32).to(tl.int32), xb, FMT)
     else:
-        t = _nibble_dot(q, xa)
-    return scale * t - (scale * zero) * xsum
+        t = _codes_dot(q, xa, FMT)
+    if FMT == 0:
+        return scale * t - (scale * zero) * xsum
+    return scale * t
 
 
 @triton.jit
 def _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
-              WORDS: tl.constexpr):  # fmt: skip
-    # _scaled_dot with the elements' scales (and zeros; symmetric: 8) loaded from their rows at group grp
-    scale = masked_load(s_ptrs + grp, mask, EVEN).to(tl.float32)
+              WORDS: tl.constexpr, FMT: tl.constexpr = 0, gs=1.0):  # fmt: skip
+    # _scaled_dot with the elements' scales (and zeros; symmetric: 8) loaded from their rows at group grp: int4 any
+    # float dtype, mxfp4 E8M0 bytes, nvfp4 E4M3 bytes times the rows' global scale gs
+    scale = _scale_f32(masked_load(s_ptrs + grp, mask, EVEN), FMT)
+    if FMT == 2:
+        scale = scale * gs
     if HAS_ZEROS:
         zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
     else:
         zero = 8.0
-    return _scaled_dot(q, xa, xb, xsum, scale, zero, WORDS)
+    return _scaled_dot(q, xa, xb, xsum, scale, zero, WORDS, FMT)
 
 
 @triton.jit
 def _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, k_start, w2, n2, N, K, GROUP: tl.constexpr,
-                HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+                HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr,
+                FMT: tl.constexpr = 0, gs=1.0):  # fmt: skip
     # part + the down kernel's K tiles from k_start for one slot group (pointers as in _token_down_kernel)
     for k0 in range(k_start, K, BLOCK_K):
-        xa, xb, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS)
+        xa, xb, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS, FMT)
         q = masked_load(q_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
-        part += _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS)
+        part += _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS, FMT, gs)
     return part
 
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, N, K, unit,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, ids_ptr, N, K, unit,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[slot, n] = silu(x @ w13[e, n]) * (x @ w13[e, N + n]), e = ids[slot], n < N = I, rounded to x's
     # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout. WORDS == 2:
     # q is the int64 view of the words (strides in int64 elements), one 8-byte element a lane and row.
+    # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, 2N] (row stride stride_ge).
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // (8 * WORDS)
     pid_n = tl.program_id(0)
@@ -194,15 +250,20 @@ def _token_gate_up_kernel(
     sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
     zg_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
     x_ptrs = x_ptr + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
+    gs_g = 1.0
+    gs_u = 1.0
+    if FMT == 2:
+        gs_g = masked_load(gs_ptr + expert * stride_ge + n2, n2 < N, EVEN)  # [1, BN]
+        gs_u = masked_load(gs_ptr + expert * stride_ge + N + n2, n2 < N, EVEN)
     acc_g = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        xa, xb, xsum, grp, mask_q = _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS)
+        xa, xb, xsum, grp, mask_q = _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS, FMT)
         qg = masked_load(qg_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
         qu = masked_load(qg_ptrs + N * stride_qn + k0 // (8 * WORDS), mask_q, EVEN)
-        acc_g += _word_dot(qg, xa, xb, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS)
+        acc_g += _word_dot(qg, xa, xb, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS, FMT, gs_g)
         acc_u += _word_dot(qu, xa, xb, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q,
-                           HAS_ZEROS, EVEN, WORDS)  # fmt: skip
+                           HAS_ZEROS, EVEN, WORDS, FMT, gs_u)  # fmt: skip
     gate = tl.sum(acc_g, axis=0) * _TWO_49  # [BN]
     up = tl.sum(acc_u, axis=0) * _TWO_49
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -211,17 +272,18 @@ def _token_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_down_kernel(
-    act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn,
+    act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = 1,
-    PRELOAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[n] = sum_k tw[k] * (act[k] @ w2[ids[k], n]), n < N = D, over K = I; float32 until the store.
     # Word axis c = (slot - s0) * WI + element: lane c reads slot s0 + c // WI of each slot group s0. WORDS as
     # in the gate-up kernel. PRELOAD (one slot group, SLOTS == TOP_K): the routing (ids, tw) and the first K
     # tile's words, scales and zeros are loaded before the PDL wait. Only act comes from the predecessor
     # (the gate-up kernel, which read the same routing after its own wait), so those were written before it.
+    # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, N] (row stride stride_ge), read with the scales.
     WI: tl.constexpr = BLOCK_K // (8 * WORDS)
     BW: tl.constexpr = SLOTS * WI
     pid_n = tl.program_id(0)
@@ -239,7 +301,10 @@ def _token_down_kernel(
         mask0 = (n2 < N) & (w2 < K // (8 * WORDS))
         grp0 = w2 * (8 * WORDS) // GROUP
         q0 = tl.load(q_ptrs, mask=mask0, other=0)
-        scale0 = tl.load(s_ptrs + grp0, mask=mask0, other=0).to(tl.float32)
+        s0 = tl.load(s_ptrs + grp0, mask=mask0, other=0)  # raw: decoded after the wait
+        gs = 1.0
+        if FMT == 2:
+            gs = tl.load(gs_ptr + expert * stride_ge + n2, mask=n2 < N, other=0.0)  # [BW, BN]
         if HAS_ZEROS:
             zero0 = tl.load(z_ptrs + grp0, mask=mask0, other=0).to(tl.float32)
     pdl_enter(USE_PDL)
@@ -247,11 +312,14 @@ def _token_down_kernel(
     if PRELOAD:
         if not HAS_ZEROS:
             zero0 = 8.0
+        scale0 = _scale_f32(s0, FMT)
+        if FMT == 2:
+            scale0 = scale0 * gs
         a_ptrs = act_ptr + slot2 * K + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
-        xa, xb, xsum, _, _ = _tile_x(a_ptrs, 0, w2, n2, N, K, GROUP, EVEN, WORDS)
-        part = _scaled_dot(q0, xa, xb, xsum, scale0, zero0, WORDS)
+        xa, xb, xsum, _, _ = _tile_x(a_ptrs, 0, w2, n2, N, K, GROUP, EVEN, WORDS, FMT)
+        part = _scaled_dot(q0, xa, xb, xsum, scale0, zero0, WORDS, FMT)
         part = _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, BLOCK_K, w2, n2, N, K, GROUP, HAS_ZEROS, BLOCK_K,
-                           EVEN, WORDS)  # fmt: skip
+                           EVEN, WORDS, FMT, gs)  # fmt: skip
         acc += part * tw  # the lane's slot weight
     else:
         for s0 in range(0, TOP_K, SLOTS):
@@ -261,36 +329,43 @@ def _token_down_kernel(
             s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
             z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
             a_ptrs = act_ptr + slot2 * K + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
+            gs = 1.0
+            if FMT == 2:
+                gs = masked_load(gs_ptr + expert * stride_ge + n2, n2 < N, EVEN)  # [BW, BN]
             part = _down_tiles(tl.zeros([BW, BLOCK_N], dtype=tl.float32), a_ptrs, q_ptrs, s_ptrs, z_ptrs, 0, w2, n2,
-                               N, K, GROUP, HAS_ZEROS, BLOCK_K, EVEN, WORDS)  # fmt: skip
+                               N, K, GROUP, HAS_ZEROS, BLOCK_K, EVEN, WORDS, FMT, gs)  # fmt: skip
             acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
     out = tl.sum(acc, axis=0) * _TWO_49  # [BN]
     tl.store(out_ptr + offs_n, to_16bit(out, out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
-    """Whether fused_moe_w4 runs this call here: one token, int4 experts, D <= MAX_HIDDEN."""
+    """Whether fused_moe_w4 runs this call here: one token, int4 experts (FP4 too while FP4 is on) of one
+    format, D <= MAX_HIDDEN."""
+    fmts = FOUR_BIT_FORMATS if FP4 else ("int4",)
     return (
         ENABLED
         and hidden.shape[0] == 1
         and hidden.shape[1] <= MAX_HIDDEN
-        and w13.fmt == "int4"
-        and w2.fmt == "int4"
+        and w13.fmt == w2.fmt
+        and w13.fmt in fmts
         and hidden.dtype in (torch.bfloat16, torch.float16)
     )
 
 
-def _strides(qw: QuantizedWeight, words: int) -> tuple[int, ...]:
-    # qweight's strides in the kernel's elements (words int32 words each)
-    z = qw.zeros if qw.zeros is not None else qw.scales
-    return (
-        qw.qweight.stride(0) // words,
-        qw.qweight.stride(1) // words,
-        qw.scales.stride(0),
-        qw.scales.stride(1),
-        z.stride(0),
-        z.stride(1),
-    )
+def _weight_args(qw: QuantizedWeight, words: int) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The kernels' (scales, zeros, global scales) tensors, absent ones standing in as the scales (never read),
+    and the strides after qweight's (in the kernel's elements, words int32 words each)."""
+    s = qw.scales.view(torch.uint8) if qw.fmt == "nvfp4" else qw.scales
+    z = qw.zeros if qw.zeros is not None else s
+    gs = qw.global_scale if qw.fmt == "nvfp4" else None
+    if gs is not None and (gs.dtype != torch.float32 or gs.dim() != 2 or gs.stride(1) != 1):
+        raise ValueError(f"moe_w4_token: nvfp4 global_scale must be float32 [E, N], unit stride; got {gs.dtype} "
+                         f"{tuple(gs.shape)} strides {gs.stride()}")  # fmt: skip
+    g = gs if gs is not None else s
+    strides = (qw.qweight.stride(0) // words, qw.qweight.stride(1) // words, s.stride(0), s.stride(1), z.stride(0),
+               z.stride(1), g.stride(0))  # fmt: skip
+    return (s, z, g), strides
 
 
 def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenGemvConfig,
@@ -301,11 +376,11 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
         act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_k = min(cfg.up_k, triton.next_power_of_2(d))
     q, words = gemv_words(w13, cfg.up_words, up_k)
-    z = w13.zeros if w13.zeros is not None else w13.scales
+    tensors, strides = _weight_args(w13, words)
     _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), top_k)](
-        hidden.reshape(-1), q, w13.scales, z, act, ids.reshape(-1), inter, d, 1, *_strides(w13, words),
+        hidden.reshape(-1), q, *tensors, act, ids.reshape(-1), inter, d, 1, *strides,
         GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
-        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, num_warps=cfg.up_warps,
+        EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, FMT=_FMT_ID[w13.fmt], num_warps=cfg.up_warps,
         **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
@@ -324,27 +399,27 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
         out = torch.empty(1, d, dtype=act.dtype, device=act.device)
     down_k = min(cfg.down_k, triton.next_power_of_2(inter))
     q, words = gemv_words(w2, cfg.down_words, down_k)
-    z = w2.zeros if w2.zeros is not None else w2.scales
+    tensors, strides = _weight_args(w2, words)
     _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
-        act, q, w2.scales, z, out, ids.reshape(-1), weights, d, inter, 1, *_strides(w2, words),
+        act, q, *tensors, out, ids.reshape(-1), weights, d, inter, 1, *strides,
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
         BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, PRELOAD=preload and slots == top_k,
-        num_warps=cfg.down_warps, **pdl_launch(act.device),
+        FMT=_FMT_ID[w2.fmt], num_warps=cfg.down_warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
 
 def moe_w4_token(
     hidden: torch.Tensor,  # [1, D] bf16 / fp16, unit stride
-    w13: QuantizedWeight,  # int4 [E, 2I, D]
-    w2: QuantizedWeight,  # int4 [E, D, I]
+    w13: QuantizedWeight,  # int4 / mxfp4 / nvfp4 [E, 2I, D]
+    w2: QuantizedWeight,  # the same format [E, D, I]
     weights: torch.Tensor,  # [K] float32 contiguous
     ids: torch.Tensor,  # [1, K] int
     cfg: TokenGemvConfig | None = None,
 ) -> torch.Tensor:  # [1, D] hidden.dtype
     """quant_moe_ref's function for one token, in the two kernels above."""
-    if hidden.shape[0] != 1 or w13.fmt != "int4" or w2.fmt != "int4":
-        raise ValueError(f"moe_w4_token: one token of int4 experts, got {hidden.shape[0]} tokens, "
-                         f"experts {w13.fmt} / {w2.fmt}")  # fmt: skip
+    if hidden.shape[0] != 1 or w13.fmt != w2.fmt or w13.fmt not in FOUR_BIT_FORMATS:
+        raise ValueError(f"moe_w4_token: one token of 4-bit experts in one format ({', '.join(FOUR_BIT_FORMATS)}), "
+                         f"got {hidden.shape[0]} tokens, experts {w13.fmt} / {w2.fmt}")  # fmt: skip
     cfg = cfg or default_config()
     return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg, preload=DOWN_PRELOAD)

@@ -5,7 +5,8 @@ int4 with 16-bit x at decode sizes goes first to kernels/gluon_w4a16_mma.py (mma
 decoded straight into operand registers) where its `takes` says it measured faster; elsewhere three
 kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
-- `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights): CUDA cores. Tensors are
+- `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights; int4 and FP4 two words a thread): CUDA cores.
+  Tensors are
   [word, n, m, nibble]; each thread owns word columns of a K tile for all its n, m and the 8 nibbles,
   so qweight (4-byte words, coalesced along K), x (one 16-byte vector per word and row) and the
   scales meet in one register layout with no shared-memory round trip. Per weight element it costs
@@ -71,6 +72,10 @@ USE_SCALE_ZERO = True
 # against 2.645 ms at B=2; Qwen3-8B 2.664 against 2.699 ms at B=1, 2.947 against 3.021 at B=2 (H100,
 # benchmarks/results/ab_words{2,3}_*_h100.*). A 4096-wide tile on K = 4096, or 2 warps: no faster.
 GEMV_WORDS = 2
+# The same for FP4 (mxfp4, nvfp4): words a thread, K tile 1024 * FP4_GEMV_WORDS. Two words: Qwen3-30B-A3B B=1 graph
+# replay 1.981 against 2.068 ms (mxfp4), 2.047 against 2.147 (nvfp4); B=2 3.067 / 3.166, 3.233 / 3.329 (H100,
+# benchmarks/results/ab_fp4_30b_{mxfp4,nvfp4}_h100.json)
+FP4_GEMV_WORDS = 2
 GEMV_BLOCK_K = 0
 GEMV_WARPS = 4
 # With the words' preload, the GEMV also loads its first tile of the scale_zero copy before the PDL wait. On two
@@ -116,6 +121,14 @@ def _int4_codes(q, j4, nib_mask):
     return (tl.where(j4 < 5, q, q >> 12) & nib_mask).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _e2m1_codes(q, j4):
+    # int32 words [BW, BN, 1, 1] -> [BW, BN, 1, 8] float32 e2m1_j * 2^-126: nibble j shifted to bits 31..28, then
+    # the arithmetic shift by 6 puts its sign at 31 and its exponent and mantissa at 24..22 (mask 0x81C00000)
+    qs = tl.where(j4 < 7, q << (28 - 4 * j4), q)
+    return ((qs >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["unit"])
 def _w4a16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, sz_ptr, M, N, K, unit,
@@ -134,9 +147,9 @@ def _w4a16_gemv_kernel(
     # PACKED (int4, 16-bit scales): scales and zeros come from sz_ptr, QuantizedWeight.scale_zero's int32
     # [N / SZ_ROWS, K / G, SZ_ROWS] of scale bits | zero << 16 (stride_szg = SZ_ROWS K / G), so that a thread's
     # rows of a group are one vector load for each SZ_ROWS (instead of a scale and a zero load per row).
-    # WORDS == 2 (int4): q is the int64 view of the words (stride_qn in int64 elements); W runs over pairs of
+    # WORDS == 2: q is the int64 view of the words (stride_qn in int64 elements); W runs over pairs of
     # words, one 8-byte load a thread and row, with the pair's 16 activations in two 16-byte vectors and one
-    # scale (and zero) for both words (the group is a multiple of 16).
+    # scale (and zero) for both words (the group is a multiple of 16; FP4's 16 and 32 are).
     # PRELOAD_SZ (with PRELOAD and PACKED): the scale_zero copy's first K tile, constant too, is loaded before the
     # wait as well, and each iteration loads the next tile's ahead like the words.
     BW: tl.constexpr = BLOCK_K // (8 * WORDS)
@@ -220,9 +233,13 @@ def _w4a16_gemv_kernel(
             acc += scale * t
             acc -= (scale * zero) * xsum
         else:
-            qs = tl.where(j4 < 7, q << (28 - 4 * j4), q)  # nibble j at bits 31..28
-            d = ((qs >> 6) & -0x7E400000).to(tl.float32, bitcast=True)  # e2m1 * 2^-126; mask 0x81C00000
-            acc += scale * tl.sum((x * _TWO_64) * d, axis=3)  # 2^-62 * sum_j x_j e2m1_j
+            if WORDS == 2:  # as int4's: the pair's second word against the next 8 activations
+                x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
+                t = tl.sum((x * _TWO_64) * _e2m1_codes(q.to(tl.int32), j4), axis=3)
+                t += tl.sum((x2 * _TWO_64) * _e2m1_codes((q >> 32).to(tl.int32), j4), axis=3)
+            else:
+                t = tl.sum((x * _TWO_64) * _e2m1_codes(q, j4), axis=3)
+            acc += scale * t  # 2^-62 * scale * sum_j x_j e2m1_j
     out = tl.sum(acc, axis=0) * (_TWO_49 if FMT == 0 else _TWO_62)  # [BN, BM]
     if HAS_BIAS:  # added once, by the first K split (a tensor mask: Triton 3.9's interpreter takes no scalar & tensor)
         first = (offs_n < N) & (tl.zeros_like(offs_n) + pid_k == 0)
@@ -344,8 +361,8 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt and its group size).
 
     From the H100 sweeps kept in benchmarks/results/w4a16_h100.json and w4a16_codes_sweep2_h100.json. Up
-    to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, int4 two words a thread
-    (GEMV_WORDS: one warp per 32 word pairs of a 2048-wide K tile; FP4 one word, 1024), 4 warps, 4 output rows
+    to 2 rows, and up to 4 on weights under 2^25 elements: the CUDA-core kernel, two words a thread
+    (GEMV_WORDS, FP4_GEMV_WORDS: one warp per 32 word pairs of a 2048-wide K tile), 4 warps, 4 output rows
     per program on small weights, 8 on large. int4 with 3
     to 64 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
     dot, split K), 1.0-2.4x the dequantizing GEMM there. FP4 up to DECODE_MAX_M rows: one tensor-core row tile of
@@ -360,7 +377,7 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     if codes_cfg is not None:
         return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
-        words = GEMV_WORDS if fmt == "int4" else 1
+        words = GEMV_WORDS if fmt == "int4" else FP4_GEMV_WORDS
         bk = min(GEMV_BLOCK_K, triton.next_power_of_2(K)) if GEMV_BLOCK_K and fmt == "int4" else 1024 * words
         return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": bk,
                 "SPLIT_K": 1, "WORDS": words, "num_warps": GEMV_WARPS, "num_stages": 2}  # fmt: skip
@@ -400,11 +417,11 @@ def gemv_scale_zero(qw: QuantizedWeight) -> torch.Tensor | None:
 def gemv_words(qw: QuantizedWeight, want: int, block_k: int) -> tuple[torch.Tensor, int]:
     """The words as a GEMV-form kernel reads them (this module's GEMV, the token MoE kernels of
     triton_moe_w4_gemv, on [N, K / 8] or [E, N, K / 8] words) and the words a thread loads at once for each
-    row: the int64 view (two words an element, strides halved) when asked and possible (int4, every K tile and
-    group a whole number of 16-element pairs, words contiguous along K with even outer strides and an 8-byte
-    aligned start); else the int32 words, one."""
+    row: the int64 view (two words an element, strides halved) when asked and possible (every K tile and group a
+    whole number of 16-element pairs, words contiguous along K with even outer strides and an 8-byte aligned start;
+    any 4-bit format); else the int32 words, one."""
     q = qw.qweight
-    if (want == 2 and qw.fmt == "int4" and qw.group_size % 16 == 0 and block_k % 16 == 0 and q.stride(-1) == 1
+    if (want == 2 and qw.group_size % 16 == 0 and block_k % 16 == 0 and q.stride(-1) == 1
             and all(st % 2 == 0 for st in q.stride()[:-1]) and q.data_ptr() % 8 == 0):  # fmt: skip
         return q.view(torch.int64), 2
     return q, 1
@@ -465,7 +482,8 @@ def w4a16_linear(
             )
         return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
-    q, words = gemv_words(qw, cfg.pop("WORDS", 1), cfg["BLOCK_K"]) if gemv else (qw.qweight, 1)
+    want = cfg.pop("WORDS", 1) if gemv else 1
+    q, words = gemv_words(qw, want, cfg["BLOCK_K"]) if gemv else (qw.qweight, 1)
     s, z, gs = qw.scales, qw.zeros, qw.global_scale
     if qw.fmt == "nvfp4":
         s = s.view(torch.uint8)
