@@ -316,6 +316,38 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log, formats: list[str]) -> 
         torch.cuda.empty_cache()
 
 
+def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[str], tokens: list[int],
+                       shapes: list[str]) -> None:  # fmt: skip
+    """The GEMV-form kernels at T tokens (forced by their config, whatever `takes` says) beside the pair path's
+    default tiles in the same process, per expert shape and format: each checked against the reference, then timed
+    over REPS routings; bytes = the distinct experts each routing reads, averaged."""
+    for shape in shapes:
+        d, inter, e, k = bm.SHAPES[shape]
+        for fname in formats:
+            fmt, group, zeros = bm.FORMATS[fname]
+            w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
+            w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
+            for t in tokens:
+                hiddens = [torch.randn(t, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
+                routes = bm.routings(t, e, k, REPS)
+                ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+                distinct = sum(r[1].unique().numel() for r in routes) / REPS
+                nbytes = distinct * (w13.nbytes() + w2.nbytes()) / e + 4 * t * d
+                floor = nbytes / bw_gbs / 1e3
+                for path, cfg in (("pair", w4.default_w4_pair_config(t, d, fmt)), ("token", tok.default_config())):
+                    err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
+                    if us is None:
+                        log(f"tokens {shape} {fname} T={t} {path} FAILED rel err {err:.3g}")
+                        continue
+                    out["rows"].append({"kind": "moe_tokens", "shape": shape, "format": fname, "path": path, "T": t,
+                                        "config": cfg.__dict__, "distinct_experts": distinct, "bytes": nbytes,
+                                        "floor_us": floor, "us": us, "rel_err": err})  # fmt: skip
+                    log(f"tokens {shape:13s} {fname:6s} T={t:2d} {path:5s} {us:7.2f} us "
+                        f"{100 * floor / us:4.0f}% floor {floor:.2f} err {err:.1e}")  # fmt: skip
+            del w13, w2
+            torch.cuda.empty_cache()
+
+
 def token_parts(w13, w2, hiddens, routes, fname, bw_gbs, out, log) -> None:
     """The engine's GEMV-form tiles for these experts, each kernel alone: gate-up, down (on its act; without
     moe_w4_token's preload, since alone it has no gate-up kernel before it to overlap)."""
@@ -338,10 +370,21 @@ def main() -> None:
     p.add_argument("--skip", default="", help="comma-separated parts to skip: gemv, parts, pair, codes, token")
     p.add_argument("--token-formats", default=",".join(FORMATS.values()),
                    help=f"the token section's expert formats, of {', '.join(bm.FORMATS)}")  # fmt: skip
+    p.add_argument("--tokens", default="",
+                   help="the 'tokens' section (skipped when empty): the GEMV-form kernels beside the pair path at "
+                        "these token counts, for --token-formats on --token-shapes")  # fmt: skip
+    p.add_argument("--token-shapes", default="qwen3-30b-a3b", help=f"expert shapes of {', '.join(bm.SHAPES)}")
     args = p.parse_args()
     formats = [f for f in args.token_formats.split(",") if f]
     if unknown := [f for f in formats if f not in bm.FORMATS]:
         p.error(f"--token-formats: unknown {unknown}; known {', '.join(bm.FORMATS)}")
+    shapes = [sh for sh in args.token_shapes.split(",") if sh]
+    if unknown := [sh for sh in shapes if sh not in bm.SHAPES]:
+        p.error(f"--token-shapes: unknown {unknown}; known {', '.join(bm.SHAPES)}")
+    try:
+        tokens = [int(v) for v in args.tokens.split(",") if v]
+    except ValueError:
+        p.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
     bw_gbs = bw.copy_bandwidth()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                            "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
@@ -364,6 +407,8 @@ def main() -> None:
         bench_codes(out, bw_gbs, log)
     if "token" not in skip:
         bench_token(out, bw_gbs, log, formats)
+    if tokens:
+        bench_token_tokens(out, bw_gbs, log, formats, tokens, shapes)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")
 

@@ -29,12 +29,12 @@ CFG = token.TokenGemvConfig
 
 
 def run(d: int, inter: int, e: int, k: int, dtype: torch.dtype, seed: int, cfg: CFG | None, fmt: str = "int4",
-        **qkw) -> float:  # fmt: skip
+        t: int = 1, **qkw) -> float:  # fmt: skip
     gen = torch.Generator(DEV).manual_seed(seed)
-    hidden = torch.randn(1, d, generator=gen, device=DEV).to(dtype)
+    hidden = torch.randn(t, d, generator=gen, device=DEV).to(dtype)
     w13 = random_qw(fmt, e, 2 * inter, d, gen, **qkw)
     w2 = random_qw(fmt, e, d, inter, gen, **qkw)
-    weights, ids = make_routing(1, e, k, gen)
+    weights, ids = make_routing(t, e, k, gen)
     out = token.moe_w4_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids, cfg)
     assert out.shape == hidden.shape and out.dtype == dtype
     return rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids))
@@ -94,6 +94,26 @@ def test_fp4_preload_and_slot_groups_agree(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setattr(token, "DOWN_PRELOAD", preload)
         errs.append(run(d, inter, e, k, torch.bfloat16, seed=11, cfg=CFG(down_slots=slots), fmt="nvfp4"))
     assert max(errs) <= TOL, errs
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("t", [2, 3])
+def test_several_tokens_match_reference(fmt: str, t: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each token's pairs on their own rows of act and its own output row, with and without the down preload; a
+    # strided hidden (a row of a wider buffer) too
+    d, inter, e, k = (128, 64, 8, 4) if not CUDA else QWEN
+    qkw = {"group": 32, "zeros": True} if fmt == "int4" else {}
+    for preload in (True, False):
+        monkeypatch.setattr(token, "DOWN_PRELOAD", preload)
+        err = run(d, inter, e, k, torch.bfloat16, seed=t + preload, cfg=CFG(down_slots=k), fmt=fmt, t=t, **qkw)
+        assert err <= TOL, (fmt, t, preload, err)
+    gen = torch.Generator(DEV).manual_seed(t)
+    wide = torch.randn(t, d + 64, generator=gen, device=DEV).to(torch.bfloat16)
+    hidden = wide[:, 32 : 32 + d]
+    w13, w2 = random_qw(fmt, e, 2 * inter, d, gen, **qkw), random_qw(fmt, e, d, inter, gen, **qkw)
+    weights, ids = make_routing(t, e, k, gen)
+    out = token.moe_w4_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids)
+    assert rel_err(out, quant_moe_ref(hidden.contiguous(), w13, w2, weights, ids)) <= TOL
 
 
 @pytest.mark.skipif(not CUDA, reason="the real expert shapes are slow in the interpreter")
@@ -168,9 +188,10 @@ def test_two_words_a_lane_only_where_the_layout_allows() -> None:
     assert run(128, 64, 8, 4, torch.bfloat16, seed=4, cfg=wide, group=8, zeros=True) <= TOL
 
 
-def test_fused_moe_w4_takes_one_4bit_token_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    # fused_moe_w4 sends one token of int4 or FP4 experts here; two tokens, FP4 with FP4 off, hidden wider than
-    # MAX_HIDDEN or ENABLED off go elsewhere (and still match the reference).
+def test_fused_moe_w4_takes_int4_and_fp4_tokens_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fused_moe_w4 sends one token of int4 experts here, and up to FP4_MAX_TOKENS of FP4 experts no wider than
+    # FP4_MAX_HIDDEN; two int4 tokens, more FP4 tokens, FP4 with FP4 off, hidden wider than the limits or ENABLED off
+    # go elsewhere (and still match the reference).
     calls: list[int] = []
     real = token.moe_w4_token
     monkeypatch.setattr(token, "moe_w4_token", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -183,17 +204,25 @@ def test_fused_moe_w4_takes_one_4bit_token_here(monkeypatch: pytest.MonkeyPatch)
         weights, ids = make_routing(t, e, k, gen)
         return rel_err(w4.fused_moe_w4(hidden, w13, w2, weights, ids), quant_moe_ref(hidden, w13, w2, weights, ids))
 
-    assert moe(1) <= TOL and len(calls) == 1
-    assert moe(2) <= TOL and len(calls) == 1
-    assert moe(1, "mxfp4") <= TOL and moe(1, "nvfp4") <= TOL and len(calls) == 3
+    def taken(t: int, fmt: str = "int4") -> bool:  # whether the call ran here; it matches the reference either way
+        before = len(calls)
+        assert moe(t, fmt) <= TOL, (t, fmt)
+        return len(calls) > before
+
+    assert taken(1) and not taken(2)
+    assert taken(1, "mxfp4") and taken(1, "nvfp4")
+    monkeypatch.setattr(token, "FP4_MAX_TOKENS", 2)  # FP4 up to FP4_MAX_TOKENS tokens, then the pair path
+    assert taken(2, "nvfp4") and not taken(3, "mxfp4")
+    monkeypatch.setattr(token, "FP4_MAX_HIDDEN", d // 2)
+    assert not taken(1, "mxfp4") and taken(1)
+    monkeypatch.setattr(token, "FP4_MAX_HIDDEN", d)
     monkeypatch.setattr(token, "FP4", False)
-    assert moe(1, "mxfp4") <= TOL and len(calls) == 3
-    assert moe(1) <= TOL and len(calls) == 4
+    assert not taken(1, "mxfp4") and taken(1)
     monkeypatch.setattr(token, "MAX_HIDDEN", d // 2)
-    assert moe(1) <= TOL and len(calls) == 4
+    assert not taken(1)
     monkeypatch.setattr(token, "MAX_HIDDEN", d)
     monkeypatch.setattr(token, "ENABLED", False)
-    assert moe(1) <= TOL and len(calls) == 4
+    assert not taken(1) and not taken(1, "nvfp4")
 
 
 def test_default_config_is_the_module_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,9 +244,13 @@ def test_odd_top_k_and_bad_slot_groups() -> None:
     weights, ids = torch.full((2,), 0.5, device=DEV), torch.tensor([[0, 1]], device=DEV)
     with pytest.raises(ValueError, match="down_slots must be a power of two"):
         token.moe_w4_token(hidden, w13, w2, weights, ids, dataclasses.replace(CFG(), down_slots=3))
-    # a TokenGemvConfig forces this path: two tokens or experts of two formats get a clear error, not a wrong answer
-    with pytest.raises(ValueError, match="one token of 4-bit experts in one format .*, got 2 tokens"):
-        w4.fused_moe_w4(hidden.expand(2, -1).contiguous(), w13, w2, weights.expand(2, -1), ids.expand(2, -1), CFG())
+    # a TokenGemvConfig forces this path: too many tokens or experts of two formats get a clear error, not a wrong
+    # answer
+    many = token.MAX_TOKENS + 1
+    refused = f"1 to {token.MAX_TOKENS} tokens of 4-bit experts in one format .*, got {many}"
+    with pytest.raises(ValueError, match=refused):
+        w4.fused_moe_w4(hidden.expand(many, -1).contiguous(), w13, w2, weights.expand(many, -1),
+                        ids.expand(many, -1), CFG())  # fmt: skip
     fp4 = random_qw("mxfp4", 4, 64, 64, gen)
     with pytest.raises(ValueError, match="experts int4 / mxfp4"):
         token.moe_w4_token(hidden, w13, fp4, weights, ids)

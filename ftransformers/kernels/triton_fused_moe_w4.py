@@ -18,11 +18,11 @@ tl.dot (gate-up with fused SiLU*up; down with the routing weight), and the bf16 
 
 Decoding and the GEMV tiles: kernels/w4_tiles.py.
 
-One 4-bit token (D <= 4096; int4, and mxfp4 / nvfp4 since session 32) goes to kernels/triton_moe_w4_gemv.py
-instead: the dense GEMV's register layout, no shared-memory round trip for x, the down kernel summing every slot
-in one program (H100, Qwen3-30B-A3B: int4 asym g128 16.2 against the pair path's 18.0 us,
-benchmarks/results/w4_b1_token2_h100.log; mxfp4 16.8 against 18.8, nvfp4 15.7 against 22.4,
-w4_b1_fp4token_h100.log).
+One int4 token (D <= 4096), and up to 8 FP4 tokens (D <= 7168; since session 32), go to
+kernels/triton_moe_w4_gemv.py instead: the dense GEMV's register layout, no shared-memory round trip for x, the
+down kernel summing every slot of a token in one program (H100: Qwen3-30B-A3B int4 asym g128 16.2 against the
+pair path's 18.0 us, benchmarks/results/w4_b1_token2_h100.log; FP4 1.10-1.43x the pair path at 1-8 tokens on
+Qwen3-30B-A3B's and DeepSeek-V3's experts, w4_tokens_fp4_h100.log).
 
 Int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py instead (the pair path's contract on
 mma.sync) wherever its `takes` says: from 2 tokens up to the pair-path limit, and on D > 4096 from one
@@ -438,7 +438,7 @@ def fused_moe_w4(
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
     """quant_moe_ref's function: the int4 mma kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes`
-    the call (or for an MmaMoEConfig); else one int4 / FP4 token on the GEMV-form kernels of
+    the call (or for an MmaMoEConfig); else one int4 token or a few FP4 tokens on the GEMV-form kernels of
     kernels/triton_moe_w4_gemv.py where `token_path.takes` it (or for a TokenGemvConfig); else for
     T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
     else

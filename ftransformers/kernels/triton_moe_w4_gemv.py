@@ -8,9 +8,10 @@ vector of x for a word, the word itself and its rows' scales meet in one registe
 masked in place and read as a float32 subnormal (code * 16^e * 2^-149) against x * 2^(100 - 4e), one LOP3
 and one FMA a weight; rows are summed over the words once, at the end.
 
-- `_token_gate_up_kernel`, grid (I / BLOCK_N, TOP_K): program (row block, slot) forms its rows of gate and
-  up for expert ids[slot] and stores act[slot, n] = silu(gate) * up rounded to hidden's dtype ([TOP_K, I]).
-- `_token_down_kernel`, grid (D / BLOCK_N,): the word axis runs over (slot, word of I) pairs, SLOTS slots
+- `_token_gate_up_kernel`, grid (I / BLOCK_N, T * TOP_K): program (row block, pair) forms its rows of gate and
+  up for expert ids[pair] on token pair // TOP_K and stores act[pair, n] = silu(gate) * up rounded to hidden's
+  dtype ([T * TOP_K, I]).
+- `_token_down_kernel`, grid (D / BLOCK_N, T): the word axis runs over (slot, word of I) pairs, SLOTS slots
   a tile (a power of two dividing top-k), so one program sums all TOP_K slots of its D rows: each lane's
   slot is fixed, its partial is scaled by that slot's routing weight, and the lanes are summed at the end
   (no partials, no tickets).
@@ -20,7 +21,9 @@ right by 6 and masked is the float32 e2m1 * 2^-126 (as in triton_w4a16's GEMV: t
 weight), against x * 2^77, so that the products carry int4's 2^-49; the group scale is decoded from its E8M0 /
 E4M3 byte (times the row's global scale for nvfp4), and there is no zero term.
 
-int4 with 16-bit or float32 scales, zeros present or not (symmetric: 8), bf16 / fp16 x; one token only.
+int4 with 16-bit or float32 scales, zeros present or not (symmetric: 8), bf16 / fp16 x. Up to MAX_TOKENS tokens, each
+its own pairs (the kernels read each pair's expert rows, no sharing between tokens that pick the same expert):
+`takes` sends one int4 token here (int4 from two tokens runs gluon_moe_w4_mma), and FP4 up to FP4_MAX_TOKENS.
 Invariants (as the dense GEMV): |x| < 2^28, int4 scales < 2^100, FP4 scales < 2^64. Graph-safe: no host syncs.
 """
 
@@ -43,7 +46,14 @@ from ftransformers.kernels.w4_tiles import masked_load
 ENABLED = True
 # FP4 experts (mxfp4, nvfp4) take it too (`set=triton_moe_w4_gemv.FP4=0` sends them to the pair path, for an A/B)
 FP4 = True
-MAX_HIDDEN = 4096  # wider experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
+MAX_HIDDEN = 4096  # wider int4 experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
+MAX_TOKENS = 64  # moe_w4_token's bound: every pair reads its expert's rows, so many tokens belong to the aligned path
+# FP4 experts, which have no mma path, come here up to this many tokens and this hidden size: on the H100 these
+# kernels beat the pair path at 1, 2, 4 and 8 tokens on Qwen3-30B-A3B's and DeepSeek-V3's experts, mxfp4 and nvfp4
+# (1.10-1.43x; benchmarks/results/w4_tokens_fp4_h100.log), and the Qwen3-30B-A3B MXFP4 step at 2-8 tokens by
+# 1.11-1.13x (ab_fp4tok_30b_mxfp4_h100.json); from 9 tokens FP4 keeps the pair path, which was not measured against it
+FP4_MAX_TOKENS = 8
+FP4_MAX_HIDDEN = 7168
 
 _TWO_100: tl.constexpr = tl.constexpr(2.0**100)
 _TWO_96: tl.constexpr = tl.constexpr(2.0**96)
@@ -230,26 +240,27 @@ def _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, k_start, w2, n2, N, K, GRO
 @triton.jit(do_not_specialize=["unit"])
 def _token_gate_up_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, ids_ptr, N, K, unit,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge, stride_x,
+    TOP_K: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr, WORDS: tl.constexpr = 1, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # act[slot, n] = silu(x @ w13[e, n]) * (x @ w13[e, N + n]), e = ids[slot], n < N = I, rounded to x's
+    # act[p, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]), e = ids[p], t = p // TOP_K (x's rows stride_x
+    # apart), n < N = I, rounded to x's
     # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout. WORDS == 2:
     # q is the int64 view of the words (strides in int64 elements), one 8-byte element a lane and row.
     # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, 2N] (row stride stride_ge).
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // (8 * WORDS)
     pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    pair = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w2 = tl.arange(0, BW)[:, None]  # [BW, 1]
     n2 = offs_n[None, :]  # [1, BN]
     qg_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
     sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
     zg_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
-    x_ptrs = x_ptr + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
+    x_ptrs = x_ptr + (pair // TOP_K) * stride_x + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
     gs_g = 1.0
     gs_u = 1.0
     if FMT == 2:
@@ -267,18 +278,19 @@ def _token_gate_up_kernel(
     gate = tl.sum(acc_g, axis=0) * _TWO_49  # [BN]
     up = tl.sum(acc_u, axis=0) * _TWO_49
     act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + slot * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
+    tl.store(act_ptr + pair * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_down_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge, stride_o,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = 1,
     PRELOAD: tl.constexpr = False, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # out[n] = sum_k tw[k] * (act[k] @ w2[ids[k], n]), n < N = D, over K = I; float32 until the store.
+    # out[t, n] = sum_k tw[t, k] * (act[t K + k] @ w2[ids[t, k], n]), n < N = D, over K = I, t = program_id(1);
+    # float32 until the store.
     # Word axis c = (slot - s0) * WI + element: lane c reads slot s0 + c // WI of each slot group s0. WORDS as
     # in the gate-up kernel. PRELOAD (one slot group, SLOTS == TOP_K): the routing (ids, tw) and the first K
     # tile's words, scales and zeros are loaded before the PDL wait. Only act comes from the predecessor
@@ -287,6 +299,11 @@ def _token_down_kernel(
     WI: tl.constexpr = BLOCK_K // (8 * WORDS)
     BW: tl.constexpr = SLOTS * WI
     pid_n = tl.program_id(0)
+    tok = tl.program_id(1)
+    ids_ptr += tok * TOP_K  # this token's routing, act rows and output row
+    tw_ptr += tok * TOP_K
+    act_ptr += tok * TOP_K * K
+    out_ptr += tok * stride_o
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c2 = tl.arange(0, BW)[:, None]  # [BW, 1]
     w2 = c2 % WI
@@ -340,17 +357,14 @@ def _token_down_kernel(
 
 
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
-    """Whether fused_moe_w4 runs this call here: one token, int4 experts (FP4 too while FP4 is on) of one
-    format, D <= MAX_HIDDEN."""
-    fmts = FOUR_BIT_FORMATS if FP4 else ("int4",)
-    return (
-        ENABLED
-        and hidden.shape[0] == 1
-        and hidden.shape[1] <= MAX_HIDDEN
-        and w13.fmt == w2.fmt
-        and w13.fmt in fmts
-        and hidden.dtype in (torch.bfloat16, torch.float16)
-    )
+    """Whether fused_moe_w4 runs this call here: experts of one format; int4 at one token with D <= MAX_HIDDEN,
+    FP4 (while FP4 is on) up to FP4_MAX_TOKENS tokens with D <= FP4_MAX_HIDDEN."""
+    if not ENABLED or w13.fmt != w2.fmt or hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    t, d = hidden.shape
+    if w13.fmt == "int4":
+        return t == 1 and d <= MAX_HIDDEN
+    return FP4 and w13.fmt in FOUR_BIT_FORMATS and 1 <= t <= FP4_MAX_TOKENS and d <= FP4_MAX_HIDDEN
 
 
 def _weight_args(qw: QuantizedWeight, words: int) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
@@ -370,16 +384,17 @@ def _weight_args(qw: QuantizedWeight, words: int) -> tuple[tuple[torch.Tensor, .
 
 def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenGemvConfig,
                   act: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """The first kernel: act [K, I] in hidden's dtype (into `act` when given)."""
-    d, top_k, inter = hidden.shape[1], ids.numel(), w13.out_features // 2
+    """The first kernel: act [T * K, I] in hidden's dtype (into `act` when given), for hidden [T, D] (unit stride
+    along D) and ids [T, K] contiguous."""
+    (t, d), top_k, inter = hidden.shape, ids.shape[1], w13.out_features // 2
     if act is None:
-        act = torch.empty(top_k, inter, dtype=hidden.dtype, device=hidden.device)
+        act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_k = min(cfg.up_k, triton.next_power_of_2(d))
     q, words = gemv_words(w13, cfg.up_words, up_k)
     tensors, strides = _weight_args(w13, words)
-    _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), top_k)](
-        hidden.reshape(-1), q, *tensors, act, ids.reshape(-1), inter, d, 1, *strides,
-        GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
+    _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), t * top_k)](
+        hidden, q, *tensors, act, ids, inter, d, 1, *strides, hidden.stride(0),
+        TOP_K=top_k, GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
         EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, FMT=_FMT_ID[w13.fmt], num_warps=cfg.up_warps,
         **pdl_launch(hidden.device),
     )  # fmt: skip
@@ -388,20 +403,21 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
 
 def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
                cfg: TokenGemvConfig, out: torch.Tensor | None = None, preload: bool = False) -> torch.Tensor:  # fmt: skip
-    """The second kernel: [1, D] in act's dtype (into `out` when given). preload: the routing and first K tile
-    are read before the PDL wait, so weights and ids must not come from the kernel launched just before this
-    one (moe_w4_token's gate-up read them after its own wait, so after its call they qualify)."""
-    d, inter, top_k = w2.out_features, w2.in_features, ids.numel()
+    """The second kernel: [T, D] in act's dtype (into `out` when given, rows unit stride along D), for act
+    [T * K, I], weights [T * K] and ids [T, K] contiguous. preload: the routing and first K tile are read before
+    the PDL wait, so weights and ids must not come from the kernel launched just before this one (moe_w4_token's
+    gate-up read them after its own wait, so after its call they qualify)."""
+    d, inter, (t, top_k) = w2.out_features, w2.in_features, ids.shape
     if cfg.down_slots < 1 or cfg.down_slots & (cfg.down_slots - 1):
         raise ValueError(f"moe_w4_token: down_slots must be a power of two, got {cfg.down_slots}")
     slots = min(cfg.down_slots, top_k & -top_k)  # a power of two dividing top-k
     if out is None:
-        out = torch.empty(1, d, dtype=act.dtype, device=act.device)
+        out = torch.empty(t, d, dtype=act.dtype, device=act.device)
     down_k = min(cfg.down_k, triton.next_power_of_2(inter))
     q, words = gemv_words(w2, cfg.down_words, down_k)
     tensors, strides = _weight_args(w2, words)
-    _token_down_kernel[(triton.cdiv(d, cfg.down_n),)](
-        act, q, *tensors, out, ids.reshape(-1), weights, d, inter, 1, *strides,
+    _token_down_kernel[(triton.cdiv(d, cfg.down_n), t)](
+        act, q, *tensors, out, ids, weights, d, inter, 1, *strides, out.stride(0),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
         BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, PRELOAD=preload and slots == top_k,
         FMT=_FMT_ID[w2.fmt], num_warps=cfg.down_warps, **pdl_launch(act.device),
@@ -410,16 +426,18 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
 
 
 def moe_w4_token(
-    hidden: torch.Tensor,  # [1, D] bf16 / fp16, unit stride
+    hidden: torch.Tensor,  # [T, D] bf16 / fp16, unit stride along D
     w13: QuantizedWeight,  # int4 / mxfp4 / nvfp4 [E, 2I, D]
     w2: QuantizedWeight,  # the same format [E, D, I]
-    weights: torch.Tensor,  # [K] float32 contiguous
-    ids: torch.Tensor,  # [1, K] int
+    weights: torch.Tensor,  # [T * K] float32 contiguous
+    ids: torch.Tensor,  # [T, K] int
     cfg: TokenGemvConfig | None = None,
-) -> torch.Tensor:  # [1, D] hidden.dtype
-    """quant_moe_ref's function for one token, in the two kernels above."""
-    if hidden.shape[0] != 1 or w13.fmt != w2.fmt or w13.fmt not in FOUR_BIT_FORMATS:
-        raise ValueError(f"moe_w4_token: one token of 4-bit experts in one format ({', '.join(FOUR_BIT_FORMATS)}), "
-                         f"got {hidden.shape[0]} tokens, experts {w13.fmt} / {w2.fmt}")  # fmt: skip
+) -> torch.Tensor:  # [T, D] hidden.dtype
+    """quant_moe_ref's function for 1 to MAX_TOKENS tokens, in the two kernels above."""
+    t = hidden.shape[0]
+    if not 1 <= t <= MAX_TOKENS or w13.fmt != w2.fmt or w13.fmt not in FOUR_BIT_FORMATS:
+        raise ValueError(f"moe_w4_token: 1 to {MAX_TOKENS} tokens of 4-bit experts in one format "
+                         f"({', '.join(FOUR_BIT_FORMATS)}), got {t} tokens, experts {w13.fmt} / {w2.fmt}")  # fmt: skip
     cfg = cfg or default_config()
+    ids = ids.contiguous()
     return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg, preload=DOWN_PRELOAD)
