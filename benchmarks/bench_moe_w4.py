@@ -67,6 +67,27 @@ def random_qw(fmt: str, group: int, zeros: bool, e: int, n: int, k: int) -> Quan
     return QuantizedWeight(fmt, q, s, n, k, group, zeros=z, global_scale=gs)
 
 
+def expert_weights(fname: str, shape: str) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """Random w13 [E, 2I, D] and w2 [E, D, I] of expert shape `shape` (SHAPES) in format `fname` (FORMATS)."""
+    d, inter, e, _ = SHAPES[shape]
+    fmt, group, zeros = FORMATS[fname]
+    return random_qw(fmt, group, zeros, e, 2 * inter, d), random_qw(fmt, group, zeros, e, d, inter)
+
+
+def routed_inputs(w13: QuantizedWeight, w2: QuantizedWeight, t: int, k: int, reps: int) -> tuple[list, list, torch.Tensor]:
+    """`reps` bf16 hiddens [t, D] and routings (`routings`), and the reference output of the first."""
+    e, d = w13.qweight.shape[0], w13.in_features
+    hiddens = [torch.randn(t, d, dtype=torch.bfloat16, device=DEV) for _ in range(reps)]
+    routes = routings(t, e, k, reps)
+    return hiddens, routes, quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+
+
+def distinct_bytes(w13: QuantizedWeight, w2: QuantizedWeight, routes: list) -> float:
+    """Mean over the routings of the distinct experts' weight bytes (scales and zeros included)."""
+    per_expert = (w13.nbytes() + w2.nbytes()) / w13.qweight.shape[0]
+    return sum(ids.unique().numel() for _, ids in routes) / len(routes) * per_expert
+
+
 def routings(t: int, e: int, k: int, reps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out, prev = [], torch.zeros(e, dtype=torch.bool, device=DEV)
     for _ in range(reps):

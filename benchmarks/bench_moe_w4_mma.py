@@ -34,23 +34,14 @@ REPS = 8
 FORMATS = ("int4-g128-asym", "int4-g128-sym")
 
 
-def distinct_bytes(w13, w2, routes: list, e: int) -> float:
-    """Mean over the routings of the distinct experts' weight bytes (scales and zeros included)."""
-    per_expert = (w13.nbytes() + w2.nbytes()) / e
-    return sum(ids.unique().numel() for _, ids in routes) / len(routes) * per_expert
-
-
 def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict[str, Any], log) -> None:
-    d, inter, e, k = bm.SHAPES[shape]
+    d, _, e, k = bm.SHAPES[shape]
     for fname in FORMATS:
-        fmt, group, zeros = bm.FORMATS[fname]
-        w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
-        w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
+        fmt, group, _ = bm.FORMATS[fname]
+        w13, w2 = bm.expert_weights(fname, shape)
         for t in tokens:
-            hiddens = [torch.randn(t, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
-            routes = bm.routings(t, e, k, REPS)
-            ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
-            nbytes = distinct_bytes(w13, w2, routes, e)
+            hiddens, routes, ref = bm.routed_inputs(w13, w2, t, k, REPS)
+            nbytes = bm.distinct_bytes(w13, w2, routes)
             floor_us = nbytes / copy_gbs / 1e3
             flat = [(r[0].reshape(-1).float().contiguous(), r[1]) for r in routes]
             cfg = w4.default_w4_pair_config(t, d, fmt)

@@ -322,19 +322,15 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
     default tiles in the same process, per expert shape and format: each checked against the reference, then timed
     over REPS routings; bytes = the distinct experts each routing reads, averaged."""
     for shape in shapes:
-        d, inter, e, k = bm.SHAPES[shape]
+        d, _, _, k = bm.SHAPES[shape]
         for fname in formats:
-            fmt, group, zeros = bm.FORMATS[fname]
-            w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
-            w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
+            w13, w2 = bm.expert_weights(fname, shape)
             for t in tokens:
-                hiddens = [torch.randn(t, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
-                routes = bm.routings(t, e, k, REPS)
-                ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+                hiddens, routes, ref = bm.routed_inputs(w13, w2, t, k, REPS)
                 distinct = sum(r[1].unique().numel() for r in routes) / REPS
-                nbytes = distinct * (w13.nbytes() + w2.nbytes()) / e + 4 * t * d
+                nbytes = bm.distinct_bytes(w13, w2, routes) + 4 * t * d
                 floor = nbytes / bw_gbs / 1e3
-                for path, cfg in (("pair", w4.default_w4_pair_config(t, d, fmt)), ("token", tok.default_config())):
+                for path, cfg in (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config())):
                     err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
                     if us is None:
                         log(f"tokens {shape} {fname} T={t} {path} FAILED rel err {err:.3g}")
