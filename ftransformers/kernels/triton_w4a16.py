@@ -5,8 +5,7 @@ int4 with 16-bit x at decode sizes goes first to kernels/gluon_w4a16_mma.py (mma
 decoded straight into operand registers) where its `takes` says it measured faster; elsewhere three
 kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
-- `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights; int4 and FP4 two words a thread): CUDA cores.
-  Tensors are
+- `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights; two words a thread): CUDA cores. Tensors are
   [word, n, m, nibble]; each thread owns word columns of a K tile for all its n, m and the 8 nibbles,
   so qweight (4-byte words, coalesced along K), x (one 16-byte vector per word and row) and the
   scales meet in one register layout with no shared-memory round trip. Per weight element it costs
@@ -482,8 +481,7 @@ def w4a16_linear(
             )
         return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
-    want = cfg.pop("WORDS", 1) if gemv else 1
-    q, words = gemv_words(qw, want, cfg["BLOCK_K"]) if gemv else (qw.qweight, 1)
+    q, words = gemv_words(qw, cfg.pop("WORDS", 1), cfg["BLOCK_K"]) if gemv else (qw.qweight, 1)
     s, z, gs = qw.scales, qw.zeros, qw.global_scale
     if qw.fmt == "nvfp4":
         s = s.view(torch.uint8)
