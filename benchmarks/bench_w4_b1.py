@@ -39,7 +39,6 @@ import bench_w4a16 as bw
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels import triton_moe_w4_gemv as tok
 from ftransformers.kernels import triton_w4a16 as tw
-from ftransformers.kernels.quant_formats import quant_moe_ref
 from ftransformers.kernels.triton_fused_moe import moe_align, moe_sum
 
 GEMV_SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o": (2048, 4096)}
@@ -130,13 +129,8 @@ REPS = 8  # routings per CUDA graph of pair-path calls
 def pair_inputs(fname: str, reps: int) -> tuple[Any, Any, list[torch.Tensor], list[Any], torch.Tensor]:
     """Qwen3-30B-A3B experts in bench_moe_w4 format `fname`, `reps` one-token hiddens and routings (each
     avoiding the previous one's experts), and the reference output of the first."""
-    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
-    fmt, group, zeros = bm.FORMATS[fname]
-    w13 = bm.random_qw(fmt, group, zeros, e, 2 * inter, d)
-    w2 = bm.random_qw(fmt, group, zeros, e, d, inter)
-    hiddens = [torch.randn(1, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(reps)]
-    routes = bm.routings(1, e, k, reps)
-    return w13, w2, hiddens, routes, quant_moe_ref(hiddens[0], w13, w2, *routes[0])
+    w13, w2 = bm.expert_weights(fname, "qwen3-30b-a3b")
+    return w13, w2, *bm.routed_inputs(w13, w2, 1, bm.SHAPES["qwen3-30b-a3b"][3], reps)
 
 
 def time_parts(parts: dict[str, tuple[Any, float]], kind: str, tag: str, fname: str, bw_gbs: float,

@@ -38,7 +38,7 @@ import triton.language as tl
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
-from ftransformers.kernels.triton_w4a16 import _FMT_ID, _TWO_49, _TWO_M49, _scale_f32, gemv_words
+from ftransformers.kernels.triton_w4a16 import _FMT_ID, _TWO_49, _TWO_M49, _e2m1_top, _scale_f32, gemv_words
 from ftransformers.kernels.w4_tiles import masked_load
 
 # fused_moe_w4 takes one token's int4 MoE here (where the CUDA-core pair path took it before);
@@ -61,7 +61,6 @@ _TWO_92: tl.constexpr = tl.constexpr(2.0**92)
 _TWO_88: tl.constexpr = tl.constexpr(2.0**88)
 _TWO_84: tl.constexpr = tl.constexpr(2.0**84)
 _TWO_77: tl.constexpr = tl.constexpr(2.0**77)
-_E2M1_MASK: tl.constexpr = tl.constexpr(-0x7E400000)  # 0x81C00000: the sign and bits 24..22
 
 
 @dataclass(frozen=True)
@@ -168,11 +167,10 @@ def _nibble_dot(q, xm):
 
 @triton.jit
 def _e2m1(q, J: tl.constexpr):
-    # nibble J of int32 words q as float32 e2m1 * 2^-126: moved to bits 31..28, then the arithmetic shift puts
-    # the sign at 31 and the exponent and mantissa at 24..22 (+-0.5 is the subnormal 2^-127)
+    # nibble J of int32 words q as float32 e2m1 * 2^-126 (moved to bits 31..28 for triton_w4a16._e2m1_top)
     if J < 7:
         q = q << (28 - 4 * J)
-    return ((q >> 6) & _E2M1_MASK).to(tl.float32, bitcast=True)
+    return _e2m1_top(q)
 
 
 @triton.jit
@@ -212,12 +210,10 @@ def _scaled_dot(q, xa, xb, xsum, scale, zero, WORDS: tl.constexpr, FMT: tl.const
 
 @triton.jit
 def _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
-              WORDS: tl.constexpr, FMT: tl.constexpr = 0, gs=1.0):  # fmt: skip
+              WORDS: tl.constexpr, FMT: tl.constexpr = 0):  # fmt: skip
     # _scaled_dot with the elements' scales (and zeros; symmetric: 8) loaded from their rows at group grp: int4 any
-    # float dtype, mxfp4 E8M0 bytes, nvfp4 E4M3 bytes times the rows' global scale gs
+    # float dtype, mxfp4 E8M0 bytes, nvfp4 E4M3 bytes (its rows' global scales are applied by the kernels, once)
     scale = _scale_f32(masked_load(s_ptrs + grp, mask, EVEN), FMT)
-    if FMT == 2:
-        scale = scale * gs
     if HAS_ZEROS:
         zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
     else:
@@ -228,12 +224,12 @@ def _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexp
 @triton.jit
 def _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, k_start, w2, n2, N, K, GROUP: tl.constexpr,
                 HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr,
-                FMT: tl.constexpr = 0, gs=1.0):  # fmt: skip
+                FMT: tl.constexpr = 0):  # fmt: skip
     # part + the down kernel's K tiles from k_start for one slot group (pointers as in _token_down_kernel)
     for k0 in range(k_start, K, BLOCK_K):
         xa, xb, xsum, grp, mask_q = _tile_x(a_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS, FMT)
         q = masked_load(q_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
-        part += _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS, FMT, gs)
+        part += _word_dot(q, xa, xb, xsum, s_ptrs, z_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS, FMT)
     return part
 
 
@@ -261,22 +257,23 @@ def _token_gate_up_kernel(
     sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
     zg_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
     x_ptrs = x_ptr + (pair // TOP_K) * stride_x + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
-    gs_g = 1.0
-    gs_u = 1.0
-    if FMT == 2:
-        gs_g = masked_load(gs_ptr + expert * stride_ge + n2, n2 < N, EVEN)  # [1, BN]
-        gs_u = masked_load(gs_ptr + expert * stride_ge + N + n2, n2 < N, EVEN)
+    if FMT == 2:  # the rows' global scales, issued ahead of the loop, applied after it
+        gs_g = masked_load(gs_ptr + expert * stride_ge + offs_n, offs_n < N, EVEN)
+        gs_u = masked_load(gs_ptr + expert * stride_ge + N + offs_n, offs_n < N, EVEN)
     acc_g = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         xa, xb, xsum, grp, mask_q = _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS, FMT)
         qg = masked_load(qg_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
         qu = masked_load(qg_ptrs + N * stride_qn + k0 // (8 * WORDS), mask_q, EVEN)
-        acc_g += _word_dot(qg, xa, xb, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS, FMT, gs_g)
+        acc_g += _word_dot(qg, xa, xb, xsum, sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN, WORDS, FMT)
         acc_u += _word_dot(qu, xa, xb, xsum, sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q,
-                           HAS_ZEROS, EVEN, WORDS, FMT, gs_u)  # fmt: skip
+                           HAS_ZEROS, EVEN, WORDS, FMT)  # fmt: skip
     gate = tl.sum(acc_g, axis=0) * _TWO_49  # [BN]
     up = tl.sum(acc_u, axis=0) * _TWO_49
+    if FMT == 2:
+        gate *= gs_g
+        up *= gs_u
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
 
@@ -295,7 +292,8 @@ def _token_down_kernel(
     # in the gate-up kernel. PRELOAD (one slot group, SLOTS == TOP_K): the routing (ids, tw) and the first K
     # tile's words, scales and zeros are loaded before the PDL wait. Only act comes from the predecessor
     # (the gate-up kernel, which read the same routing after its own wait), so those were written before it.
-    # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, N] (row stride stride_ge), read with the scales.
+    # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, N] (row stride stride_ge), applied with the lane's
+    # slot weight.
     WI: tl.constexpr = BLOCK_K // (8 * WORDS)
     BW: tl.constexpr = SLOTS * WI
     pid_n = tl.program_id(0)
@@ -318,10 +316,9 @@ def _token_down_kernel(
         mask0 = (n2 < N) & (w2 < K // (8 * WORDS))
         grp0 = w2 * (8 * WORDS) // GROUP
         q0 = tl.load(q_ptrs, mask=mask0, other=0)
-        s0 = tl.load(s_ptrs + grp0, mask=mask0, other=0)  # raw: decoded after the wait
-        gs = 1.0
+        s_raw0 = tl.load(s_ptrs + grp0, mask=mask0, other=0)  # decoded after the wait
         if FMT == 2:
-            gs = tl.load(gs_ptr + expert * stride_ge + n2, mask=n2 < N, other=0.0)  # [BW, BN]
+            tw = tw * tl.load(gs_ptr + expert * stride_ge + n2, mask=n2 < N, other=0.0)  # [BW, BN]
         if HAS_ZEROS:
             zero0 = tl.load(z_ptrs + grp0, mask=mask0, other=0).to(tl.float32)
     pdl_enter(USE_PDL)
@@ -329,15 +326,13 @@ def _token_down_kernel(
     if PRELOAD:
         if not HAS_ZEROS:
             zero0 = 8.0
-        scale0 = _scale_f32(s0, FMT)
-        if FMT == 2:
-            scale0 = scale0 * gs
+        scale0 = _scale_f32(s_raw0, FMT)
         a_ptrs = act_ptr + slot2 * K + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
         xa, xb, xsum, _, _ = _tile_x(a_ptrs, 0, w2, n2, N, K, GROUP, EVEN, WORDS, FMT)
         part = _scaled_dot(q0, xa, xb, xsum, scale0, zero0, WORDS, FMT)
         part = _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, BLOCK_K, w2, n2, N, K, GROUP, HAS_ZEROS, BLOCK_K,
-                           EVEN, WORDS, FMT, gs)  # fmt: skip
-        acc += part * tw  # the lane's slot weight
+                           EVEN, WORDS, FMT)  # fmt: skip
+        acc += part * tw  # the lane's slot weight (times its row's global scale)
     else:
         for s0 in range(0, TOP_K, SLOTS):
             slot2 = s0 + c2 // WI  # [BW, 1]
@@ -346,12 +341,12 @@ def _token_down_kernel(
             s_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
             z_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
             a_ptrs = act_ptr + slot2 * K + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]  # [BW, 8]
-            gs = 1.0
+            tw = tl.load(tw_ptr + slot2)  # the lane's slot weight
             if FMT == 2:
-                gs = masked_load(gs_ptr + expert * stride_ge + n2, n2 < N, EVEN)  # [BW, BN]
+                tw = tw * masked_load(gs_ptr + expert * stride_ge + n2, n2 < N, EVEN)  # times its rows' global scales
             part = _down_tiles(tl.zeros([BW, BLOCK_N], dtype=tl.float32), a_ptrs, q_ptrs, s_ptrs, z_ptrs, 0, w2, n2,
-                               N, K, GROUP, HAS_ZEROS, BLOCK_K, EVEN, WORDS, FMT, gs)  # fmt: skip
-            acc += part * tl.load(tw_ptr + slot2)  # the lane's slot weight
+                               N, K, GROUP, HAS_ZEROS, BLOCK_K, EVEN, WORDS, FMT)  # fmt: skip
+            acc += part * tw
     out = tl.sum(acc, axis=0) * _TWO_49  # [BN]
     tl.store(out_ptr + offs_n, to_16bit(out, out_ptr.dtype.element_ty), mask=offs_n < N)
 

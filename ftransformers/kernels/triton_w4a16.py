@@ -121,11 +121,16 @@ def _int4_codes(q, j4, nib_mask):
 
 
 @triton.jit
-def _e2m1_codes(q, j4):
-    # int32 words [BW, BN, 1, 1] -> [BW, BN, 1, 8] float32 e2m1_j * 2^-126: nibble j shifted to bits 31..28, then
-    # the arithmetic shift by 6 puts its sign at 31 and its exponent and mantissa at 24..22 (mask 0x81C00000)
-    qs = tl.where(j4 < 7, q << (28 - 4 * j4), q)
+def _e2m1_top(qs):
+    # int32 with an E2M1 nibble at bits 31..28 -> float32 e2m1 * 2^-126: the arithmetic shift by 6 puts its sign at
+    # 31 and its exponent and mantissa at 24..22, the mask 0x81C00000 keeps those (+-0.5 is the subnormal 2^-127)
     return ((qs >> 6) & -0x7E400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_codes(q, j4):
+    # int32 words [BW, BN, 1, 1] -> [BW, BN, 1, 8] float32 e2m1_j * 2^-126, nibble j shifted to bits 31..28
+    return _e2m1_top(tl.where(j4 < 7, q << (28 - 4 * j4), q))
 
 
 @triton.jit(do_not_specialize=["unit"])
@@ -263,7 +268,7 @@ def _nibble_value(q, qh, J: tl.constexpr, scale, zero_scale, FMT: tl.constexpr):
         if J < 7:
             q = q << (28 - 4 * J)
         # nibble at bits 31..28 (sign, e1, e0, m) -> sign at 31 (arithmetic shift), e1 e0 m at 24..22
-        v = (((q >> 6) & -0x7E400000).to(tl.float32, bitcast=True) * _TWO_63) * scale  # mask 0x81C00000
+        v = (_e2m1_top(q) * _TWO_63) * scale
     return v
 
 
