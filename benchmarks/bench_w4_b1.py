@@ -40,6 +40,7 @@ from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels import triton_moe_w4_gemv as tok
 from ftransformers.kernels import triton_w4a16 as tw
 from ftransformers.kernels.triton_fused_moe import moe_align, moe_sum
+from ftransformers.kernels.triton_w4a16_codes import codes_block_k
 
 GEMV_SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o": (2048, 4096)}
 FORMATS = {"int4-asym": "int4-g128-asym", "int4-sym": "int4-g128-sym"}  # bench_w4a16 name: bench_moe_w4 name
@@ -313,7 +314,8 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log, formats: list[str]) -> 
 def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[str], tokens: list[int],
                        shapes: list[str]) -> None:  # fmt: skip
     """The GEMV-form kernels at T tokens (forced by their config, whatever `takes` says) beside the pair path's
-    default tiles in the same process, per expert shape and format: each checked against the reference, then timed
+    and the aligned path's default tiles (each forced too) and fused_moe_w4's own choice ("engine") in the same
+    process, per expert shape and format: each checked against the reference, then timed
     over REPS routings; bytes = the distinct experts each routing reads, averaged."""
     for shape in shapes:
         d, _, _, k = bm.SHAPES[shape]
@@ -324,15 +326,24 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                 distinct = sum(r[1].unique().numel() for r in routes) / REPS
                 nbytes = bm.distinct_bytes(w13, w2, routes) + 4 * t * d
                 floor = nbytes / bw_gbs / 1e3
-                for path, cfg in (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config())):
-                    err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
+                group = max(w13.group_size, w2.group_size)
+                codes = w13.fmt == "int4" and codes_block_k(group) > 0
+                paths = (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config()),
+                         ("aligned", w4.default_w4_config(t, w13.qweight.shape[0], k, group, codes)),
+                         ("engine", None))  # fmt: skip
+                for path, cfg in paths:
+                    try:
+                        err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
+                    except (ValueError, RuntimeError) as exc:  # a path that does not take these shapes
+                        log(f"tokens {shape} {fname} T={t} {path} not run: {str(exc).splitlines()[0]}")
+                        continue
                     if us is None:
                         log(f"tokens {shape} {fname} T={t} {path} FAILED rel err {err:.3g}")
                         continue
                     out["rows"].append({"kind": "moe_tokens", "shape": shape, "format": fname, "path": path, "T": t,
-                                        "config": cfg.__dict__, "distinct_experts": distinct, "bytes": nbytes,
+                                        "config": None if cfg is None else cfg.__dict__, "distinct_experts": distinct, "bytes": nbytes,
                                         "floor_us": floor, "us": us, "rel_err": err})  # fmt: skip
-                    log(f"tokens {shape:13s} {fname:6s} T={t:2d} {path:5s} {us:7.2f} us "
+                    log(f"tokens {shape:13s} {fname:6s} T={t:2d} {path:7s} {us:7.2f} us "
                         f"{100 * floor / us:4.0f}% floor {floor:.2f} err {err:.1e}")  # fmt: skip
             del w13, w2
             torch.cuda.empty_cache()

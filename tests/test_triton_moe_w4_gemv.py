@@ -189,9 +189,9 @@ def test_two_words_a_lane_only_where_the_layout_allows() -> None:
 
 
 def test_fused_moe_w4_takes_int4_and_fp4_tokens_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    # fused_moe_w4 sends one token of int4 experts here, and up to FP4_MAX_TOKENS of FP4 experts no wider than
-    # FP4_MAX_HIDDEN; two int4 tokens, more FP4 tokens, FP4 with FP4 off, hidden wider than the limits or ENABLED off
-    # go elsewhere (and still match the reference).
+    # fused_moe_w4 sends up to INT4_MAX_TOKENS tokens of int4 experts here, and up to FP4_MAX_TOKENS of FP4 experts
+    # no wider than FP4_MAX_HIDDEN (FP4_WIDE_MAX_TOKENS past MAX_HIDDEN); more tokens, FP4 with FP4 off, hidden
+    # wider than the limits or ENABLED off go elsewhere (and still match the reference).
     calls: list[int] = []
     real = token.moe_w4_token
     monkeypatch.setattr(token, "moe_w4_token", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -210,17 +210,20 @@ def test_fused_moe_w4_takes_int4_and_fp4_tokens_here(monkeypatch: pytest.MonkeyP
         return len(calls) > before
 
     assert taken(1) and not taken(2)
+    monkeypatch.setattr(token, "INT4_MAX_TOKENS", 2)
+    assert taken(2) and not taken(3)
     assert taken(1, "mxfp4") and taken(1, "nvfp4")
     monkeypatch.setattr(token, "FP4_MAX_TOKENS", 2)  # FP4 up to FP4_MAX_TOKENS tokens, then the pair path
     assert taken(2, "nvfp4") and not taken(3, "mxfp4")
+    monkeypatch.setattr(token, "MAX_HIDDEN", d // 2)  # past int4's width, FP4 goes up to FP4_WIDE_MAX_TOKENS
+    monkeypatch.setattr(token, "FP4_WIDE_MAX_TOKENS", 3)
+    assert taken(3, "mxfp4") and not taken(4, "nvfp4") and not taken(1)
+    monkeypatch.setattr(token, "MAX_HIDDEN", d)
     monkeypatch.setattr(token, "FP4_MAX_HIDDEN", d // 2)
     assert not taken(1, "mxfp4") and taken(1)
     monkeypatch.setattr(token, "FP4_MAX_HIDDEN", d)
     monkeypatch.setattr(token, "FP4", False)
     assert not taken(1, "mxfp4") and taken(1)
-    monkeypatch.setattr(token, "MAX_HIDDEN", d // 2)
-    assert not taken(1)
-    monkeypatch.setattr(token, "MAX_HIDDEN", d)
     monkeypatch.setattr(token, "ENABLED", False)
     assert not taken(1) and not taken(1, "nvfp4")
 

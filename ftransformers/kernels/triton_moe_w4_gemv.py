@@ -23,7 +23,8 @@ E4M3 byte (times the row's global scale for nvfp4), and there is no zero term.
 
 int4 with 16-bit or float32 scales, zeros present or not (symmetric: 8), bf16 / fp16 x. Up to MAX_TOKENS tokens, each
 its own pairs (the kernels read each pair's expert rows, no sharing between tokens that pick the same expert):
-`takes` sends one int4 token here (int4 from two tokens runs gluon_moe_w4_mma), and FP4 up to FP4_MAX_TOKENS.
+`takes` sends int4 up to INT4_MAX_TOKENS here (more runs gluon_moe_w4_mma), and FP4 up to FP4_MAX_TOKENS
+(FP4_WIDE_MAX_TOKENS at DeepSeek-V3 width).
 Invariants (as the dense GEMV): |x| < 2^28, int4 scales < 2^100, FP4 scales < 2^64. Graph-safe: no host syncs.
 """
 
@@ -48,11 +49,20 @@ ENABLED = True
 FP4 = True
 MAX_HIDDEN = 4096  # wider int4 experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
 MAX_TOKENS = 64  # moe_w4_token's bound: every pair reads its expert's rows, so many tokens belong to the aligned path
-# FP4 experts, which have no mma path, come here up to this many tokens and this hidden size: on the H100 these
-# kernels beat the pair path at 1, 2, 4 and 8 tokens on Qwen3-30B-A3B's and DeepSeek-V3's experts, mxfp4 and nvfp4
-# (1.10-1.43x; benchmarks/results/w4_tokens_fp4_h100.log), and the Qwen3-30B-A3B MXFP4 step at 2-8 tokens by
-# 1.11-1.13x (ab_fp4tok_30b_mxfp4_h100.json); from 9 tokens FP4 keeps the pair path, which was not measured against it
-FP4_MAX_TOKENS = 8
+# int4 experts come here up to this many tokens, then go to the mma path. On the H100 (Qwen3-30B-A3B AWQ experts)
+# these kernels took 22.8-23.2 us at two tokens against the mma path's 25.2-25.6 alone, but the W4A16 step at
+# batch 2 was the same either way (2.576 / 2.577 ms; benchmarks/results/w4_tokens_paths{,2}_qwen_h100.log,
+# ab_int4two_30b_w4a16_h100.log), so two int4 tokens keep the mma path
+INT4_MAX_TOKENS = 1
+# FP4 experts, which have no mma path, come here up to FP4_MAX_TOKENS tokens (FP4_WIDE_MAX_TOKENS where D >
+# MAX_HIDDEN) and D <= FP4_MAX_HIDDEN. On the H100 (w4_tokens_paths{,2}_{qwen,dsv3}_h100.log) these kernels beat
+# the pair path at 1-64 tokens, mxfp4 and nvfp4. Against the aligned path (fused_moe_w4's choice from 17 tokens):
+# on Qwen3-30B-A3B's experts faster at 24 and 32 tokens (mxfp4 302 against 350 us at 32, nvfp4 340 against 344)
+# and slower from 48 (mxfp4 450 against 379); on DeepSeek-V3's faster up to 64 (mxfp4 4947 against 5806 us at 64,
+# 2480 against 4281 at 32). The Qwen3-30B-A3B step went from 12.382 to 10.790 ms at batch 16 and 20.055 to
+# 18.317 at 32 for MXFP4 (NVFP4 13.439 -> 11.505, 20.455 -> 20.144; ab_fp4many_30b_{mxfp4,nvfp4}_h100.log)
+FP4_MAX_TOKENS = 32
+FP4_WIDE_MAX_TOKENS = 64
 FP4_MAX_HIDDEN = 7168
 
 _TWO_100: tl.constexpr = tl.constexpr(2.0**100)
@@ -352,14 +362,16 @@ def _token_down_kernel(
 
 
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
-    """Whether fused_moe_w4 runs this call here: experts of one format; int4 at one token with D <= MAX_HIDDEN,
-    FP4 (while FP4 is on) up to FP4_MAX_TOKENS tokens with D <= FP4_MAX_HIDDEN."""
+    """Whether fused_moe_w4 runs this call here: experts of one format; int4 up to INT4_MAX_TOKENS tokens with
+    D <= MAX_HIDDEN, FP4 (while FP4 is on) up to FP4_MAX_TOKENS tokens (FP4_WIDE_MAX_TOKENS where D > MAX_HIDDEN)
+    with D <= FP4_MAX_HIDDEN."""
     if not ENABLED or w13.fmt != w2.fmt or hidden.dtype not in (torch.bfloat16, torch.float16):
         return False
     t, d = hidden.shape
     if w13.fmt == "int4":
-        return t == 1 and d <= MAX_HIDDEN
-    return FP4 and w13.fmt in FOUR_BIT_FORMATS and 1 <= t <= FP4_MAX_TOKENS and d <= FP4_MAX_HIDDEN
+        return 1 <= t <= INT4_MAX_TOKENS and d <= MAX_HIDDEN
+    most = FP4_WIDE_MAX_TOKENS if d > MAX_HIDDEN else FP4_MAX_TOKENS
+    return FP4 and w13.fmt in FOUR_BIT_FORMATS and 1 <= t <= most and d <= FP4_MAX_HIDDEN
 
 
 def _weight_args(qw: QuantizedWeight, words: int) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
