@@ -311,19 +311,12 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log, formats: list[str]) -> 
         torch.cuda.empty_cache()
 
 
-# the token kernels with the grouped gate-up (tok._grouped_gate_up_kernel) at every T of the sweep: name, config fields
-GROUPED = [("grp2", {"up_pairs": 2}), ("grp4", {"up_pairs": 4}), ("grp2n8w4", {"up_pairs": 2, "up_n": 8, "up_warps": 4}),
-           ("grp4n2", {"up_pairs": 4, "up_n": 2})]  # fmt: skip
-
-
 def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[str], tokens: list[int],
                        shapes: list[str]) -> None:  # fmt: skip
     """The GEMV-form kernels at T tokens (forced by their config, whatever `takes` says) beside the pair path's
     and the aligned path's default tiles (each forced too) and fused_moe_w4's own choice ("engine") in the same
     process, per expert shape and format: each checked against the reference, then timed
-    over REPS routings; bytes = the distinct experts each routing reads, averaged. The GROUPED rows run the grouped
-    gate-up at every T (GROUP_MIN_TOKENS set to 1 here)."""
-    tok.GROUP_MIN_TOKENS = 1
+    over REPS routings; bytes = the distinct experts each routing reads, averaged."""
     for shape in shapes:
         d, _, _, k = bm.SHAPES[shape]
         for fname in formats:
@@ -335,10 +328,9 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                 floor = nbytes / bw_gbs / 1e3
                 group = max(w13.group_size, w2.group_size)
                 codes = w13.fmt == "int4" and codes_block_k(group) > 0
-                base = tok.default_config()
-                paths = (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", base),
+                paths = (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config()),
                          ("aligned", w4.default_w4_config(t, w13.qweight.shape[0], k, group, codes)),
-                         ("engine", None), *[(name, dataclasses.replace(base, **kw)) for name, kw in GROUPED])  # fmt: skip
+                         ("engine", None))  # fmt: skip
                 for path, cfg in paths:
                     try:
                         err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
@@ -351,7 +343,7 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                     out["rows"].append({"kind": "moe_tokens", "shape": shape, "format": fname, "path": path, "T": t,
                                         "config": None if cfg is None else cfg.__dict__, "distinct_experts": distinct, "bytes": nbytes,
                                         "floor_us": floor, "us": us, "rel_err": err})  # fmt: skip
-                    log(f"tokens {shape:13s} {fname:6s} T={t:2d} {path:8s} {us:7.2f} us "
+                    log(f"tokens {shape:13s} {fname:6s} T={t:2d} {path:7s} {us:7.2f} us "
                         f"{100 * floor / us:4.0f}% floor {floor:.2f} err {err:.1e}")  # fmt: skip
             del w13, w2
             torch.cuda.empty_cache()

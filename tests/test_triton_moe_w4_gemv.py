@@ -116,30 +116,6 @@ def test_several_tokens_match_reference(fmt: str, t: int, monkeypatch: pytest.Mo
     assert rel_err(out, quant_moe_ref(hidden.contiguous(), w13, w2, weights, ids)) <= TOL
 
 
-@pytest.mark.parametrize("pairs", [2, 4])
-@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
-def test_grouped_gate_up_matches(pairs: int, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The gate-up over moe_align's blocks of `pairs` pairs of one expert (tokens repeat experts, so blocks hold one
-    # to `pairs` live pairs and padding): act equal to the one-pair-a-program kernel's to float32 summation order
-    # (1e-3 of its norm), and the whole MoE within TOL of the reference; on two words with tails in D, I and the
-    # rows, and on one word with several K tiles.
-    monkeypatch.setattr(token, "GROUP_MIN_TOKENS", 1)
-    d, inter, e, k, t = (160, 96, 8, 4, 5) if not CUDA else (*QWEN, 24)
-    qkw = {"group": 32, "zeros": True} if fmt == "int4" else {}
-    gen = torch.Generator(DEV).manual_seed(pairs)
-    hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
-    w13 = random_qw(fmt, e, 2 * inter, d, gen, **qkw)
-    weights, ids = make_routing(t, e, k, gen)
-    for cfg in (CFG(up_pairs=pairs), CFG(up_n=8, up_k=64, up_warps=1, up_words=1, up_pairs=pairs)):
-        one = token.token_gate_up(hidden, w13, ids, cfg).float()
-        grouped = token.grouped_gate_up(hidden, w13, ids, cfg).float()
-        assert (grouped - one).norm() <= 1e-3 * one.norm(), (cfg, (grouped - one).norm() / one.norm())
-        err = run(d, inter, e, k, torch.bfloat16, seed=pairs + 3, cfg=cfg, fmt=fmt, t=t, **qkw)
-        assert err <= TOL, (cfg, err)
-    with pytest.raises(ValueError, match="up_pairs must be 2 or 4"):
-        token.grouped_gate_up(hidden, w13, ids, CFG(up_pairs=3))
-
-
 @pytest.mark.skipif(not CUDA, reason="the real expert shapes are slow in the interpreter")
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("cfg", [None, CFG(up_words=1, down_words=2, down_k=512)])

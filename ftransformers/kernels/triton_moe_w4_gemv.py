@@ -38,7 +38,6 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
-from ftransformers.kernels.triton_fused_moe import moe_align
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
 from ftransformers.kernels.triton_w4a16 import _FMT_ID, _TWO_49, _TWO_M49, _e2m1_top, _scale_f32, gemv_words
 from ftransformers.kernels.w4_tiles import masked_load
@@ -78,9 +77,7 @@ _TWO_77: tl.constexpr = tl.constexpr(2.0**77)
 class TokenGemvConfig:
     """Rows a program and K tile (elements) of each kernel; down_slots slots share a down tile's word axis;
     *_words: int4 words a lane loads at once for each row (1, or 2 as one 8-byte load where the layout allows,
-    see triton_w4a16.gemv_words); up_pairs (2 or 4; 0: off): from GROUP_MIN_TOKENS tokens the gate-up kernel runs
-    over moe_align's blocks of up_pairs pairs of one expert (`_grouped_gate_up_kernel`), decoding a tile once for
-    them all."""
+    see triton_w4a16.gemv_words)."""
 
     up_n: int = 4
     up_k: int = 1024
@@ -91,7 +88,6 @@ class TokenGemvConfig:
     down_warps: int = 8
     up_words: int = 2
     down_words: int = 1
-    up_pairs: int = 0
 
 
 # The tiles moe_w4_token runs without a config (module names so that benchmarks/ab_decode.py's `set=` can
@@ -112,16 +108,13 @@ UP_N, UP_K, UP_WARPS, UP_WORDS = (
 DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfig.down_k, TokenGemvConfig.down_slots,
                                           TokenGemvConfig.down_warps)  # fmt: skip
 DOWN_WORDS = TokenGemvConfig.down_words
-UP_PAIRS = TokenGemvConfig.up_pairs
-GROUP_MIN_TOKENS = 9  # up_pairs applies from this many tokens (below it most experts take one pair)
 # moe_w4_token's down kernel reads the routing and its first K tile before the PDL wait (token_down's preload)
 DOWN_PRELOAD = True
 
 
 def default_config() -> TokenGemvConfig:
     """The tiles moe_w4_token runs without a config (the module's names, which `set=` may have changed)."""
-    return TokenGemvConfig(UP_N, UP_K, UP_WARPS, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS, UP_WORDS, DOWN_WORDS,
-                           UP_PAIRS)  # fmt: skip
+    return TokenGemvConfig(UP_N, UP_K, UP_WARPS, DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS, UP_WORDS, DOWN_WORDS)
 
 
 @triton.jit
@@ -295,124 +288,6 @@ def _token_gate_up_kernel(
     tl.store(act_ptr + pair * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-@triton.jit
-def _gate_up_act(acc_g, acc_u, gs_g, gs_u, FMT: tl.constexpr):
-    # [BW, BN] partials of gate and up rows -> silu(gate) * up [BN] float32 (nvfp4: times the rows' global scales)
-    gate = tl.sum(acc_g, axis=0) * _TWO_49
-    up = tl.sum(acc_u, axis=0) * _TWO_49
-    if FMT == 2:
-        gate *= gs_g
-        up *= gs_u
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
-@triton.jit
-def _block_pair(sorted_ptr, base, num_pairs, x_ptr, stride_x, w2, TOP_K: tl.constexpr, WORDS: tl.constexpr):
-    # slot `base` of an aligned block: (pair, whether it is one, its x pointers [BW, 8]); padding reads token 0
-    pair = tl.load(sorted_ptr + base)
-    live = pair < num_pairs
-    pair = tl.where(live, pair, 0)
-    return pair, live, x_ptr + (pair // TOP_K) * stride_x + w2 * (8 * WORDS) + tl.arange(0, 8)[None, :]
-
-
-@triton.jit
-def _pair_dots(x_ptrs, k0, w2, n2, N, K, qg, qu, sg, zg, su, zu, GROUP: tl.constexpr, EVEN: tl.constexpr,
-               WORDS: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
-    # one pair's gate and up partials [BW, BN] of the K tile at k0, for words and scales already loaded
-    xa, xb, xsum, _, _ = _tile_x(x_ptrs, k0, w2, n2, N, K, GROUP, EVEN, WORDS, FMT)
-    return (_scaled_dot(qg, xa, xb, xsum, sg, zg, WORDS, FMT), _scaled_dot(qu, xa, xb, xsum, su, zu, WORDS, FMT))
-
-
-@triton.jit
-def _tile_scales(s_ptrs, z_ptrs, grp, mask, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr, FMT: tl.constexpr):
-    scale = _scale_f32(masked_load(s_ptrs + grp, mask, EVEN), FMT)
-    if HAS_ZEROS:
-        zero = masked_load(z_ptrs + grp, mask, EVEN).to(tl.float32)
-    else:
-        zero = 8.0
-    return scale, zero
-
-
-@triton.jit(do_not_specialize=["unit"])
-def _grouped_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, N, K, unit,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge, stride_x,
-    TOP_K: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, FMT: tl.constexpr = 0, PAIRS: tl.constexpr = 2,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    # _token_gate_up_kernel's act for the pairs of one block of moe_align(ids, E, PAIRS) (PAIRS 2 or 4, one expert
-    # a block, padded with ids >= num_pairs): program (row block, block) reads its expert's words and scales once
-    # and forms every live pair's dots from them (the decode is shared; a padded slot skips its dots and store).
-    pdl_enter(USE_PDL)
-    BW: tl.constexpr = BLOCK_K // (8 * WORDS)
-    pid_n = tl.program_id(0)
-    blk = tl.program_id(1)
-    if blk * PAIRS >= tl.load(num_post_ptr):  # past the used blocks
-        return
-    expert = tl.load(expert_ids_ptr + blk).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w2 = tl.arange(0, BW)[:, None]  # [BW, 1]
-    n2 = offs_n[None, :]  # [1, BN]
-    qg_ptrs = q_ptr + expert * stride_qe + n2 * stride_qn + w2 * unit  # [BW, BN]
-    sg_ptrs = s_ptr + expert * stride_se + n2 * stride_sn
-    zg_ptrs = z_ptr + expert * stride_ze + n2 * stride_zn
-    p0, live0, x0 = _block_pair(sorted_ptr, blk * PAIRS, num_pairs, x_ptr, stride_x, w2, TOP_K, WORDS)
-    p1, live1, x1 = _block_pair(sorted_ptr, blk * PAIRS + 1, num_pairs, x_ptr, stride_x, w2, TOP_K, WORDS)
-    p2, live2, x2 = p1, live1, x1
-    p3, live3, x3 = p1, live1, x1
-    if PAIRS == 4:
-        p2, live2, x2 = _block_pair(sorted_ptr, blk * PAIRS + 2, num_pairs, x_ptr, stride_x, w2, TOP_K, WORDS)
-        p3, live3, x3 = _block_pair(sorted_ptr, blk * PAIRS + 3, num_pairs, x_ptr, stride_x, w2, TOP_K, WORDS)
-    gs_g = 0.0
-    gs_u = 0.0
-    if FMT == 2:  # the rows' global scales, issued ahead of the loop, applied after it
-        gs_g = masked_load(gs_ptr + expert * stride_ge + offs_n, offs_n < N, EVEN)
-        gs_u = masked_load(gs_ptr + expert * stride_ge + N + offs_n, offs_n < N, EVEN)
-    g0 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    u0 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    g1 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    u1 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    g2 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    u2 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    g3 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    u3 = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_x = k0 // (8 * WORDS) + w2 < K // (8 * WORDS)
-        mask_q = (n2 < N) & mask_x
-        grp = (k0 + w2 * (8 * WORDS)) // GROUP
-        qg = masked_load(qg_ptrs + k0 // (8 * WORDS), mask_q, EVEN)
-        qu = masked_load(qg_ptrs + N * stride_qn + k0 // (8 * WORDS), mask_q, EVEN)
-        sg, zg = _tile_scales(sg_ptrs, zg_ptrs, grp, mask_q, HAS_ZEROS, EVEN, FMT)
-        su, zu = _tile_scales(sg_ptrs + N * stride_sn, zg_ptrs + N * stride_zn, grp, mask_q, HAS_ZEROS, EVEN, FMT)
-        dg, du = _pair_dots(x0, k0, w2, n2, N, K, qg, qu, sg, zg, su, zu, GROUP, EVEN, WORDS, FMT)
-        g0 += dg
-        u0 += du
-        if live1:
-            dg, du = _pair_dots(x1, k0, w2, n2, N, K, qg, qu, sg, zg, su, zu, GROUP, EVEN, WORDS, FMT)
-            g1 += dg
-            u1 += du
-        if PAIRS == 4:
-            if live2:
-                dg, du = _pair_dots(x2, k0, w2, n2, N, K, qg, qu, sg, zg, su, zu, GROUP, EVEN, WORDS, FMT)
-                g2 += dg
-                u2 += du
-            if live3:
-                dg, du = _pair_dots(x3, k0, w2, n2, N, K, qg, qu, sg, zg, su, zu, GROUP, EVEN, WORDS, FMT)
-                g3 += dg
-                u3 += du
-    dt = act_ptr.dtype.element_ty  # a padded slot stores nothing: its rows end at 0
-    tl.store(act_ptr + p0 * N + offs_n, to_16bit(_gate_up_act(g0, u0, gs_g, gs_u, FMT), dt),
-             mask=offs_n < tl.where(live0, N, 0))
-    tl.store(act_ptr + p1 * N + offs_n, to_16bit(_gate_up_act(g1, u1, gs_g, gs_u, FMT), dt),
-             mask=offs_n < tl.where(live1, N, 0))
-    if PAIRS == 4:
-        tl.store(act_ptr + p2 * N + offs_n, to_16bit(_gate_up_act(g2, u2, gs_g, gs_u, FMT), dt),
-                 mask=offs_n < tl.where(live2, N, 0))
-        tl.store(act_ptr + p3 * N + offs_n, to_16bit(_gate_up_act(g3, u3, gs_g, gs_u, FMT), dt),
-                 mask=offs_n < tl.where(live3, N, 0))
-
-
 @triton.jit(do_not_specialize=["unit"])
 def _token_down_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
@@ -533,29 +408,6 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     return act
 
 
-def grouped_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenGemvConfig,
-                    act: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """token_gate_up's act from `_grouped_gate_up_kernel`: the pairs sorted into blocks of cfg.up_pairs (2 or 4) by
-    moe_align, one program per (row block, block); blocks past those used exit at once (the grid is sized by
-    shape, so the launch is graph-safe)."""
-    (t, d), top_k, inter = hidden.shape, ids.shape[1], w13.out_features // 2
-    if cfg.up_pairs not in (2, 4):
-        raise ValueError(f"moe_w4_token: up_pairs must be 2 or 4 for the grouped gate-up, got {cfg.up_pairs}")
-    if act is None:
-        act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    sorted_ids, expert_ids, num_post = moe_align(ids, w13.qweight.shape[0], cfg.up_pairs)
-    up_k = min(cfg.up_k, triton.next_power_of_2(d))
-    q, words = gemv_words(w13, cfg.up_words, up_k)
-    tensors, strides = _weight_args(w13, words)
-    _grouped_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), expert_ids.numel())](
-        hidden, q, *tensors, act, sorted_ids, expert_ids, num_post, t * top_k, inter, d, 1, *strides,
-        hidden.stride(0), TOP_K=top_k, GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n,
-        BLOCK_K=up_k, EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, FMT=_FMT_ID[w13.fmt],
-        PAIRS=cfg.up_pairs, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
-    )  # fmt: skip
-    return act
-
-
 def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
                cfg: TokenGemvConfig, out: torch.Tensor | None = None, preload: bool = False) -> torch.Tensor:  # fmt: skip
     """The second kernel: [T, D] in act's dtype (into `out` when given, rows unit stride along D), for act
@@ -595,8 +447,4 @@ def moe_w4_token(
                          f"({', '.join(FOUR_BIT_FORMATS)}), got {t} tokens, experts {w13.fmt} / {w2.fmt}")  # fmt: skip
     cfg = cfg or default_config()
     ids = ids.contiguous()
-    if cfg.up_pairs and t >= GROUP_MIN_TOKENS:
-        act = grouped_gate_up(hidden, w13, ids, cfg)
-    else:
-        act = token_gate_up(hidden, w13, ids, cfg)
-    return token_down(act, w2, weights, ids, cfg, preload=DOWN_PRELOAD)
+    return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg, preload=DOWN_PRELOAD)
