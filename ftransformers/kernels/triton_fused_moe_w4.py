@@ -437,9 +437,9 @@ def fused_moe_w4(
     config: MoEConfig | W4PairConfig | mma_path.MmaMoEConfig | token_path.TokenGemvConfig | None = None,
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """quant_moe_ref's function: the int4 mma kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes`
-    the call (or for an MmaMoEConfig); else one int4 token or a few FP4 tokens on the GEMV-form kernels of
-    kernels/triton_moe_w4_gemv.py where `token_path.takes` it (or for a TokenGemvConfig); else for
+    """quant_moe_ref's function: a few int4 or FP4 tokens on the GEMV-form kernels of
+    kernels/triton_moe_w4_gemv.py where `token_path.takes` them (or for a TokenGemvConfig); else the int4 mma
+    kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes` the call (or for an MmaMoEConfig); else for
     T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
     else
     the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
@@ -456,10 +456,10 @@ def fused_moe_w4(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
     if isinstance(config, mma_path.MmaMoEConfig):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids, config)
-    if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
-        return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids)
     if isinstance(config, token_path.TokenGemvConfig) or (config is None and token_path.takes(hidden, w13, w2, top_k)):
         return token_path.moe_w4_token(hidden, w13, w2, weights, topk_ids, config)
+    if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
+        return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids)
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)

@@ -47,13 +47,14 @@ from ftransformers.kernels.w4_tiles import masked_load
 ENABLED = True
 # FP4 experts (mxfp4, nvfp4) take it too (`set=triton_moe_w4_gemv.FP4=0` sends them to the pair path, for an A/B)
 FP4 = True
-MAX_HIDDEN = 4096  # wider int4 experts (DeepSeek-V3) go to the mma path at one token (gluon_moe_w4_mma.takes)
+MAX_HIDDEN = 4096  # wider int4 experts (DeepSeek-V3) go to the mma path at any count (gluon_moe_w4_mma.takes)
 MAX_TOKENS = 64  # moe_w4_token's bound: every pair reads its expert's rows, so many tokens belong to the aligned path
-# int4 experts come here up to this many tokens, then go to the mma path. On the H100 (Qwen3-30B-A3B AWQ experts)
-# these kernels took 22.8-23.2 us at two tokens against the mma path's 25.2-25.6 alone, but the W4A16 step at
-# batch 2 was the same either way (2.576 / 2.577 ms; benchmarks/results/w4_tokens_paths{,2}_qwen_h100.log,
-# ab_int4two_30b_w4a16_h100.log), so two int4 tokens keep the mma path
-INT4_MAX_TOKENS = 1
+# int4 experts come here up to this many tokens (fused_moe_w4 asks `takes` before the mma path's), then go to
+# gluon_moe_w4_mma. On the H100 (Qwen3-30B-A3B AWQ experts, alone) these kernels took 22.8-23.2 us at two tokens
+# against the mma path's 25.2-25.6, and 41.1 against 39.3 at four (benchmarks/results/w4_tokens_paths{,2}_qwen_h100.log);
+# the W4A16 step at batch 2 went from 2.579 to 2.494 ms, the MoE's critical path from 1152 to 1066 us, batch 1
+# unchanged (ab_int4two2_30b_w4a16_h100.*)
+INT4_MAX_TOKENS = 2
 # FP4 experts, which have no mma path, come here up to FP4_MAX_TOKENS tokens (FP4_WIDE_MAX_TOKENS where D >
 # MAX_HIDDEN) and D <= FP4_MAX_HIDDEN. On the H100 (w4_tokens_paths{,2}_{qwen,dsv3}_h100.log) these kernels beat
 # the pair path at 1-64 tokens, mxfp4 and nvfp4. Against the aligned path (fused_moe_w4's choice from 17 tokens):
