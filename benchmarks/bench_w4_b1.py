@@ -341,8 +341,8 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                         log(f"tokens {shape} {fname} T={t} {path} FAILED rel err {err:.3g}")
                         continue
                     out["rows"].append({"kind": "moe_tokens", "shape": shape, "format": fname, "path": path, "T": t,
-                                        "config": None if cfg is None else cfg.__dict__, "distinct_experts": distinct, "bytes": nbytes,
-                                        "floor_us": floor, "us": us, "rel_err": err})  # fmt: skip
+                                        "config": None if cfg is None else cfg.__dict__, "distinct_experts": distinct,
+                                        "bytes": nbytes, "floor_us": floor, "us": us, "rel_err": err})  # fmt: skip
                     log(f"tokens {shape:13s} {fname:6s} T={t:2d} {path:7s} {us:7.2f} us "
                         f"{100 * floor / us:4.0f}% floor {floor:.2f} err {err:.1e}")  # fmt: skip
             del w13, w2

@@ -357,7 +357,8 @@ def chunk_k(k: int, group: int, most: int) -> int:
 
 
 # fused_moe_w4 runs its int4 calls here (`takes`) from MIN_TOKENS tokens up to its pair-path limit
-# (T * top_k <= W4_PAIR_MAX_PAIRS), and on wide models (D > 4096) at every count up to WIDE_MAX_PAIRS pairs.
+# (T * top_k <= W4_PAIR_MAX_PAIRS), and on wide models (D > 4096) at every count up to WIDE_MAX_PAIRS pairs, except
+# those the GEMV-form token kernels take first (triton_moe_w4_gemv.takes: up to INT4_MAX_TOKENS tokens, D <= 4096).
 MIN_TOKENS = 2
 WIDE_MAX_PAIRS = 256
 

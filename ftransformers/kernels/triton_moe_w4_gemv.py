@@ -42,7 +42,7 @@ from ftransformers.kernels.triton_fused_moe_codes import to_16bit
 from ftransformers.kernels.triton_w4a16 import _FMT_ID, _TWO_49, _TWO_M49, _e2m1_top, _scale_f32, gemv_words
 from ftransformers.kernels.w4_tiles import masked_load
 
-# fused_moe_w4 takes one token's int4 MoE here (where the CUDA-core pair path took it before);
+# fused_moe_w4 takes a few int4 tokens' MoE here (where the CUDA-core pair path or the mma path took it before);
 # `set=triton_moe_w4_gemv.ENABLED=0` in benchmarks/ab_decode.py restores the pair path for an A/B.
 ENABLED = True
 # FP4 experts (mxfp4, nvfp4) take it too (`set=triton_moe_w4_gemv.FP4=0` sends them to the pair path, for an A/B)
