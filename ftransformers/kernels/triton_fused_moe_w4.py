@@ -18,13 +18,12 @@ tl.dot (gate-up with fused SiLU*up; down with the routing weight), and the bf16 
 
 Decoding and the GEMV tiles: kernels/w4_tiles.py.
 
-One int4 token (D <= 4096), and up to 8 FP4 tokens (D <= 7168; since session 32), go to
-kernels/triton_moe_w4_gemv.py instead: the dense GEMV's register layout, no shared-memory round trip for x, the
-down kernel summing every slot of a token in one program (H100: Qwen3-30B-A3B int4 asym g128 16.2 against the
-pair path's 18.0 us, benchmarks/results/w4_b1_token2_h100.log; FP4 1.10-1.43x the pair path at 1-8 tokens on
-Qwen3-30B-A3B's and DeepSeek-V3's experts, w4_tokens_fp4_h100.log).
+A few tokens go to kernels/triton_moe_w4_gemv.py first, wherever its `takes` says (int4 up to INT4_MAX_TOKENS
+with D <= 4096; FP4 up to FP4_MAX_TOKENS, FP4_WIDE_MAX_TOKENS past D = 4096; the measurements are beside those
+names): the dense GEMV's register layout, no shared-memory round trip for x, the down kernel summing every slot
+of a token in one program.
 
-Int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py instead (the pair path's contract on
+Other int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py (the pair path's contract on
 mma.sync) wherever its `takes` says: from 2 tokens up to the pair-path limit, and on D > 4096 from one
 token to 256 pairs (measured faster there on the H100; benchmarks/results/moe_w4_mma_h100.log).
 """

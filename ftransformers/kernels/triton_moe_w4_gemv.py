@@ -1,4 +1,4 @@
-"""One token's 4-bit MoE as two GEMV-form kernels (the layout of triton_w4a16's `_w4a16_gemv_kernel`).
+"""A few tokens' 4-bit MoE as two GEMV-form kernels (the layout of triton_w4a16's `_w4a16_gemv_kernel`).
 
 The pair path of kernels/triton_fused_moe_w4.py spreads a quantization group over four lanes, decodes each
 nibble with a shift and a mask, and moves x from its load layout to the weights' through shared memory
