@@ -14,9 +14,6 @@ The "token" section runs one token's 4-bit MoE on the GEMV-form kernels (kernels
 a sweep of their tiles beside the pair path, and times their two kernels alone, for each of `--token-formats`
 (bench_moe_w4's format names: int4 asymmetric and symmetric, mxfp4, nvfp4).
 
-The "tokens" section (`--tokens`) times every path at each token count, "fused" being the one-launch int4 token
-kernel (kernels/gluon_moe_w4_fused.py) called directly where it takes the shapes.
-
 The "codes" section runs the MoE at one token on the aligned path's int4 codes kernels (tensor cores)
 beside the pair path, and times their four kernels alone.
 """
@@ -39,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_moe_w4 as bm
 import bench_w4a16 as bw
 
-from ftransformers.kernels import gluon_moe_w4_fused as fz
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels import triton_moe_w4_gemv as tok
 from ftransformers.kernels import triton_w4a16 as tw
@@ -161,24 +157,13 @@ def t1_row(kind: str, tag: str, fname: str, path: str, cfg: Any, nbytes: float, 
         f"err {err:.1e}{note} | {cfg}")  # fmt: skip
 
 
-FUSED = "fused"  # checked_moe_us's cfg for kernels/gluon_moe_w4_fused.py called directly
-
-
-def _moe(hidden, w13, w2, route, cfg: Any) -> torch.Tensor:
-    if cfg == FUSED:
-        if not fz.takes(hidden, w13, w2, route[1].shape[1]):
-            raise ValueError("gluon_moe_w4_fused does not take these shapes")
-        return fz.moe_w4_fused(hidden, w13, w2, route[0].reshape(-1).float().contiguous(), route[1])
-    return w4.fused_moe_w4(hidden, w13, w2, *route, cfg)
-
-
 def checked_moe_us(cfg: Any, w13, w2, hiddens, routes, ref) -> tuple[float, float | None]:
-    """fused_moe_w4 with `cfg` (or FUSED: the one-launch kernel): its relative error against `ref` (the first
-    routing), and its time per call over the REPS routings (None when the error is not under 1e-2)."""
-    err = bm.rel_err(_moe(hiddens[0], w13, w2, routes[0], cfg), ref)
+    """fused_moe_w4 at one token with `cfg`: its relative error against `ref` (the first routing), and its time
+    per call over the REPS routings (None when the error is not under 1e-2)."""
+    err = bm.rel_err(w4.fused_moe_w4(hiddens[0], w13, w2, *routes[0], cfg), ref)
     if not err < 1e-2:
         return err, None
-    call = lambda i: _moe(hiddens[i], w13, w2, routes[i], cfg)
+    call = lambda i: w4.fused_moe_w4(hiddens[i], w13, w2, *routes[i], cfg)
     return err, bm.graph_ms(call, REPS) * 1e3
 
 
@@ -345,7 +330,7 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                 codes = w13.fmt == "int4" and codes_block_k(group) > 0
                 paths = (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config()),
                          ("aligned", w4.default_w4_config(t, w13.qweight.shape[0], k, group, codes)),
-                         ("fused", FUSED), ("engine", None))  # fmt: skip
+                         ("engine", None))  # fmt: skip
                 for path, cfg in paths:
                     try:
                         err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
@@ -356,7 +341,7 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                         log(f"tokens {shape} {fname} T={t} {path} FAILED rel err {err:.3g}")
                         continue
                     out["rows"].append({"kind": "moe_tokens", "shape": shape, "format": fname, "path": path, "T": t,
-                                        "config": cfg if cfg in (None, FUSED) else cfg.__dict__, "distinct_experts": distinct,
+                                        "config": None if cfg is None else cfg.__dict__, "distinct_experts": distinct,
                                         "bytes": nbytes, "floor_us": floor, "us": us, "rel_err": err})  # fmt: skip
                     log(f"tokens {shape:13s} {fname:6s} T={t:2d} {path:7s} {us:7.2f} us "
                         f"{100 * floor / us:4.0f}% floor {floor:.2f} err {err:.1e}")  # fmt: skip

@@ -18,9 +18,7 @@ tl.dot (gate-up with fused SiLU*up; down with the routing weight), and the bf16 
 
 Decoding and the GEMV tiles: kernels/w4_tiles.py.
 
-One int4 token of Qwen3-30B-A3B-sized experts goes to kernels/gluon_moe_w4_fused.py first (`fused_path.takes`):
-one persistent launch that streams all of the layer's expert bytes through shared memory at once.
-A few tokens go to kernels/triton_moe_w4_gemv.py next, wherever its `takes` says (int4 up to INT4_MAX_TOKENS
+A few tokens go to kernels/triton_moe_w4_gemv.py first, wherever its `takes` says (int4 up to INT4_MAX_TOKENS
 with D <= 4096; FP4 up to FP4_MAX_TOKENS, FP4_WIDE_MAX_TOKENS past D = 4096; the measurements are beside those
 names): the dense GEMV's register layout, no shared-memory round trip for x, the down kernel summing every slot
 of a token in one program.
@@ -39,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels import gluon_moe_w4_fused as fused_path
 from ftransformers.kernels import gluon_moe_w4_mma as mma_path
 from ftransformers.kernels import triton_moe_w4_gemv as token_path
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
@@ -439,8 +436,7 @@ def fused_moe_w4(
     config: MoEConfig | W4PairConfig | mma_path.MmaMoEConfig | token_path.TokenGemvConfig | None = None,
     codes: bool = True,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
-    """quant_moe_ref's function: one int4 token in one persistent launch where `fused_path.takes` it
-    (kernels/gluon_moe_w4_fused.py); a few int4 or FP4 tokens on the GEMV-form kernels of
+    """quant_moe_ref's function: a few int4 or FP4 tokens on the GEMV-form kernels of
     kernels/triton_moe_w4_gemv.py where `token_path.takes` them (or for a TokenGemvConfig); else the int4 mma
     kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes` the call (or for an MmaMoEConfig); else for
     T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
@@ -459,10 +455,6 @@ def fused_moe_w4(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
     if isinstance(config, mma_path.MmaMoEConfig):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids, config)
-    if config is None and fused_path.takes(hidden, w13, w2, top_k):
-        out = fused_path.moe_w4_fused(hidden, w13, w2, weights, topk_ids)
-        if out is not None:  # None: no ticket counters yet (a CUDA-graph capture before the first call)
-            return out
     if isinstance(config, token_path.TokenGemvConfig) or (config is None and token_path.takes(hidden, w13, w2, top_k)):
         return token_path.moe_w4_token(hidden, w13, w2, weights, topk_ids, config)
     if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
