@@ -26,6 +26,11 @@ its own pairs (the kernels read each pair's expert rows, no sharing between toke
 `takes` sends int4 up to INT4_MAX_TOKENS here (more runs gluon_moe_w4_mma), and FP4 up to FP4_MAX_TOKENS
 (FP4_WIDE_MAX_TOKENS at DeepSeek-V3 width).
 Invariants (as the dense GEMV): |x| < 2^28, int4 scales < 2^100, FP4 scales < 2^64. Graph-safe: no host syncs.
+
+Measured and dropped (session 34, commit e19ec29, docs/performance.md): both kernels as one persistent launch, one
+8-warp program an SM copying all of its expert bytes into shared memory at once, with a grid barrier before the
+down rows. Correct, but it took 25-27 us against these kernels' 13.4 at one Qwen3-30B-A3B token, and 20 us with no
+copies at all. Two warps a scheduler could not hide the nibble arithmetic's latency.
 """
 
 from __future__ import annotations
