@@ -82,10 +82,14 @@ def routed_inputs(w13: QuantizedWeight, w2: QuantizedWeight, t: int, k: int, rep
     return hiddens, routes, quant_moe_ref(hiddens[0], w13, w2, *routes[0])
 
 
+def distinct_experts(routes: list) -> float:
+    """Mean over the routings of the distinct experts they pick."""
+    return sum(ids.unique().numel() for _, ids in routes) / len(routes)
+
+
 def distinct_bytes(w13: QuantizedWeight, w2: QuantizedWeight, routes: list) -> float:
     """Mean over the routings of the distinct experts' weight bytes (scales and zeros included)."""
-    per_expert = (w13.nbytes() + w2.nbytes()) / w13.qweight.shape[0]
-    return sum(ids.unique().numel() for _, ids in routes) / len(routes) * per_expert
+    return distinct_experts(routes) * (w13.nbytes() + w2.nbytes()) / w13.qweight.shape[0]
 
 
 def routings(t: int, e: int, k: int, reps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

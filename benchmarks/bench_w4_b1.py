@@ -323,7 +323,7 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
             w13, w2 = bm.expert_weights(fname, shape)
             for t in tokens:
                 hiddens, routes, ref = bm.routed_inputs(w13, w2, t, k, REPS)
-                distinct = sum(r[1].unique().numel() for r in routes) / REPS
+                distinct = bm.distinct_experts(routes)
                 nbytes = bm.distinct_bytes(w13, w2, routes) + 4 * t * d
                 floor = nbytes / bw_gbs / 1e3
                 group = max(w13.group_size, w2.group_size)

@@ -218,9 +218,10 @@ def _w4a16_gemv_kernel(
             scale = tl.reshape(_scale_f32(tl.load(s_rows + grp, mask=mask_q, other=0), FMT), [BW, BLOCK_N, 1])
         if FMT == 2:
             scale = scale * tl.reshape(gs, [1, BLOCK_N, 1])
+        if WORDS == 2:  # q's low half is the pair's first word, its high half the second, against the next 8 x
+            x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
         if FMT == 0:
-            if WORDS == 2:  # q's low half is the pair's first word, its high half the second
-                x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
+            if WORDS == 2:
                 da = _int4_codes(q.to(tl.int32), j4, nib_mask)
                 db = _int4_codes((q >> 32).to(tl.int32), j4, nib_mask)
                 t = tl.sum((x * x_mul) * da, axis=3) + tl.sum((x2 * x_mul) * db, axis=3)  # [BW, BN, BM]
@@ -237,8 +238,7 @@ def _w4a16_gemv_kernel(
             acc += scale * t
             acc -= (scale * zero) * xsum
         else:
-            if WORDS == 2:  # as int4's: the pair's second word against the next 8 activations
-                x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
+            if WORDS == 2:
                 t = tl.sum((x * _TWO_64) * _e2m1_codes(q.to(tl.int32), j4), axis=3)
                 t += tl.sum((x2 * _TWO_64) * _e2m1_codes((q >> 32).to(tl.int32), j4), axis=3)
             else:
