@@ -166,6 +166,35 @@ def test_fused_router_grouped(t: int, e: int, d: int, groups, topk_group, k: int
     torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), **FUSED_TOL)
 
 
+@pytest.mark.parametrize("t", [1, 7])
+@pytest.mark.parametrize("groups,topk_group", [(8, 4), (None, None)])
+def test_fused_router_sigmoid_without_bias(t: int, groups, topk_group) -> None:
+    # Without a correction bias each pick's weight is the score it won with (WEIGHT_IS_BEST)
+    e, d, k = 64, 96, 6
+    hidden, weight = router_inputs(t, e, d, torch.float32, 13 * t + e)
+    w, ids = fused_router_topk(hidden, weight, k, softmax=False, renormalize=True, num_expert_group=groups,
+                               topk_group=topk_group, routed_scaling_factor=1.5)  # fmt: skip
+    w_ref, ids_ref = grouped_topk_torch(F.linear(hidden, weight), k, groups, topk_group, None, True, 1.5)
+    ids_s, order = ids.sort(dim=-1)
+    ids_ref_s, order_ref = ids_ref.sort(dim=-1)
+    assert torch.equal(ids_s, ids_ref_s)
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), **FUSED_TOL)
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_fused_router_weight_from_best_is_bitwise_the_sum(softmax: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pick's weight read off the max it won with equals the one-hot sum of its score bit for bit
+    e, d, k = 128, 256, 8
+    hidden, weight = router_inputs(3, e, d, torch.bfloat16, 77)
+    call = partial(fused_router_topk, hidden, weight, k, softmax=softmax, renormalize=True, round_logits=True,
+                   routed_scaling_factor=1.0 if softmax else 2.0)  # fmt: skip
+    w_best, ids_best = call()
+    monkeypatch.setattr(triton_router, "WEIGHT_FROM_BEST", False)
+    w_sum, ids_sum = call()
+    assert torch.equal(ids_best, ids_sum)
+    assert torch.equal(w_best, w_sum)
+
+
 def test_fused_router_counter_resets() -> None:
     # The last program hands the ticket counter back at 0, so repeated launches agree.
     hidden, weight = router_inputs(3, 64, 96, torch.float32, 5)

@@ -34,6 +34,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_FUSED_TOKENS = 16
 MAX_FUSED_EXPERTS = 512
 _ROUND = {torch.bfloat16: 1, torch.float16: 2}  # logits rounding modes of the fused router
+# The fused router takes a pick's weight from the max it won with where that max is the score (softmax, or sigmoid
+# without a bias): one reduction a pick fewer. 0 sums the score over the pick's one-hot, as before (an A/B toggle,
+# `set=triton_router.WEIGHT_FROM_BEST=0` in benchmarks/ab_decode.py). H100, Qwen3-30B-A3B B=1 in one process
+# (benchmarks/results/ab_handoff_30b_w4a16_h100.*, ab_pickweight_30b_bf16_h100.*): the router's critical path
+# 209 -> 202 us a step in W4A16 (step 1.786 -> 1.770 ms), 206 -> 197 in bf16 (3.184 -> 3.153 ms)
+WEIGHT_FROM_BEST = True
 
 
 @triton.jit
@@ -186,8 +192,9 @@ def _fused_router_kernel(
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    WEIGHT_IS_BEST: tl.constexpr = False, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
+    # WEIGHT_IS_BEST (softmax, or sigmoid without a bias): a pick's weight is the selection score it won with.
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
     if PREFETCH:  # this program's gate rows to L2 ahead of the wait
@@ -264,7 +271,11 @@ def _fused_router_kernel(
             best = tl.max(tl.max(choice, 2), 1)  # [SEL_T]
             idx = tl.min(tl.min(tl.where(choice == best[:, None, None], eid, BLOCK_G * BLOCK_S), 2), 1)
             hit = (eid == idx[:, None, None]) & ev
-            w_out = tl.where(koffs == kk, tl.sum(tl.sum(tl.where(hit, scores, 0.0), 2), 1)[:, None], w_out)
+            if WEIGHT_IS_BEST:  # choice is the score wherever it is finite: the pick's weight is best itself
+                w_pick = best
+            else:  # choice is score + bias: the pick's unbiased score, by a sum over its one-hot
+                w_pick = tl.sum(tl.sum(tl.where(hit, scores, 0.0), 2), 1)
+            w_out = tl.where(koffs == kk, w_pick[:, None], w_out)
             ids = tl.where(koffs == kk, idx[:, None], ids)
             choice = tl.where(hit, float("-inf"), choice)
         if RENORM:
@@ -343,11 +354,12 @@ def fused_router_topk(
     block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
     ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
     sel_t = max(4, triton.next_power_of_2(t))  # H100: a [1, G, S] selection tile ran slower than [4, G, S]
+    has_bias = correction_bias is not None and not softmax
     _fused_router_kernel[(e_blocks * n_split,)](
         hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
         float(routed_scaling_factor),
         E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
-        SOFTMAX=softmax, HAS_BIAS=correction_bias is not None and not softmax, GROUPED=grouped,
+        SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=grouped, WEIGHT_IS_BEST=WEIGHT_FROM_BEST and not has_bias,
         RENORM=bool(renormalize), ROUND=_ROUND.get(hidden.dtype, 0) if round_logits else 0, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
