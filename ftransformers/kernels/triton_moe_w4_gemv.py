@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.handoff import RouteHandoff, consumer_enter, consumer_exit, poll_args
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
@@ -252,21 +251,17 @@ def _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, k_start, w2, n2, N, K, GRO
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, ids_ptr, flag_ptr, N, K, unit,
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, ids_ptr, N, K, unit,
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge, stride_x,
     TOP_K: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, FMT: tl.constexpr = 0, HANDOFF: tl.constexpr = False,
-    POLL_COPIES: tl.constexpr = 1, POLL_VOLATILE: tl.constexpr = False, EXIT_WAIT: tl.constexpr = True,
-    USE_PDL: tl.constexpr = False,
+    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[p, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]), e = ids[p], t = p // TOP_K (x's rows stride_x
     # apart), n < N = I, rounded to x's
     # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout. WORDS == 2:
     # q is the int64 view of the words (strides in int64 elements), one 8-byte element a lane and row.
     # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, 2N] (row stride stride_ge).
-    # HANDOFF: the routing comes from the fused router just before, published on the flags at flag_ptr
-    # (kernels/handoff.py); the wait for the router's grid moves to the end.
-    consumer_enter(flag_ptr, HANDOFF, USE_PDL, POLL_COPIES, POLL_VOLATILE)
+    pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // (8 * WORDS)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
@@ -297,7 +292,6 @@ def _token_gate_up_kernel(
         up *= gs_u
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
-    consumer_exit(HANDOFF, USE_PDL, EXIT_WAIT)
 
 
 @triton.jit(do_not_specialize=["unit"])
@@ -402,22 +396,20 @@ def _weight_args(qw: QuantizedWeight, words: int) -> tuple[tuple[torch.Tensor, .
 
 
 def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenGemvConfig,
-                  act: torch.Tensor | None = None, handoff: RouteHandoff | None = None) -> torch.Tensor:  # fmt: skip
+                  act: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The first kernel: act [T * K, I] in hidden's dtype (into `act` when given), for hidden [T, D] (unit stride
-    along D) and ids [T, K] contiguous. handoff: armed when the fused router launched just before published ids
-    on its flags; the kernel then takes them from the flags instead of waiting for the router's grid."""
+    along D) and ids [T, K] contiguous."""
     (t, d), top_k, inter = hidden.shape, ids.shape[1], w13.out_features // 2
     if act is None:
         act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_k = min(cfg.up_k, triton.next_power_of_2(d))
     q, words = gemv_words(w13, cfg.up_words, up_k)
     tensors, strides = _weight_args(w13, words)
-    flags = handoff.flags if handoff is not None and handoff.take() else None
     _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), t * top_k)](
-        hidden, q, *tensors, act, ids, ids if flags is None else flags, inter, d, 1, *strides, hidden.stride(0),
+        hidden, q, *tensors, act, ids, inter, d, 1, *strides, hidden.stride(0),
         TOP_K=top_k, GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
         EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, FMT=_FMT_ID[w13.fmt], num_warps=cfg.up_warps,
-        HANDOFF=flags is not None, **poll_args(), **pdl_launch(hidden.device),
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -453,7 +445,6 @@ def moe_w4_token(
     weights: torch.Tensor,  # [T * K] float32 contiguous
     ids: torch.Tensor,  # [T, K] int
     cfg: TokenGemvConfig | None = None,
-    handoff: RouteHandoff | None = None,  # from the fused router that made ids, see token_gate_up
 ) -> torch.Tensor:  # [T, D] hidden.dtype
     """quant_moe_ref's function for 1 to MAX_TOKENS tokens, in the two kernels above."""
     t = hidden.shape[0]
@@ -462,5 +453,4 @@ def moe_w4_token(
                          f"({', '.join(FOUR_BIT_FORMATS)}), got {t} tokens, experts {w13.fmt} / {w2.fmt}")  # fmt: skip
     cfg = cfg or default_config()
     ids = ids.contiguous()
-    act = token_gate_up(hidden, w13, ids, cfg, handoff=handoff)
-    return token_down(act, w2, weights, ids, cfg, preload=DOWN_PRELOAD)
+    return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg, preload=DOWN_PRELOAD)
