@@ -57,6 +57,15 @@ Qwen3-30B-A3B: bf16 3.251 ms without, 3.317-3.601 with; W4A16 2.155 without, 2.1
 weight-streaming kernels at batch 1 are not bound by their first DRAM round trip.
 `set_pdl_prefetch` chooses families (A/B runs); FTRANSFORMERS_DISABLE_PDL_PREFETCH=1 starts with none.
 
+Measured and left out (session 35, commit 1358815 has the code, benchmarks/results/ab_handoff{,2,3}_30b_w4a16_h100.*):
+a handoff through flags in memory in place of one boundary. The fused router's last program published its picks on
+256 flags (release; program 0 reset them between its wait and its trigger), and the few-token 4-bit MoE's gate-up
+programs polled a flag instead of waiting for the router's grid, waiting for it at their end. Correct (GPU tests
+with a replayed graph of 6 layers), but W4A16 B=1 took 1.794-1.810 ms against 1.762-1.770 without: the gate-up's
+critical path fell 68 us a step while the router's grew 85-95 us, 64 of them with the flags published and no
+consumer at all (the reset ahead of program 0's work and the release at the end), whatever the polling (volatile
+loads or atomics, 32 or 256 flags) and with or without the consumer's final wait.
+
 Loads of constant weights into registers ahead of the wait (values, not hints; listed in READ_BEFORE_WAIT):
 the 4-bit GEMV's first K tile of words (triton_w4a16.PRELOAD_FIRST_TILE; with GEMV_PRELOAD_SZ, session 26, that
 tile of its scale_zero copy too; session 22, in-process A/B on the

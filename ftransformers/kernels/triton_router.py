@@ -6,7 +6,8 @@
   experts among them; weights are the unbiased sigmoid scores, renormalised (`+ 1e-20`) when asked,
   times `routed_scaling_factor`.
 
-Selection is an iterative argmax, K times. Output order: descending by the selection score (softmax
+Selection is an iterative argmax, K times (the fused router takes a pick's weight from the max it won
+with where the selection score is the weight itself). Output order: descending by the selection score (softmax
 prob; biased sigmoid score). Ties go to the lowest expert index (and, for groups, the lowest group
 index); torch.topk leaves the order of ties unspecified, so on exactly tied scores the ids may differ
 from the torch reference, never otherwise. No host sync, outputs sized by shape only: graph-safe.
