@@ -61,8 +61,8 @@ Measured and left out (session 35, commit 1358815 has the code, benchmarks/resul
 a handoff through flags in memory in place of one boundary. The fused router's last program published its picks on
 256 flags (release; program 0 reset them between its wait and its trigger), and the few-token 4-bit MoE's gate-up
 programs polled a flag instead of waiting for the router's grid, waiting for it at their end. Correct (GPU tests
-with a replayed graph of 6 layers), but W4A16 B=1 took 1.794-1.810 ms against 1.762-1.770 without: the gate-up's
-critical path fell 68 us a step while the router's grew 85-95 us, 64 of them with the flags published and no
+with a replayed graph of 6 layers), but W4A16 B=1 took 1.794-1.826 ms against 1.762-1.770 without: the gate-up's
+critical path fell 58-69 us a step while the router's grew 84-105 us, 64 of them with the flags published and no
 consumer at all (the reset ahead of program 0's work and the release at the end), whatever the polling (volatile
 loads or atomics, 32 or 256 flags) and with or without the consumer's final wait.
 
