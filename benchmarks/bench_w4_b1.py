@@ -40,7 +40,6 @@ from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels import triton_moe_w4_gemv as tok
 from ftransformers.kernels import triton_w4a16 as tw
 from ftransformers.kernels.triton_fused_moe import moe_align, moe_sum
-from ftransformers.kernels.triton_w4a16_codes import codes_block_k
 
 GEMV_SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o": (2048, 4096)}
 FORMATS = {"int4-asym": "int4-g128-asym", "int4-sym": "int4-g128-sym"}  # bench_w4a16 name: bench_moe_w4 name
@@ -207,7 +206,7 @@ def bench_parts(out: dict[str, Any], bw_gbs: float, log) -> None:
     """The pair path's two kernels timed alone and together (one token, default config): how the MoE
     time splits between gate-up (2/3 of the bytes) and down (1/3). Commit 838f607 also timed two
     variants that overlap the down kernel with gate-up (prefetch_down, down_preload); neither paid."""
-    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    d, _inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
     cfg = w4.default_w4_pair_config(1, d, "int4")
     for fname in FORMATS.values():
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
@@ -236,7 +235,7 @@ def bench_codes(out: dict[str, Any], bw_gbs: float, log) -> None:
     """The aligned path's int4 codes kernels (tensor cores on raw codes) forced at one token, beside the pair
     path in one process, each config checked against the reference, timed as the pair rows are; then the
     codes path's four kernels alone. Commit 21f304d also timed a one-launch kernel here (slower)."""
-    d, inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
+    d, _inter, e, k = bm.SHAPES["qwen3-30b-a3b"]
     for fname in FORMATS.values():
         w13, w2, hiddens, routes, ref = pair_inputs(fname, REPS)
         nbytes = k * (w13.nbytes() + w2.nbytes()) / e + 4 * d
@@ -326,10 +325,8 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                 distinct = bm.distinct_experts(routes)
                 nbytes = bm.distinct_bytes(w13, w2, routes) + 4 * t * d
                 floor = nbytes / bw_gbs / 1e3
-                group = max(w13.group_size, w2.group_size)
-                codes = w13.fmt == "int4" and codes_block_k(group) > 0
                 paths = (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config()),
-                         ("aligned", w4.default_w4_config(t, w13.qweight.shape[0], k, group, codes)),
+                         ("aligned", w4.aligned_config(t, w13, w2, k)),
                          ("engine", None))  # fmt: skip
                 for path, cfg in paths:
                     try:

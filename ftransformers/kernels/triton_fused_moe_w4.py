@@ -427,6 +427,14 @@ def _moe_gemm_w4(
     )  # fmt: skip
 
 
+def aligned_config(t: int, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int, codes: bool = True) -> MoEConfig:
+    """The aligned path's tiles fused_moe_w4 runs for T tokens without a config: the codes kernel's where the
+    experts are int4 with a group it takes (and `codes`), else the dequantizing kernel's."""
+    group = max(w13.group_size, w2.group_size)
+    use_codes = codes and w13.fmt == "int4" and codes_block_k(group) > 0
+    return default_w4_config(t, w13.qweight.shape[0], top_k, group, use_codes)
+
+
 def fused_moe_w4(
     hidden: torch.Tensor,  # [T, D] bf16 / fp16
     w13: QuantizedWeight,  # [E, 2I, D], rows [gate | up]
@@ -463,8 +471,7 @@ def fused_moe_w4(
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)
         return _pair_path(hidden, w13, w2, weights, topk_ids.contiguous(), cfg)
     e = w13.qweight.shape[0]
-    group = max(w13.group_size, w2.group_size)
-    c = config or default_w4_config(t, e, top_k, group, codes and w13.fmt == "int4" and codes_block_k(group) > 0)
+    c = config or aligned_config(t, w13, w2, top_k, codes)
     align = moe_align(topk_ids, e, c.block_m)
     act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
     _moe_gemm_w4(hidden, w13, act, align, top_k, c.up_n, c.up_k, c, codes=codes)
