@@ -85,16 +85,6 @@ STEP_DATA_BEFORE_WAIT: dict[str, str | tuple[str, ...]] = {
         "triton_fused_moe_w8._pair_gate_up_kernel",  # fp8
     ),
 }
-# Kernels in a router -> MoE handoff (kernels/handoff.py), keyed module.kernel: their enter replaces pdl_enter
-# (and is pdl_enter while its constexprs are off; the producer's may signal later, after its wait). A consumer
-# reads the router's outputs after its flags, not its wait, so it waits for the router's grid at its end instead
-# (consumer_exit, its last statement). It signals only
-# after the flags, so the down kernel after it still reads the routing ahead of its wait only once it is written.
-HANDOFF_ENTERS = {
-    "triton_router._fused_router_kernel": "producer_enter(SIGNAL, LATE_SIGNAL, USE_PDL)",
-    "triton_moe_w4_gemv._token_gate_up_kernel": "consumer_enter(flag_ptr, HANDOFF, USE_PDL, COPIES, POLL_SLEEP_NS)",
-}
-HANDOFF_EXIT = "consumer_exit(HANDOFF, USE_PDL)"
 READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
     "gl.load", "gl.program_id",
@@ -106,17 +96,14 @@ def _is_prefetch_block(stmt: ast.stmt) -> bool:
 
 
 def _first_statement(fn: ast.FunctionDef, key: str) -> str:
-    # "pdl_enter(USE_PDL)" where the kernel enters the PDL chain as the contract asks (a handoff's enter counts)
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     tops = [ast.unparse(s) for s in body]
-    enter = HANDOFF_ENTERS.get(key, "pdl_enter(USE_PDL)")
-    assert key not in HANDOFF_ENTERS or (tops[-1] == HANDOFF_EXIT) == ("consumer" in enter), f"{fn.name}: {HANDOFF_EXIT}"
     if tops[0] == "pdl_trigger(EARLY_TRIGGER)":  # an early trigger comes first of all (pdl.py)
         body, tops = body[1:], tops[1:]
     if fn.name not in READ_BEFORE_WAIT and key not in PREFETCH_BEFORE_WAIT:
-        return "pdl_enter(USE_PDL)" if tops[0] == enter else tops[0]
-    assert enter in tops, f"{fn.name}: no top-level {enter}"
-    before = body[: tops.index(enter)]
+        return tops[0]
+    assert "pdl_enter(USE_PDL)" in tops, f"{fn.name}: no top-level pdl_enter(USE_PDL)"
+    before = body[: tops.index("pdl_enter(USE_PDL)")]
     for stmt in before:
         prefetch = _is_prefetch_block(stmt)
         assert not prefetch or key in PREFETCH_BEFORE_WAIT, f"{fn.name}: prefetches, not in PREFETCH_BEFORE_WAIT"

@@ -39,7 +39,6 @@ import triton.language as tl
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma_path
 from ftransformers.kernels import triton_moe_w4_gemv as token_path
-from ftransformers.kernels.handoff import RouteHandoff
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
@@ -444,7 +443,6 @@ def fused_moe_w4(
     topk_ids: torch.Tensor,  # [T, K] int
     config: MoEConfig | W4PairConfig | mma_path.MmaMoEConfig | token_path.TokenGemvConfig | None = None,
     codes: bool = True,
-    handoff: RouteHandoff | None = None,
 ) -> torch.Tensor:  # [T, D] hidden.dtype
     """quant_moe_ref's function: a few int4 or FP4 tokens on the GEMV-form kernels of
     kernels/triton_moe_w4_gemv.py where `token_path.takes` them (or for a TokenGemvConfig); else the int4 mma
@@ -453,26 +451,20 @@ def fused_moe_w4(
     else
     the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
     decode-shaped blocks where the group holds whole K tiles, unless `codes` is False (the dequantizing
-    kernel and its tiles, for comparison). handoff: from the fused router that made topk_ids just before
-    (kernels/handoff.py); the token path takes the routing from its flags, other paths clear them."""
+    kernel and its tiles, for comparison)."""
     t, d = hidden.shape
     inter, top_k = w2.in_features, topk_ids.shape[1]
     _check(w13, "w13", 2 * inter, d)
     _check(w2, "w2", d, inter)
     if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.stride(1) != 1:
         raise ValueError(f"fused_moe_w4: hidden must be bf16 / fp16 with unit stride along D, got {hidden.dtype}")
-    token = not isinstance(config, mma_path.MmaMoEConfig) and (
-        isinstance(config, token_path.TokenGemvConfig) or (config is None and token_path.takes(hidden, w13, w2, top_k))
-    )
-    if handoff is not None and (t == 0 or not token):
-        handoff.discard()  # a publish no kernel here polls (FusedMoE.route_handoff asks token_path.takes first)
     if t == 0:
         return hidden.new_empty(0, d)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*K]
     if isinstance(config, mma_path.MmaMoEConfig):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids, config)
-    if token:
-        return token_path.moe_w4_token(hidden, w13, w2, weights, topk_ids, config, handoff=handoff)
+    if isinstance(config, token_path.TokenGemvConfig) or (config is None and token_path.takes(hidden, w13, w2, top_k)):
+        return token_path.moe_w4_token(hidden, w13, w2, weights, topk_ids, config)
     if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids)
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):

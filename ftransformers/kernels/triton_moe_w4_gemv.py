@@ -41,14 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.handoff import (
-    RouteHandoff,
-    consumer_enter,
-    consumer_exit,
-    consumer_reset,
-    consumes,
-    handoff_args,
-)
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
@@ -259,20 +251,17 @@ def _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, k_start, w2, n2, N, K, GRO
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, ids_ptr, flag_ptr, N, K, unit,
+    x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, ids_ptr, N, K, unit,
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge, stride_x,
     TOP_K: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, FMT: tl.constexpr = 0, HANDOFF: tl.constexpr = False,
-    COPIES: tl.constexpr = 1, POLL_SLEEP_NS: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    EVEN: tl.constexpr, WORDS: tl.constexpr = 1, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[p, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]), e = ids[p], t = p // TOP_K (x's rows stride_x
     # apart), n < N = I, rounded to x's
     # dtype. `unit` (== 1, never specialized) hides q's contiguity so its load takes x's layout. WORDS == 2:
     # q is the int64 view of the words (strides in int64 elements), one 8-byte element a lane and row.
     # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, 2N] (row stride stride_ge).
-    # HANDOFF: the routing comes from the fused router just before, published on the flags at flag_ptr
-    # (kernels/handoff.py); the wait for the router's grid moves to the end.
-    consumer_enter(flag_ptr, HANDOFF, USE_PDL, COPIES, POLL_SLEEP_NS)
+    pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // (8 * WORDS)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
@@ -303,17 +292,15 @@ def _token_gate_up_kernel(
         up *= gs_u
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
-    consumer_exit(HANDOFF, USE_PDL)
 
 
 @triton.jit(do_not_specialize=["unit"])
 def _token_down_kernel(
-    act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, out_ptr, ids_ptr, tw_ptr, flag_ptr, N, K, unit,
+    act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
     stride_qe, stride_qn, stride_se, stride_sn, stride_ze, stride_zn, stride_ge, stride_o,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = 1,
-    PRELOAD: tl.constexpr = False, FMT: tl.constexpr = 0, RESET: tl.constexpr = False, COPIES: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # out[t, n] = sum_k tw[t, k] * (act[t K + k] @ w2[ids[t, k], n]), n < N = D, over K = I, t = program_id(1);
     # float32 until the store.
@@ -322,8 +309,7 @@ def _token_down_kernel(
     # tile's words, scales and zeros are loaded before the PDL wait. Only act comes from the predecessor
     # (the gate-up kernel, which read the same routing after its own wait), so those were written before it.
     # FMT 2 (nvfp4): gs_ptr is the experts' global scales [E, N] (row stride stride_ge), applied with the lane's
-    # slot weight. RESET: the gate-up kernel before took the routing from a router handoff's flags at flag_ptr,
-    # which this kernel puts back to 0 after its wait (kernels/handoff.py).
+    # slot weight.
     WI: tl.constexpr = BLOCK_K // (8 * WORDS)
     BW: tl.constexpr = SLOTS * WI
     pid_n = tl.program_id(0)
@@ -352,7 +338,6 @@ def _token_down_kernel(
         if HAS_ZEROS:
             zero0 = tl.load(z_ptrs + grp0, mask=mask0, other=0).to(tl.float32)
     pdl_enter(USE_PDL)
-    consumer_reset(flag_ptr, RESET, COPIES)
     acc = tl.zeros([BW, BLOCK_N], dtype=tl.float32)
     if PRELOAD:
         if not HAS_ZEROS:
@@ -411,35 +396,30 @@ def _weight_args(qw: QuantizedWeight, words: int) -> tuple[tuple[torch.Tensor, .
 
 
 def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: TokenGemvConfig,
-                  act: torch.Tensor | None = None, flags: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                  act: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The first kernel: act [T * K, I] in hidden's dtype (into `act` when given), for hidden [T, D] (unit stride
-    along D) and ids [T, K] contiguous. flags: a router handoff's (RouteHandoff.take), on which the fused router
-    launched just before publishes ids; the kernel then polls them instead of waiting for the router's grid,
-    and token_down after it must reset them."""
+    along D) and ids [T, K] contiguous."""
     (t, d), top_k, inter = hidden.shape, ids.shape[1], w13.out_features // 2
     if act is None:
         act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     up_k = min(cfg.up_k, triton.next_power_of_2(d))
     q, words = gemv_words(w13, cfg.up_words, up_k)
     tensors, strides = _weight_args(w13, words)
-    poll = flags is not None and consumes()
     _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), t * top_k)](
-        hidden, q, *tensors, act, ids, flags if poll else ids, inter, d, 1, *strides, hidden.stride(0),
+        hidden, q, *tensors, act, ids, inter, d, 1, *strides, hidden.stride(0),
         TOP_K=top_k, GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
         EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, FMT=_FMT_ID[w13.fmt], num_warps=cfg.up_warps,
-        HANDOFF=poll, **handoff_args(), **pdl_launch(hidden.device),
+        **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
 
 def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
-               cfg: TokenGemvConfig, out: torch.Tensor | None = None, preload: bool = False,
-               flags: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               cfg: TokenGemvConfig, out: torch.Tensor | None = None, preload: bool = False) -> torch.Tensor:  # fmt: skip
     """The second kernel: [T, D] in act's dtype (into `out` when given, rows unit stride along D), for act
     [T * K, I], weights [T * K] and ids [T, K] contiguous. preload: the routing and first K tile are read before
     the PDL wait, so weights and ids must not come from the kernel launched just before this one (moe_w4_token's
-    gate-up read them after its own wait, so after its call they qualify). flags: the handoff flags the gate-up
-    kernel before polled, put back to 0 here."""
+    gate-up read them after its own wait, so after its call they qualify)."""
     d, inter, (t, top_k) = w2.out_features, w2.in_features, ids.shape
     if cfg.down_slots < 1 or cfg.down_slots & (cfg.down_slots - 1):
         raise ValueError(f"moe_w4_token: down_slots must be a power of two, got {cfg.down_slots}")
@@ -450,11 +430,10 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     q, words = gemv_words(w2, cfg.down_words, down_k)
     tensors, strides = _weight_args(w2, words)
     _token_down_kernel[(triton.cdiv(d, cfg.down_n), t)](
-        act, q, *tensors, out, ids, weights, ids if flags is None else flags, d, inter, 1, *strides, out.stride(0),
+        act, q, *tensors, out, ids, weights, d, inter, 1, *strides, out.stride(0),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
         BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, PRELOAD=preload and slots == top_k,
-        FMT=_FMT_ID[w2.fmt], RESET=flags is not None, COPIES=handoff_args()["COPIES"], num_warps=cfg.down_warps,
-        **pdl_launch(act.device),
+        FMT=_FMT_ID[w2.fmt], num_warps=cfg.down_warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
@@ -466,7 +445,6 @@ def moe_w4_token(
     weights: torch.Tensor,  # [T * K] float32 contiguous
     ids: torch.Tensor,  # [T, K] int
     cfg: TokenGemvConfig | None = None,
-    handoff: RouteHandoff | None = None,  # from the fused router that made ids, see token_gate_up
 ) -> torch.Tensor:  # [T, D] hidden.dtype
     """quant_moe_ref's function for 1 to MAX_TOKENS tokens, in the two kernels above."""
     t = hidden.shape[0]
@@ -475,6 +453,4 @@ def moe_w4_token(
                          f"({', '.join(FOUR_BIT_FORMATS)}), got {t} tokens, experts {w13.fmt} / {w2.fmt}")  # fmt: skip
     cfg = cfg or default_config()
     ids = ids.contiguous()
-    flags = handoff.take() if handoff is not None else None
-    act = token_gate_up(hidden, w13, ids, cfg, flags=flags)
-    return token_down(act, w2, weights, ids, cfg, preload=DOWN_PRELOAD, flags=flags)
+    return token_down(token_gate_up(hidden, w13, ids, cfg), w2, weights, ids, cfg, preload=DOWN_PRELOAD)

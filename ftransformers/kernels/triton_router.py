@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels.handoff import RouteHandoff, producer_args, producer_enter, producer_publish, producer_signal
 from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
 from ftransformers.kernels.tickets import last_one_out, ticket_counters
 
@@ -42,8 +41,6 @@ _ROUND = {torch.bfloat16: 1, torch.float16: 2}  # logits rounding modes of the f
 # (benchmarks/results/ab_handoff_30b_w4a16_h100.*, ab_pickweight_30b_bf16_h100.*): the router's critical path
 # 209 -> 202 us a step in W4A16 (step 1.786 -> 1.770 ms), 206 -> 197 in bf16 (3.184 -> 3.153 ms)
 WEIGHT_FROM_BEST = True
-# Publish the picks on a RouteHandoff's flags when the caller passes one (kernels/handoff.py; 0: never, for an A/B)
-HANDOFF = True
 
 
 @triton.jit
@@ -189,25 +186,23 @@ def grouped_topk_sigmoid(
 
 @triton.jit
 def _fused_router_kernel(
-    x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, flag_ptr, T, D, stride_xt, stride_we, scale,
+    x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
     E: tl.constexpr, G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
     ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    WEIGHT_IS_BEST: tl.constexpr = False, SIGNAL: tl.constexpr = False, COPIES: tl.constexpr = 1,
-    LATE_SIGNAL: tl.constexpr = False, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    WEIGHT_IS_BEST: tl.constexpr = False, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # WEIGHT_IS_BEST (softmax, or sigmoid without a bias): a pick's weight is the selection score it won with.
-    # SIGNAL: the picks are handed to the next kernel through the flags at flag_ptr (kernels/handoff.py).
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
     if PREFETCH:  # this program's gate rows to L2 ahead of the wait
         pf_e = tl.minimum((tl.program_id(0) % E_BLOCKS) * BLOCK_E + tl.arange(0, BLOCK_E), E - 1)
         pf_d = tl.minimum((tl.program_id(0) // E_BLOCKS) * (D_TILES * BLOCK_D) + tl.arange(0, PF_LINES) * PF_STRIDE, D - 1)
         l2_prefetch(w_ptr + pf_e[:, None].to(tl.int64) * stride_we + pf_d[None, :], PREFETCH)
-    producer_enter(SIGNAL, LATE_SIGNAL, USE_PDL)
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pid_e = pid % E_BLOCKS
     pid_d = pid // E_BLOCKS
@@ -228,7 +223,6 @@ def _fused_router_kernel(
         x_ptrs += BLOCK_D
         w_ptrs += BLOCK_D
     tl.store(part_ptr + (pid_d * BLOCK_T + offs_t[:, None]) * E + offs_e[None, :], acc, mask=offs_e[None, :] < E)
-    producer_signal(SIGNAL, LATE_SIGNAL, USE_PDL)
     # Phase 2, the last program only
     if last_one_out(counter_ptr, E_BLOCKS * N_SPLIT):
         t3 = tl.arange(0, SEL_T)[:, None, None]
@@ -295,7 +289,6 @@ def _fused_router_kernel(
         omask = (t2 < T) & (koffs < K)
         tl.store(tw_ptr + t2 * K + koffs, w_out, mask=omask)
         tl.store(ids_ptr + t2 * K + koffs, ids.to(ids_ptr.dtype.element_ty), mask=omask)
-        producer_publish(flag_ptr, SIGNAL, COPIES)
 
 
 def _router_counter(device: torch.device) -> torch.Tensor | None:
@@ -334,12 +327,10 @@ def fused_router_topk(
     correction_bias: torch.Tensor | None = None,  # [E], sigmoid scoring only
     routed_scaling_factor: float = 1.0,
     ids_dtype: torch.dtype = torch.int64,
-    handoff: RouteHandoff | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits = hidden @ weight^T (float32 accumulation; `round_logits` rounds them to hidden's dtype as
     nn.Linear would), then softmax_topk (softmax=True) or grouped_topk_sigmoid semantics.
-    Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router.
-    handoff: the picks are also published on its flags for the next kernel (kernels/handoff.py), which arms it."""
+    Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router."""
     t, d = hidden.shape
     e = weight.shape[0]
     grouped = not softmax and num_expert_group is not None and num_expert_group > 1
@@ -365,16 +356,11 @@ def fused_router_topk(
     ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
     sel_t = max(4, triton.next_power_of_2(t))  # H100: a [1, G, S] selection tile ran slower than [4, G, S]
     has_bias = correction_bias is not None and not softmax
-    signal = handoff is not None and HANDOFF
-    if signal:
-        handoff.arm()
     _fused_router_kernel[(e_blocks * n_split,)](
-        hidden, weight, bias, part, counter, out_w, out_ids, handoff.flags if signal else counter, t, d,
-        hidden.stride(0), weight.stride(0),
+        hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
         float(routed_scaling_factor),
         E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
         SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=grouped, WEIGHT_IS_BEST=WEIGHT_FROM_BEST and not has_bias,
-        SIGNAL=signal, **producer_args(),
         RENORM=bool(renormalize), ROUND=_ROUND.get(hidden.dtype, 0) if round_logits else 0, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),

@@ -153,9 +153,8 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> [T, D]
-        handoff = self.experts.route_handoff(hidden, self.gate.top_k)
-        topk_weights, topk_ids = self.gate(hidden, handoff)  # [T, k] float32, [T, k]
-        out = self.experts(hidden, topk_weights, topk_ids, handoff)
+        topk_weights, topk_ids = self.gate(hidden)  # [T, k] float32, [T, k]
+        out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out

@@ -42,9 +42,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> [T, D]. The gate is an unbiased linear [E, D]; at decode sizes its GEMV and
         # the softmax top-k run as one kernel.
-        handoff = self.experts.route_handoff(hidden, self.top_k)
-        topk_weights, topk_ids = router_softmax_topk(hidden, self.gate.weight, self.top_k, self.renormalize, handoff)
-        return self.experts(hidden, topk_weights, topk_ids, handoff)
+        topk_weights, topk_ids = router_softmax_topk(hidden, self.gate.weight, self.top_k, self.renormalize)
+        return self.experts(hidden, topk_weights, topk_ids)
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +27,6 @@ from ftransformers.kernels.quant_formats import QuantizedWeight, quant_moe_ref
 from ftransformers.layers.activation import silu_and_mul
 from ftransformers.layers.linear import Shard, copy_checked, shard_view
 from ftransformers.layers.weight_utils import new_weight
-
-if TYPE_CHECKING:
-    from ftransformers.kernels.handoff import RouteHandoff
 
 MoEBackendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 QuantMoEBackendFn = Callable[[torch.Tensor, QuantizedWeight, QuantizedWeight, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -133,32 +130,11 @@ class FusedMoE(nn.Module):
         dst = shard_view(param, param.data[expert_id], shards, int(shard_id == "w3"), what)
         copy_checked(param, dst, loaded_weight, what)
 
-    def route_handoff(self, hidden: torch.Tensor, top_k: int) -> RouteHandoff | None:
-        """Flags on which the fused router may hand its picks straight to this layer's first expert kernel
-        (kernels/handoff.py), for the router and then `forward`; None where the experts' kernels take none (only
-        the quantized "triton" backend's few-token 4-bit path does, on a GPU)."""
-        name = self.backend if self.backend is not None else get_forward_batch().moe_backend
-        if not hidden.is_cuda or name != "triton" or self.w13_qw is None or self.w2_qw is None:
-            return None
-        from ftransformers.kernels import triton_moe_w4_gemv
-        from ftransformers.kernels.handoff import route_handoff
-
-        if not triton_moe_w4_gemv.takes(hidden, self.w13_qw, self.w2_qw, top_k):
-            return None
-        return route_handoff(hidden.device)
-
-    def forward(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-        handoff: RouteHandoff | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        # hidden: [T, D]; topk_weights: [T, K]; topk_ids: [T, K] -> [T, D]; handoff: from route_handoff, after the
-        # router that made topk_ids
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, D]; topk_weights: [T, K]; topk_ids: [T, K] -> [T, D]
         name = self.backend if self.backend is not None else get_forward_batch().moe_backend
         if self.w13_qw is not None and self.w2_qw is not None:
-            fn = get_quant_moe_backend(name)
-            if handoff is not None:
-                return fn(hidden, self.w13_qw, self.w2_qw, topk_weights, topk_ids, handoff=handoff)  # type: ignore[call-arg]
-            return fn(hidden, self.w13_qw, self.w2_qw, topk_weights, topk_ids)
+            return get_quant_moe_backend(name)(hidden, self.w13_qw, self.w2_qw, topk_weights, topk_ids)
         return get_moe_backend(name)(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     @staticmethod

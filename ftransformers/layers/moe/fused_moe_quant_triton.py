@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from ftransformers.kernels.handoff import RouteHandoff
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.layers.moe.experts import register_quant_moe_backend
 
@@ -18,14 +17,13 @@ def quant_moe_forward_triton(
     w2: QuantizedWeight,  # [E, D, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K]
-    handoff: RouteHandoff | None = None,  # the fused router's flags, see FusedMoE.route_handoff
 ) -> torch.Tensor:  # [T, D]
     if w13.fmt != w2.fmt:
         raise TypeError(f"triton MoE wants one weight format; w13 {w13.fmt}, w2 {w2.fmt}")
     if w13.fmt in FOUR_BIT_FORMATS:
         from ftransformers.kernels.triton_fused_moe_w4 import fused_moe_w4
 
-        return fused_moe_w4(hidden, w13, w2, topk_weights, topk_ids, handoff=handoff)
+        return fused_moe_w4(hidden, w13, w2, topk_weights, topk_ids)
     from ftransformers.kernels.triton_fused_moe_w8 import fused_moe_w8
 
     return fused_moe_w8(hidden, w13, w2, topk_weights, topk_ids)

@@ -8,13 +8,8 @@ Numerics follow Hugging Face's DeepseekV3TopkRouter (float32, `+ 1e-20` in the r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from ftransformers.kernels.handoff import RouteHandoff
 
 
 def grouped_topk(
@@ -95,8 +90,8 @@ class DeepseekTopkRouter(nn.Module):
         # The bias stays float32 whatever the model dtype (HF keeps it in fp32 too).
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor, handoff: RouteHandoff | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden: [T, D] -> (topk_weights [T, k] float32, topk_ids [T, k] int64); handoff: see FusedMoE.route_handoff
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden: [T, D] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)
         if hidden.is_cuda:  # decode sizes: float32 GEMV + selection in one kernel, no casts of the weight
             from ftransformers.kernels.triton_router import can_fuse_router, fused_router_topk
 
@@ -105,7 +100,6 @@ class DeepseekTopkRouter(nn.Module):
                     hidden, self.weight, self.top_k, softmax=False, renormalize=self.renormalize,
                     num_expert_group=self.num_expert_group, topk_group=self.topk_group,
                     correction_bias=self.e_score_correction_bias, routed_scaling_factor=self.routed_scaling_factor,
-                    handoff=handoff,
                 )  # fmt: skip
         router_logits = torch.nn.functional.linear(hidden.float(), self.weight.float())  # [T, E]
         return grouped_topk(

@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from ftransformers.kernels.handoff import RouteHandoff
-
 
 def router_softmax_topk(
-    hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool, handoff: RouteHandoff | None = None
+    hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole router: logits = hidden @ gate_weight^T in hidden's dtype (an unbiased nn.Linear), then
     select_experts_softmax. hidden: [T, D]; gate_weight: [E, D] -> ([T, K] float32, [T, K] int64).
-    At decode sizes on a GPU both run as one kernel (kernels.triton_router.fused_router_topk), which also
-    publishes its picks on `handoff`'s flags when given (see FusedMoE.route_handoff)."""
+    At decode sizes on a GPU both run as one kernel (kernels.triton_router.fused_router_topk)."""
     if hidden.is_cuda:
         from ftransformers.kernels.triton_router import can_fuse_router, fused_router_topk
 
         if can_fuse_router(hidden, gate_weight):
             return fused_router_topk(
-                hidden, gate_weight, top_k, softmax=True, renormalize=renormalize, round_logits=True, handoff=handoff
+                hidden, gate_weight, top_k, softmax=True, renormalize=renormalize, round_logits=True
             )
     return select_experts_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
 
