@@ -64,7 +64,13 @@ programs polled a flag instead of waiting for the router's grid, waiting for it 
 with a replayed graph of 6 layers), but W4A16 B=1 took 1.794-1.826 ms against 1.762-1.770 without: the gate-up's
 critical path fell 58-69 us a step while the router's grew 84-105 us, 64 of them with the flags published and no
 consumer at all (the reset ahead of program 0's work and the release at the end), whatever the polling (volatile
-loads or atomics, 32 or 256 flags) and with or without the consumer's final wait.
+loads or atomics, 32 or 256 flags) and with or without the consumer's final wait. Session 36 (commit 6c20fb3,
+benchmarks/results/ab_handoff{,2}_s36_30b_w4a16_h100.*): the same without the reset (the MoE's down kernel put
+the flags back after its wait), 1-64 flags, the router signalling after its partials: still 19-32 us a step slower
+on the critical path. Its publish alone cost the router 25-27 us (a release waits for the picks to reach L2), and
+with pollers its end slipped 40-55 us more, against 48-63 gained by the gate-up.
+The one-token 4-bit MoE down kernel hinting its later K tiles into L2 ahead of its wait (a "moe_down" family, session
+36, ab_downpf_s36_30b_w4a16_h100.*): down 17 us a step faster, the gate-up whose tail it competes with 33 slower.
 
 Loads of constant weights into registers ahead of the wait (values, not hints; listed in READ_BEFORE_WAIT):
 the 4-bit GEMV's first K tile of words (triton_w4a16.PRELOAD_FIRST_TILE; with GEMV_PRELOAD_SZ, session 26, that
