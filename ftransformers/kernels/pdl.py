@@ -67,8 +67,9 @@ consumer at all (the reset ahead of program 0's work and the release at the end)
 loads or atomics, 32 or 256 flags) and with or without the consumer's final wait. Session 36 (commit 6c20fb3,
 benchmarks/results/ab_handoff{,2}_s36_30b_w4a16_h100.*): the same without the reset (the MoE's down kernel put
 the flags back after its wait), the router signalling after its partials: with 32-64 flags still 19-32 us a step
-slower on the critical path, with 1-8 flags 64-160 us slower. Its publish alone cost the router 25-27 us (a release waits for the picks to reach L2), and
-with pollers its end slipped 40-55 us more, against 48-63 gained by the gate-up.
+slower on the critical path, with 1-8 flags 64-160 us slower. Its publish alone cost the router 25-27 us (a
+release waits for the picks to reach L2), and with pollers its end slipped 40-55 us more, against 48-63 gained by
+the gate-up.
 The one-token 4-bit MoE down kernel hinting its later K tiles into L2 ahead of its wait (a "moe_down" family, session
 36, ab_downpf_s36_30b_w4a16_h100.*): down 17 us a step faster, the gate-up whose tail it competes with 33 slower.
 
