@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from ceilings import copy_bandwidth, matmul_rate
-from triton.testing import do_bench
+from ceilings import copy_bandwidth, graph_ms, matmul_rate
 
 from ftransformers.kernels import triton_fused_moe as tfm
 from ftransformers.kernels.triton_router import fused_router_topk, grouped_topk_sigmoid, max_fused_tokens, softmax_topk
@@ -168,18 +167,6 @@ def experts(impl, w13, w2, hidden, routing, cfg=None) -> torch.Tensor:
     return impl(hidden, w13, w2, *routing, cfg) if cfg is not None else impl(hidden, w13, w2, *routing)
 
 
-def graph_time_ms(fn, reps: int) -> float:
-    """Median ms per call of `fn(i)` for i < reps, captured once as one CUDA graph."""
-    for i in range(reps):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    return do_bench(graph.replay, return_mode="median") / reps
-
-
 def measure_ceilings() -> tuple[float, float]:
     return copy_bandwidth(DEV), matmul_rate(DEV)  # benchmarks/ceilings.py
 
@@ -215,23 +202,23 @@ def bench_shape(name: str, s: dict, tokens: list[int], copy_gbs: float, tflops: 
             row["rel_err_new"] = rel_err(tfm.fused_moe(hiddens[0], w13, w2, rw, ri), ref)
             row["rel_err_old"] = rel_err(legacy_experts(hiddens[0], w13, w2, rw, ri), ref)
             row["new_vs_old_block"] = rel_err(new_block(0), old_block(0))
-        row["old_ms"] = graph_time_ms(old_block, reps)
-        row["new_ms"] = graph_time_ms(new_block, reps)
+        row["old_ms"] = graph_ms(old_block, reps)
+        row["new_ms"] = graph_ms(new_block, reps)
         row["old_x_floor"], row["new_x_floor"] = row["old_ms"] / floor_ms, row["new_ms"] / floor_ms
         row["new_GBps"] = nbytes / row["new_ms"] / 1e6
         if t == 1:  # the two halves of each path alone
             row["stages_ms"] = {
-                "new_router": graph_time_ms(per_layer(partial(new_router, s, bias=bias), hiddens, gates), reps),
-                "old_router": graph_time_ms(per_layer(partial(old_router, s, bias=bias), hiddens, gates), reps),
-                "new_experts": graph_time_ms(per_layer(partial(experts, tfm.fused_moe, w13, w2), hiddens, routings), reps),
-                "old_experts": graph_time_ms(per_layer(partial(experts, legacy_experts, w13, w2), hiddens, routings), reps),
+                "new_router": graph_ms(per_layer(partial(new_router, s, bias=bias), hiddens, gates), reps),
+                "old_router": graph_ms(per_layer(partial(old_router, s, bias=bias), hiddens, gates), reps),
+                "new_experts": graph_ms(per_layer(partial(experts, tfm.fused_moe, w13, w2), hiddens, routings), reps),
+                "old_experts": graph_ms(per_layer(partial(experts, legacy_experts, w13, w2), hiddens, routings), reps),
             }
         if t <= 16:  # the pair path against the aligned one, experts only
             pair_cfg = tfm.default_pair_config(t, d)
             pair = partial(experts, tfm.fused_moe, w13, w2, cfg=pair_cfg)
             aligned = partial(experts, tfm.fused_moe, w13, w2, cfg=tfm.default_config(t, e, k))
-            row["experts_pair_ms"] = graph_time_ms(per_layer(pair, hiddens, routings), reps)
-            row["experts_aligned_ms"] = graph_time_ms(per_layer(aligned, hiddens, routings), reps)
+            row["experts_pair_ms"] = graph_ms(per_layer(pair, hiddens, routings), reps)
+            row["experts_aligned_ms"] = graph_ms(per_layer(aligned, hiddens, routings), reps)
             rw, ri = routings[0]
             ref = ref_experts(hiddens[0], w13, w2, rw, ri)
             row["rel_err_pair"] = rel_err(tfm.fused_moe(hiddens[0], w13, w2, rw, ri, pair_cfg), ref)
@@ -239,7 +226,7 @@ def bench_shape(name: str, s: dict, tokens: list[int], copy_gbs: float, tflops: 
             row["pair_sweep"] = []
             for dn, dk, split in itertools.product((2, 4, 8), (512, 1024), (1, 2, 4, 8)):
                 cfg = dataclasses.replace(tfm.default_pair_config(t, d), down_n=dn, down_k=dk, down_split=split)
-                ms = graph_time_ms(per_layer(partial(experts, tfm.fused_moe, w13, w2, cfg=cfg), hiddens, routings), reps)
+                ms = graph_ms(per_layer(partial(experts, tfm.fused_moe, w13, w2, cfg=cfg), hiddens, routings), reps)
                 row["pair_sweep"].append({"down_n": dn, "down_k": dk, "down_split": split, "us": ms * 1e3})
             best = min(row["pair_sweep"], key=lambda r: r["us"])
             log(f"    pair sweep best {best}")
@@ -269,8 +256,8 @@ def bench_align(log) -> list[dict]:
         for i in range(2):
             for a, b in zip(tfm.moe_align(ids[i], e, bm), tfm.align_reference(ids[i], e, bm)):
                 assert torch.equal(a, b), f"alignment mismatch at T={t}"
-        old = graph_time_ms(per_layer(partial(legacy_align, num_experts=e, block_m=bm), ids), 8)
-        new = graph_time_ms(per_layer(partial(tfm.moe_align, num_experts=e, block_m=bm), ids), 8)
+        old = graph_ms(per_layer(partial(legacy_align, num_experts=e, block_m=bm), ids), 8)
+        new = graph_ms(per_layer(partial(tfm.moe_align, num_experts=e, block_m=bm), ids), 8)
         rows.append({"T": t, "pairs": t * k, "block_m": bm, "old_us": old * 1e3, "new_us": new * 1e3})
         log(f"align E={e} T={t:5d} pairs {t*k:6d} bm {bm:3d}: old {old*1e3:7.1f} us  new {new*1e3:7.1f} us (matches torch)")
     return rows

@@ -12,8 +12,11 @@ isolation, with no MoE arithmetic:
 - what P x D float32 atomic adds into one [D] row cost on top (`tl.atomic_add`, relaxed), against storing the
   same partials to distinct rows (what a "last one out" reduction would read back).
 
-Each variant runs as a CUDA graph of launches over enough copies of the bytes to exceed L2 four times; figures are
-us a launch, beside the byte floor (bytes / the copy bandwidth measured in the same process, ceilings.py).
+Each variant runs as a CUDA graph of launches over enough copies of the bytes to exceed L2 four times (ceilings.graph_ms);
+figures are us a launch, beside the byte floor (bytes / the copy bandwidth measured in the same process, ceilings.py).
+That is the timer of bench_moe_w4 and bench_w4_b1, whose one-token MoE figure (13.35 us) this compares with. The
+script first timed 20 back-to-back replays with CUDA events (commit 93a4a8a, moe_tail_events*_h100.*): about 1 us
+a launch lower, not comparable.
 
     PYTHONPATH=$PWD python benchmarks/bench_moe_tail.py --out /tmp/r/moe_tail_h100.json
 """
@@ -21,15 +24,12 @@ us a launch, beside the byte floor (bytes / the copy bandwidth measured in the s
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from ceilings import copy_bandwidth
+from ceilings import Report, graph_ms
 
 MB = 19.5e6  # one Qwen3-30B-A3B token's int4 experts: 8 x (gate+up 1536 x 2048 + down 2048 x 768) nibbles + scales
 D = 2048
@@ -62,44 +62,20 @@ def launcher(src: list[torch.Tensor], out: torch.Tensor, part: torch.Tensor, p: 
     return launch
 
 
-def time_graph(launch: Callable[[int], None], copies: int, reps: int = 20) -> float:
-    """us a launch: a CUDA graph of `copies` launches (copy index i), replayed `reps` times, median of 5."""
-    for i in range(copies):
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            launch(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * copies))
-    return sorted(times)[2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", required=True)
     ap.add_argument("--programs", default="132,264,528,1056,1584")
     ap.add_argument("--block", type=int, default=2048, help="int32 words a program loads an iteration")
     ap.add_argument("--warps", type=int, default=4)
     args = ap.parse_args()
     dev = "cuda"
-    bw = copy_bandwidth(dev)  # GB/s
-    floor_us = MB / bw / 1e3
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
-    copies = max(2, -(-4 * l2 // int(MB)))
-    rows = []
-    print(f"{props.name}  copy {bw:.0f} GB/s  bytes {MB / 1e6:.1f} MB  floor {floor_us:.2f} us  copies {copies}")
+    copies = max(2, -(-4 * torch.cuda.get_device_properties(0).L2_cache_size // int(MB)))
+    report = Report(dev, bytes=MB, block_words=args.block, warps=args.warps, copies=copies)
+    floor_us = MB / report.copy_gbs / 1e3
+    report.out["floor_us"] = floor_us
+    report.log(f"bytes {MB / 1e6:.1f} MB  floor {floor_us:.2f} us  copies {copies}")
+    rows = report.out["rows"] = []
     for p in (int(x) for x in args.programs.split(",")):
         words = -(-int(MB) // (4 * p))
         src = [torch.randint(-(2**30), 2**30, (p * words,), dtype=torch.int32, device=dev) for _ in range(copies)]
@@ -107,19 +83,15 @@ def main() -> None:
         part = torch.empty(p, D, dtype=torch.float32, device=dev)
         row = {"programs": p, "bytes_per_program": 4 * words}
         for mode, name in ((0, "stream_store"), (1, "stream_atomic"), (2, "atomic_only")):
-            row[name] = time_graph(launcher(src, out, part, p, words, mode, args.block, args.warps), copies)
+            row[name] = graph_ms(launcher(src, out, part, p, words, mode, args.block, args.warps), copies) * 1e3
         row["pct_of_copy_store"] = 100 * floor_us / row["stream_store"]
         row["pct_of_copy_atomic"] = 100 * floor_us / row["stream_atomic"]
         rows.append(row)
-        print(f"P={p:5d} {4 * words / 1e3:7.1f} KB a program: stream+store {row['stream_store']:6.2f} us "
-              f"({row['pct_of_copy_store']:.0f}% of copy), stream+atomics {row['stream_atomic']:6.2f} us "
-              f"({row['pct_of_copy_atomic']:.0f}%), atomics alone {row['atomic_only']:6.2f} us")  # fmt: skip
+        report.log(f"P={p:5d} {4 * words / 1e3:7.1f} KB a program: stream+store {row['stream_store']:6.2f} us "
+                   f"({row['pct_of_copy_store']:.0f}% of copy), stream+atomics {row['stream_atomic']:6.2f} us "
+                   f"({row['pct_of_copy_atomic']:.0f}%), atomics alone {row['atomic_only']:6.2f} us")  # fmt: skip
         del src
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "device": props.name, "date": datetime.date.today().isoformat(), "copy_gbs": bw, "bytes": MB,
-        "floor_us": floor_us, "block_words": args.block, "warps": args.warps, "rows": rows,
-    }, indent=1))  # fmt: skip
+    report.save(args.out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import time
 import torch
 import triton
 from ceilings import copy_bandwidth, matmul_rate
-from triton.testing import do_bench
+from ceilings import graph_ms as shared_graph_ms
 
 from ftransformers.kernels import triton_fused_moe as tfm
 from ftransformers.kernels import triton_fused_moe_w4 as w4
@@ -105,15 +105,8 @@ def routings(t: int, e: int, k: int, reps: int) -> list[tuple[torch.Tensor, torc
 
 
 def graph_ms(fn, reps: int) -> float:
-    """Median ms per call of fn(i), i < reps, captured as one CUDA graph."""
-    for i in range(reps):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    return do_bench(graph.replay, warmup=10, rep=50, return_mode="median") / reps
+    """Median ms per call of fn(i), i < reps, captured as one CUDA graph (do_bench 10 ms warm-up, 50 ms)."""
+    return shared_graph_ms(fn, reps, warmup_ms=10, rep_ms=50)
 
 
 def warm(name: str, fname: str, tokens: list[int], sweep: bool) -> None:

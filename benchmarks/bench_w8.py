@@ -29,11 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import best_rate, copy_bandwidth
+from ceilings import graph_ms as shared_graph_ms
 
 from ftransformers.kernels import triton_fp8_gemm as f8
 from ftransformers.kernels import triton_int8_gemm as i8
@@ -72,15 +72,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def graph_ms(fn: Callable[[int], Any], reps: int, rep_ms: int = 50) -> float:
-    """Median ms per call of fn(i), i < reps, all captured in one CUDA graph."""
-    for i in range(min(reps, 2)):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    return do_bench(graph.replay, rep=rep_ms, return_mode="median") / reps
+    """Median ms per call of fn(i), i < reps, all captured in one CUDA graph (two eager calls first)."""
+    return shared_graph_ms(fn, reps, warm_calls=2, rep_ms=rep_ms)
 
 
 def ceilings() -> dict[str, float]:

@@ -11,6 +11,9 @@ and L2 flush between calls) and is the best of `TRIALS` such medians: the rate t
 demonstrably sustains, so that a floor is reachable rather than flattering. On the CPU (dry runs)
 wall-clock medians stand in.
 
+Also shared here: `Report` (a result file's header and log lines) and `graph_ms` (a kernel's time per call from one
+CUDA graph of calls), so that scripts comparing each other's figures time them the same way.
+
     PYTHONPATH=$PWD python benchmarks/ceilings.py   # every former method beside this one
 """
 
@@ -70,6 +73,23 @@ def matmul_rate(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, size:
     s = size if device.startswith("cuda") else 1024
     a, b = (torch.randn(s, s, device=device, dtype=dtype) for _ in range(2))
     return best_rate(2 * s**3 / 1e9, lambda: a @ b, device)
+
+
+def graph_ms(fn: Callable[[int], Any], reps: int, warm_calls: int | None = None, warmup_ms: int = 25,
+             rep_ms: int = 100) -> float:  # fmt: skip
+    """Median ms per call of fn(i), i < reps, all captured in one CUDA graph whose replay Triton's do_bench times
+    (warmup_ms / rep_ms, its defaults here). warm_calls: eager calls before the capture (compiles, allocator
+    warm-up); all `reps` when None. The benchmarks' shared graph timer (a GPU is needed)."""
+    from triton.testing import do_bench
+
+    for i in range(reps if warm_calls is None else min(reps, warm_calls)):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    return do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") / reps
 
 
 def ceilings(device: str = "cuda") -> dict[str, float]:
