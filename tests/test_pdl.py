@@ -58,6 +58,8 @@ READ_BEFORE_WAIT = {
     "_token_down_kernel": "with PRELOAD the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",
     "_w8_row_kernel": "its rows of the (constant) 8-bit weight and their scales (and bias)",
+    "_moe_token_down_kernel": "with PRELOAD the routing (ids: read by its predecessor, the pair gate-up kernel, after "
+    "that kernel's wait) and the first K tile of its experts' (constant) 16-bit rows",
     "_token_down_w8_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after that "
     "kernel's wait) and its rows of the experts' (constant) weights and scales",
 }
@@ -80,6 +82,7 @@ EARLY_TRIGGER = {
 # ever launched just before them (its wait returned, so the writer had completed before they could start).
 STEP_DATA_BEFORE_WAIT: dict[str, str | tuple[str, ...]] = {
     "triton_moe_w4_gemv._token_down_kernel": "triton_moe_w4_gemv._token_gate_up_kernel",
+    "triton_moe_token_down._moe_token_down_kernel": "triton_fused_moe._pair_gate_up_kernel",
     "triton_moe_w8_token._token_down_w8_kernel": (
         "triton_moe_w8_token._token_gate_up_w8_kernel",  # int8
         "triton_fused_moe_w8._pair_gate_up_kernel",  # fp8

@@ -130,6 +130,52 @@ def test_pair_path_repeated_experts(t: int, e: int, k: int, dtype: torch.dtype, 
         assert not ticket_counters(torch.device(DEV), "moe_down", t * 5).any()
 
 
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (1, 16, 8), (2, 6, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_n,block_k,preload", [(2, 16, True), (4, 64, False), (1, 64, True)])
+def test_token_down_matches_reference(t: int, e: int, k: int, dtype: torch.dtype, block_n: int, block_k: int,
+                                      preload: bool) -> None:  # fmt: skip
+    # The token down kernel against the pair path's function: D=72, I=40 (partial N and K tiles at block_k 16 and
+    # 64: I < block_k leaves one masked tile), top-k 3 padded to 4 slots, several K tiles, routing read before
+    # the wait or after it.
+    from ftransformers.kernels import triton_moe_token_down as td
+
+    gen = torch.Generator().manual_seed(7 * t + k + block_n)
+    hidden, w13, w2 = make_experts(t, 72, 40, e, dtype, gen)
+    weights, ids = make_routing(t, e, k, gen)
+    act = tfm.pair_gate_up(hidden, w13, ids.int().contiguous(), weights.reshape(-1).float().contiguous(),
+                           tfm.PairConfig(up_n=16, up_k=32))  # fmt: skip
+    ref = torch.einsum("tki,tkdi->td", act.float().view(t, k, -1), w2.float()[ids])
+    out = torch.full((t, 72), float("nan"), dtype=dtype, device=DEV)
+    td.moe_token_down(act, w2, ids.int().contiguous(), out, td.TokenDownConfig(block_n, block_k, 4, preload))
+    assert rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_fused_moe_one_token_takes_the_token_down_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default pair config sends one token's down projection to triton_moe_token_down; with it off, to
+    # pair_down_sum; both give the reference. A kernel that dropped a slot or its routing weight would fail here.
+    from ftransformers.kernels import triton_moe_token_down as td
+
+    gen = torch.Generator().manual_seed(3)
+    hidden, w13, w2 = make_experts(1, 72, 40, 16, torch.float32, gen)
+    weights, ids = make_routing(1, 16, 8, gen)
+    ref = moe_forward_native(hidden, w13, w2, weights, ids)
+    calls = []
+    real = td.moe_token_down
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(td, "moe_token_down", spy)
+    assert tfm.default_pair_config(1, 72).token_down and td.takes(1, 8)
+    assert rel_err(tfm.fused_moe(hidden, w13, w2, weights, ids), ref) <= 1e-4 and calls == [1]
+    monkeypatch.setattr(td, "ENABLED", False)
+    assert rel_err(tfm.fused_moe(hidden, w13, w2, weights, ids), ref) <= 1e-4 and calls == [1]
+    with pytest.raises(ValueError, match="moe_token_down"):
+        real(torch.empty(3, 40, device=DEV), w2, ids.int(), torch.empty(1, 72, device=DEV))
+
+
 def test_moe_sum() -> None:
     x = torch.randn(5, 3, 70, generator=torch.Generator().manual_seed(3)).to(DEV)
     out = tfm.moe_sum(x, torch.empty(5, 70, device=DEV))

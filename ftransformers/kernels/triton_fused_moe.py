@@ -9,6 +9,8 @@ contracts over all K of its pairs at once (one fp32 accumulator), so out[t] = su
 lands directly in [T, D]. Both are one-row GEMVs on CUDA cores (narrow N tiles, long K steps, float32
 sums), the form that streams weights fastest at one row (kernels/triton_gemv.py). Programs for one
 weight block are launched next to each other, so an expert hit by several tokens is re-read from L2.
+With the default config the down projection runs in kernels/triton_moe_token_down.py instead (all slots
+of a program's rows in one tile, routing and first K tile read before the PDL wait, no slot split).
 
 Aligned path (more pairs): alignment sorts the pairs by expert (stable: ties keep pair order) and pads
 each expert's run to a multiple of BLOCK_M, so every BLOCK_M block of sorted rows belongs to ONE
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels import triton_moe_token_down as token_down
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
@@ -71,6 +74,9 @@ class PairConfig:
     down_warps: int = 4
     down_stages: int = 4
     down_split: int = 1  # programs per (token, D block), each over TOP_K / down_split slots (a divisor)
+    # the down projection in triton_moe_token_down (its module tiles, all slots a program, first K tile before the
+    # PDL wait) where it takes the call; the down_* tiles above are then unused
+    token_down: bool = False
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
@@ -91,8 +97,9 @@ def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
     4 slot groups at T=1, D=2048 (moe_split_bf16_h100.json: Qwen3-30B experts 35.0 -> 33.7 us; at T=2 no
     split was best; DeepSeek width not measured, so not split)."""
     if num_tokens * hidden_size <= 4096:
-        return PairConfig(up_n=8, down_n=2, up_stages=2, down_stages=2, down_split=4 if num_tokens == 1 else 1)
-    return PairConfig(up_n=4, down_n=4, up_stages=2, down_stages=2)
+        return PairConfig(up_n=8, down_n=2, up_stages=2, down_stages=2, down_split=4 if num_tokens == 1 else 1,
+                          token_down=True)  # fmt: skip
+    return PairConfig(up_n=4, down_n=4, up_stages=2, down_stages=2, token_down=True)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -440,6 +447,8 @@ def fused_moe(
         ids = topk_ids.contiguous()
         act = pair_gate_up(hidden, w13, ids, weights, cfg)  # [T*K, I]
         out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
+        if cfg.token_down and token_down.takes(t, top_k):
+            return token_down.moe_token_down(act, w2, ids, out)
         return pair_down_sum(act, w2, ids, out, cfg)
     cfg = config or default_config(t, e, top_k)
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, e, cfg.block_m)
