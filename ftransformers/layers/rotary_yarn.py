@@ -15,11 +15,16 @@ Layouts (rotary dim R, pairs P = R/2):
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+# DeepseekRotaryEmbedding.rope_latent runs kernels/triton_mla_rope.py on CUDA
+# (`set=layers.rotary_yarn.FUSED_MLA_ROPE=0` in benchmarks/ab_decode.py restores the PyTorch ops for an A/B).
+FUSED_MLA_ROPE = True
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -137,6 +142,20 @@ class DeepseekRotaryEmbedding(nn.Module):
         q_out = self._rotate(q, cos, sin)
         k_out = self._rotate(k_3d, cos, sin)
         return q_out, (k_out if k.dim() == 3 else k_out[:, 0, :])
+
+    def rope_latent(
+        self, positions: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's rotary and latent row: q_pe [T, H, R] rotated, latent [T, L + R] = [c_kv | rotated k_pe]. On CUDA
+        (and under Triton's interpreter, so that CPU tests run the kernel inside whole models) one launch,
+        kernels/triton_mla_rope.py; elsewhere, or with FUSED_MLA_ROPE off, this module and a concatenation."""
+        if FUSED_MLA_ROPE and (q_pe.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # CPU needs no triton
+            from ftransformers.kernels.triton_mla_rope import mla_rope
+
+            inv_freq = self.inv_freq.to(device=q_pe.device, dtype=torch.float32)
+            return mla_rope(positions, inv_freq, self.attention_factor, q_pe, c_kv, k_pe, self.interleaved)
+        q_pe, k_pe = self(positions, q_pe, k_pe)
+        return q_pe, torch.cat([c_kv, k_pe], dim=-1)
 
 
 def get_deepseek_rope(config: Any) -> tuple[DeepseekRotaryEmbedding, float]:

@@ -110,8 +110,7 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # [T, H, N], [T, H, R]
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H, R], [T, R]
-        latent = torch.cat([c_kv, k_pe], dim=-1)  # [T, L+R]
+        q_pe, latent = self.rotary_emb.rope_latent(positions, q_pe, c_kv, k_pe)  # [T, H, R], [T, L+R]
         batch = get_forward_batch()
         if batch.mode == ForwardMode.EXTEND and self._form(batch) == "mha":
             rows = batch.attn_backend.mla_extend_rows(latent, self.layer_id, batch).to(hidden.dtype)  # [P+T, L+R]

@@ -1,0 +1,69 @@
+"""kernels/triton_mla_rope.py against DeepseekRotaryEmbedding + torch.cat (the PyTorch path it replaces).
+
+CPU: TRITON_INTERPRET=1 (conftest). Inputs are views as the model passes them (q_pe inside q's rows, k_pe inside
+the kv_a projection's rows), YaRN with DeepSeek-V3's parameters and positions up to 160K, both pair layouts.
+float32 within 1e-5, bf16 within 1e-2 (not bit for bit: on the H200 75-78% of bf16 outputs were identical, see the
+kernel's docstring); the c_kv half of the latent is a copy, so exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ftransformers.kernels.triton_mla_rope import mla_rope
+from ftransformers.layers import rotary_yarn
+from ftransformers.layers.rotary_yarn import DeepseekRotaryEmbedding
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("t,h,r,lat", [(1, 16, 64, 512), (3, 5, 8, 40), (2, 130, 64, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("yarn", [True, False])
+def test_mla_rope_matches_the_module(t: int, h: int, r: int, lat: int, dtype: torch.dtype, interleaved: bool,
+                                     yarn: bool) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(t * 1000 + h + r)
+    params = YARN if yarn else {"rope_type": "default", "rope_theta": 10000.0}
+    rope = DeepseekRotaryEmbedding(r, params, 163840, interleaved=interleaved).to(DEV)
+    nope = 24
+    q = torch.randn(t, h, nope + r, generator=gen).to(DEV, dtype)  # q_pe: the last R of each head's row
+    kv_a = torch.randn(t, lat + r, generator=gen).to(DEV, dtype)  # c_kv | k_pe, as the projection splits it
+    c_kv = torch.randn(t, lat, generator=gen).to(DEV, dtype)  # the normalised c_kv (a fresh tensor)
+    q_pe, k_pe = q[..., nope:], kv_a[:, lat:]
+    positions = torch.randint(0, 163840, (t,), generator=gen).to(DEV)
+    ref_q, ref_k = rope(positions, q_pe, k_pe)
+    q_out, latent = mla_rope(positions, rope.inv_freq.float(), rope.attention_factor, q_pe, c_kv, k_pe, interleaved)
+    assert q_out.shape == (t, h, r) and latent.shape == (t, lat + r) and latent.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(q_out, ref_q) <= tol
+    assert rel_err(latent[:, lat:], ref_k) <= tol
+    assert torch.equal(latent[:, :lat], c_kv)
+
+
+def test_mla_rope_layer_path_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rope_latent: the kernel (CUDA, or the interpreter here), or with FUSED_MLA_ROPE off the module and a concatenation
+    gen = torch.Generator().manual_seed(1)
+    rope = DeepseekRotaryEmbedding(8, YARN, 163840).to(DEV)
+    q_pe, c_kv, k_pe = (torch.randn(*s, generator=gen).to(DEV) for s in [(2, 3, 8), (2, 16), (2, 8)])
+    positions = torch.tensor([5, 70000], device=DEV)
+    q_out, latent = rope.rope_latent(positions, q_pe, c_kv, k_pe)
+    ref_q, ref_k = rope(positions, q_pe, k_pe)
+    assert rel_err(q_out, ref_q) <= 1e-5 and rel_err(latent, torch.cat([c_kv, ref_k], -1)) <= 1e-5
+    monkeypatch.setattr(rotary_yarn, "FUSED_MLA_ROPE", False)
+    q_off, latent_off = rope.rope_latent(positions, q_pe, c_kv, k_pe)
+    assert torch.equal(q_off, ref_q) and torch.equal(latent_off, torch.cat([c_kv, ref_k], -1))
+    with pytest.raises(ValueError, match="mla_rope"):
+        mla_rope(positions, rope.inv_freq.float(), 1.0, torch.randn(2, 3, 7, device=DEV), c_kv, k_pe[:, :7], True)
+    with pytest.raises(ValueError, match="mla_rope"):
+        mla_rope(positions, rope.inv_freq.double(), 1.0, q_pe, c_kv, k_pe, True)
