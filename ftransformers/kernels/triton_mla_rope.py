@@ -90,10 +90,10 @@ def mla_rope(
     k_pe: torch.Tensor,  # [T, R], unit stride along R (a view of the kv_a projection)
     interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q_pe rotated [T, H, R], latent [T, L + R]
-    t, h, r = q_pe.shape
-    big = max(t, 1) * max(q_pe.stride(0), c_kv.stride(0), k_pe.stride(0), h * r)
-    if (r % 2 or q_pe.stride(2) != 1 or c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1 or k_pe.shape != (t, r)
-            or c_kv.shape[0] != t or inv_freq.shape != (r // 2,) or inv_freq.dtype != torch.float32 or big >= 2**31):
+    t, h, r = q_pe.shape  # token and head offsets are int64 in the kernel: any T
+    unit = q_pe.stride(2) == 1 and c_kv.stride(-1) == 1 and k_pe.stride(-1) == 1
+    shapes = r % 2 == 0 and k_pe.shape == (t, r) and c_kv.shape[0] == t and inv_freq.shape == (r // 2,)
+    if not (unit and shapes and inv_freq.dtype == torch.float32):
         raise ValueError(f"mla_rope: q_pe [T, H, R] with even R, k_pe [T, R], c_kv [T, L] (unit stride on the last "
                          f"axis), inv_freq [R/2] float32; got q_pe {tuple(q_pe.shape)} {q_pe.stride()}, k_pe "
                          f"{tuple(k_pe.shape)} {k_pe.stride()}, c_kv {tuple(c_kv.shape)}, inv_freq "
