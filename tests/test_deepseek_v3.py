@@ -15,9 +15,18 @@ from safetensors.torch import load_file, save_file
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.attention.torch_native_mla import forward_mla
 from ftransformers.cache.kv_pool import MLAKVPool, MLAKVSpec
+from ftransformers.layers import rotary_yarn
 from ftransformers.layers.moe.grouped_topk import grouped_topk
 from ftransformers.layers.rotary_yarn import DeepseekRotaryEmbedding, softmax_scale_multiplier
 from tests.model_harness import hf_greedy_reference, make_tiny_checkpoint, random_prompts, run_engineless_greedy
+
+
+@pytest.fixture(autouse=True)
+def _mla_rope_kernel_in_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The models here run kernels/triton_mla_rope.py under Triton's interpreter (the rest of the CPU suite
+    # skips it there, being slow): the whole-model parity covers it.
+    monkeypatch.setattr(rotary_yarn, "MLA_ROPE_ON_CPU", True)
+
 
 NEW_TOKENS = 32
 LOGITS_TOL = 1e-3

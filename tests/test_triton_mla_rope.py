@@ -53,6 +53,7 @@ def test_mla_rope_matches_the_module(t: int, h: int, r: int, lat: int, dtype: to
 
 def test_mla_rope_layer_path_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     # rope_latent: the kernel (CUDA, or the interpreter here), or with FUSED_MLA_ROPE off the module and a concatenation
+    monkeypatch.setattr(rotary_yarn, "MLA_ROPE_ON_CPU", True)
     gen = torch.Generator().manual_seed(1)
     rope = DeepseekRotaryEmbedding(8, YARN, 163840).to(DEV)
     q_pe, c_kv, k_pe = (torch.randn(*s, generator=gen).to(DEV) for s in [(2, 3, 8), (2, 16), (2, 8)])

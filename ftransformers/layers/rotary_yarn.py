@@ -25,6 +25,8 @@ from torch import nn
 # DeepseekRotaryEmbedding.rope_latent runs kernels/triton_mla_rope.py on CUDA
 # (`set=layers.rotary_yarn.FUSED_MLA_ROPE=0` in benchmarks/ab_decode.py restores the PyTorch ops for an A/B).
 FUSED_MLA_ROPE = True
+# On the CPU the kernel runs only under Triton's interpreter and where a test asks for it: it is slow there.
+MLA_ROPE_ON_CPU = False
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -147,9 +149,11 @@ class DeepseekRotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA's rotary and latent row: q_pe [T, H, R] rotated, latent [T, L + R] = [c_kv | rotated k_pe]. On CUDA
-        (and under Triton's interpreter, so that CPU tests run the kernel inside whole models) one launch,
-        kernels/triton_mla_rope.py; elsewhere, or with FUSED_MLA_ROPE off, this module and a concatenation."""
-        if FUSED_MLA_ROPE and (q_pe.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # CPU needs no triton
+        (and with MLA_ROPE_ON_CPU under Triton's interpreter, so that CPU tests can run the kernel inside whole
+        models) one launch, kernels/triton_mla_rope.py; elsewhere, or with FUSED_MLA_ROPE off, this module and a
+        concatenation."""
+        on_cpu = MLA_ROPE_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
+        if FUSED_MLA_ROPE and (q_pe.is_cuda or on_cpu):  # imported here so CPU needs no triton
             from ftransformers.kernels.triton_mla_rope import mla_rope
 
             inv_freq = self.inv_freq.to(device=q_pe.device, dtype=torch.float32)
