@@ -3,17 +3,20 @@
 The same function as layers/rotary_yarn.DeepseekRotaryEmbedding followed by `torch.cat([c_kv, k_pe], -1)`,
 which in PyTorch is about twenty small launches a layer (cos / sin of position * inv_freq, the strided pair
 views, four products, two sums and a concatenation for q and again for k, then the latent's concatenation).
-Written to round as that path rounds (cos / sin in float32 times the attention factor, cast to the activation
-dtype; each product, then each sum, cast to it, as PyTorch's upcast-operate-round does). It does not match it bit
-for bit: on the H200 75-78% of bf16 outputs were identical to the module's and the rest within bf16 rounding
-(relative error under 1e-2; float32 under 1e-5); why the rest differ was not established (Triton's cos / sin, or
-its handling of the intermediate casts, are the candidates). Triton's CPU interpreter truncates float32 to bf16.
+Written to round as that path rounds: cos / sin in float32 times the attention factor, cast to the activation
+dtype; each product, then each sum, rounded to it, as PyTorch's upcast-operate-round does. In bf16 the rounding is
+integer arithmetic (`_rounded`): with x.to(bf16).to(float32) the first version matched the module in only 75-78%
+of its bf16 outputs on the H200 (the rest one bf16 step away), although cos / sin and a lone product matched bit
+for bit (benchmarks/check_mla_rope_exact.py). Now bit for bit, on the GPU and under Triton's CPU interpreter.
 
-Layouts (rotary dim R, pairs P = R/2): interleaved pair p is (x[2p], x[2p+1]), half-split (NeoX) (x[p], x[p+P]);
-both are written half-split, [x1 cos - x2 sin | x2 cos + x1 sin], as the reference does.
+Layouts (rotary dim R, pairs P = R/2): interleaved pair p is (x[2p], x[2p+1]), read as one contiguous row and split;
+half-split (NeoX) (x[p], x[p+P]). Both are written half-split, [x1 cos - x2 sin | x2 cos + x1 sin], as the reference
+does.
 
-Grid (T,): a program per token rotates every head of q_pe ([BLOCK_H, BLOCK_P] tiles over the heads), then k_pe,
-and copies c_kv into the latent row. Graph-safe: reads only device tensors, output shapes fixed by T.
+Grid (T, ceil(H / HEADS_PER_PROGRAM) + 1): program (t, j) rotates a block of token t's q_pe heads; the last j of
+a token rotates its k_pe and copies c_kv into the latent row. The first version ran one program a token over
+every head, 19.6 us a launch at 128 heads on the H200 for 16 KB. Graph-safe: reads only device tensors, output
+shapes fixed by T.
 """
 
 from __future__ import annotations
@@ -24,24 +27,51 @@ import triton.language as tl
 
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
+# heads of q_pe a program (a power of two), and warps a program; module constants for benchmarks/ab_decode.py's `set=`
+HEADS_PER_PROGRAM = 16
+WARPS = 1
+
 
 @triton.jit
-def _rotate(src, cos, sin, offs_p, mask, P: tl.constexpr, INTERLEAVED: tl.constexpr):
-    # src + offs_p addresses pair p's first element per row; -> the two output halves in src's dtype
-    if INTERLEAVED:
-        x1 = tl.load(src + 2 * offs_p, mask=mask, other=0.0)
-        x2 = tl.load(src + 2 * offs_p + 1, mask=mask, other=0.0)
+def _pairs(src, offs_h, h_ok, offs_p, p_ok, P: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # src: a row's first rotary element, offs_h: row offsets [BH] (already times the row stride); -> x1, x2 [BH, BP]
+    if INTERLEAVED:  # pair p is (x[2p], x[2p+1]): one contiguous load of 2P, split into its even and odd lanes
+        offs_r = tl.arange(0, 2 * BLOCK_P)
+        mask = h_ok[:, None] & (offs_r < 2 * P)[None, :]
+        x = tl.load(src + offs_h[:, None] + offs_r[None, :], mask=mask, other=0.0)
+        x1, x2 = tl.split(tl.reshape(x, [x.shape[0], BLOCK_P, 2]))
     else:
-        x1 = tl.load(src + offs_p, mask=mask, other=0.0)
-        x2 = tl.load(src + P + offs_p, mask=mask, other=0.0)
-    dt = x1.dtype
+        mask = h_ok[:, None] & p_ok[None, :]
+        x1 = tl.load(src + offs_h[:, None] + offs_p[None, :], mask=mask, other=0.0)
+        x2 = tl.load(src + offs_h[:, None] + P + offs_p[None, :], mask=mask, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def _rounded(x, dt: tl.constexpr):
+    # float32 x rounded to dt's precision (ties to even), kept in float32. For bf16 by integer ops: on the H200,
+    # x.to(bf16).to(float32) between float32 operations did not round (the kernel's products then matched the
+    # module's in only 76% of outputs), so the rounding is spelled out where the compiler cannot drop it.
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # finite inputs (an overflow rounds to inf)
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    # x1, x2 [BH, BP] in the activation dtype; cos, sin [1, BP] float32 holding dtype values -> the output halves,
+    # each product and each sum rounded to the activation dtype as PyTorch's bf16 ops round them
+    dt: tl.constexpr = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
-    ac = (a * cos).to(dt).to(tl.float32)
-    bs = (b * sin).to(dt).to(tl.float32)
-    bc = (b * cos).to(dt).to(tl.float32)
-    as_ = (a * sin).to(dt).to(tl.float32)
-    return (ac - bs).to(dt), (bc + as_).to(dt)
+    ac = _rounded(a * cos, dt)
+    bs = _rounded(b * sin, dt)
+    bc = _rounded(b * cos, dt)
+    as_ = _rounded(a * sin, dt)
+    return _rounded(ac - bs, dt).to(dt), _rounded(bc + as_, dt).to(dt)
 
 
 @triton.jit
@@ -52,33 +82,39 @@ def _mla_rope_kernel(
     P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_enter(USE_PDL)
+    # grid (T, head blocks + 1): program (t, j) rotates heads [j BH, (j+1) BH) of token t's q_pe; the last j
+    # rotates k_pe and writes the latent row
     t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
     p_ok = offs_p < P
+    inv_freq = tl.load(inv_freq_ptr + offs_p, mask=p_ok, other=0.0)  # a constant buffer: read before the wait
+    pdl_enter(USE_PDL)
     pos = tl.load(pos_ptr + t).to(tl.float32)
-    freqs = pos * tl.load(inv_freq_ptr + offs_p, mask=p_ok, other=0.0)  # [BP] float32, as position * inv_freq
+    freqs = pos * inv_freq  # [BP] float32, as position * inv_freq
     dt = q_out_ptr.dtype.element_ty
-    cos = (tl.cos(freqs) * attention_factor).to(dt).to(tl.float32)
-    sin = (tl.sin(freqs) * attention_factor).to(dt).to(tl.float32)
-    cos2 = cos[None, :]
-    sin2 = sin[None, :]
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask = (offs_h[:, None] < H) & p_ok[None, :]  # [BH, BP]
-        src = q_ptr + t * s_qt + offs_h[:, None].to(tl.int64) * s_qh
-        lo, hi = _rotate(src, cos2, sin2, offs_p[None, :], mask, P, INTERLEAVED)
+    cos = _rounded(tl.cos(freqs) * attention_factor, dt)[None, :]
+    sin = _rounded(tl.sin(freqs) * attention_factor, dt)[None, :]
+    if hb < tl.num_programs(1) - 1:  # (the branches name their values apart: Triton types a name across an if)
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        q1, q2 = _pairs(q_ptr + t * s_qt, offs_h.to(tl.int64) * s_qh, h_ok, offs_p, p_ok, P, BLOCK_P, INTERLEAVED)
+        q_lo, q_hi = _rotate(q1, q2, cos, sin)
+        mask = h_ok[:, None] & p_ok[None, :]
         dst = q_out_ptr + t * s_qot + offs_h[:, None].to(tl.int64) * s_qoh + offs_p[None, :]
-        tl.store(dst, lo, mask=mask)
-        tl.store(dst + P, hi, mask=mask)
-    lo, hi = _rotate(kpe_ptr + t * s_kt, cos, sin, offs_p, p_ok, P, INTERLEAVED)
-    row = latent_ptr + t * s_lt
-    tl.store(row + L + offs_p, lo.to(latent_ptr.dtype.element_ty), mask=p_ok)
-    tl.store(row + L + P + offs_p, hi.to(latent_ptr.dtype.element_ty), mask=p_ok)
-    for l0 in range(0, L, BLOCK_L):
-        offs_l = l0 + tl.arange(0, BLOCK_L)
-        c = tl.load(ckv_ptr + t * s_ct + offs_l, mask=offs_l < L)
-        tl.store(row + offs_l, c.to(latent_ptr.dtype.element_ty), mask=offs_l < L)
+        tl.store(dst, q_lo, mask=mask)
+        tl.store(dst + P, q_hi, mask=mask)
+    else:
+        one = tl.arange(0, 1)
+        k1, k2 = _pairs(kpe_ptr + t * s_kt, one.to(tl.int64), one < 1, offs_p, p_ok, P, BLOCK_P, INTERLEAVED)
+        k_lo, k_hi = _rotate(k1, k2, cos, sin)  # [1, BP]
+        row = latent_ptr + t * s_lt
+        tl.store(row + L + offs_p[None, :], k_lo.to(latent_ptr.dtype.element_ty), mask=p_ok[None, :])
+        tl.store(row + L + P + offs_p[None, :], k_hi.to(latent_ptr.dtype.element_ty), mask=p_ok[None, :])
+        for l0 in range(0, L, BLOCK_L):
+            offs_l = l0 + tl.arange(0, BLOCK_L)
+            c = tl.load(ckv_ptr + t * s_ct + offs_l, mask=offs_l < L)
+            tl.store(row + offs_l, c.to(latent_ptr.dtype.element_ty), mask=offs_l < L)
 
 
 def mla_rope(
@@ -104,11 +140,12 @@ def mla_rope(
     if t == 0:
         return q_out, latent
     block_p = triton.next_power_of_2(r // 2)
-    _mla_rope_kernel[(t,)](
+    block_h = min(triton.next_power_of_2(h), HEADS_PER_PROGRAM)
+    _mla_rope_kernel[(t, triton.cdiv(h, block_h) + 1)](
         positions, inv_freq, q_pe, c_kv, k_pe, q_out, latent, h, lat, float(attention_factor),
         q_pe.stride(0), q_pe.stride(1), c_kv.stride(0), k_pe.stride(0), q_out.stride(0), q_out.stride(1),
-        latent.stride(0), P=r // 2, BLOCK_P=block_p, BLOCK_H=min(triton.next_power_of_2(h), max(1, 4096 // block_p)),
-        BLOCK_L=min(1024, triton.next_power_of_2(max(lat, 1))), INTERLEAVED=interleaved, num_warps=4,
+        latent.stride(0), P=r // 2, BLOCK_P=block_p, BLOCK_H=block_h,
+        BLOCK_L=min(1024, triton.next_power_of_2(max(lat, 1))), INTERLEAVED=interleaved, num_warps=WARPS,
         **pdl_launch(q_pe.device),
     )  # fmt: skip
     return q_out, latent
