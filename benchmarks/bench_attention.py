@@ -37,7 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import copy_bandwidth, matmul_rate
 
-from ftransformers.attention.triton_backend import mla_block_h, mla_max_kv_splits, mla_num_kv_splits, num_kv_splits
+from ftransformers.attention.triton_backend import (
+    mla_block_h,
+    mla_max_kv_splits,
+    mla_num_kv_splits,
+    num_kv_splits,
+    peak_gbps_per_sm,
+)
 from ftransformers.kernels.triton_decode_attention import (
     decode_attention_fwd,
     decode_attention_ref,
@@ -150,7 +156,9 @@ def gqa_call(var: str, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> No
 def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     if var == "old":
         return num_kv_splits(B, triton.cdiv(H, 32), sms)
-    cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H, MLA_VARIANTS[var].get("kernel", "triton")))
+    kernel = MLA_VARIANTS[var].get("kernel", "triton")
+    gbps = peak_gbps_per_sm(torch.cuda.get_device_properties(DEV))  # the backend's rule on this GPU
+    cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H, kernel, gbps))
     return mla_num_kv_splits(B, triton.cdiv(H, mla_block(var, B, H) or 64), sms, cap)
 
 

@@ -188,18 +188,28 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
 
 def test_mla_split_rule() -> None:
     # one wave of (batch x head-block x split) programs on 132 SMs, at most the cap for the head count and
-    # kernel (128 up to MLA_FEW_HEADS heads on the 64-head kernels, else 64; 64 on the few-heads kernel), a
-    # power of two above 64
+    # kernel (128 up to MLA_FEW_HEADS heads on the 64-head kernels, else 64; 64 on the few-heads kernel unless the
+    # GPU has at least MLA_FEW_WIDE_SPLITS_GBPS_PER_SM of peak bandwidth an SM), a power of two above 64
+    from types import SimpleNamespace
+
     from ftransformers.attention.triton_backend import (
         MLA_FEW_HEADS,
         mla_block_h,
         mla_max_kv_splits,
         mla_num_kv_splits,
+        peak_gbps_per_sm,
     )
 
     assert [mla_max_kv_splits(8), mla_max_kv_splits(MLA_FEW_HEADS), mla_max_kv_splits(64)] == [128, 128, 64]
     assert [mla_max_kv_splits(8, "gluon"), mla_max_kv_splits(8, "gluon_few"), mla_max_kv_splits(32, "gluon_few")] == [
         128, 64, 64]  # fmt: skip
+    # peak bandwidth an SM from CUDA's properties: an H100 SXM's (2619 MHz, 5120 bits) and an H200's (3201, 6016)
+    h100 = SimpleNamespace(memory_clock_rate=2619000, memory_bus_width=5120, multi_processor_count=132)
+    h200 = SimpleNamespace(memory_clock_rate=3201000, memory_bus_width=6016, multi_processor_count=132)
+    assert round(peak_gbps_per_sm(h100), 1) == 25.4 and round(peak_gbps_per_sm(h200), 1) == 36.5
+    assert peak_gbps_per_sm(SimpleNamespace(multi_processor_count=132)) == 0.0  # a torch without the fields
+    few = [mla_max_kv_splits(h, "gluon_few", peak_gbps_per_sm(p)) for h in (8, 16, 32) for p in (h100, h200)]
+    assert few == [64, 128, 64, 128, 64, 64]
     # the few-heads kernel runs 17-64 heads as two blocks of half up to batch 4, else one block (all heads)
     assert [mla_block_h(32, 1), mla_block_h(32, 4), mla_block_h(32, 5), mla_block_h(64, 1), mla_block_h(64, 5)] == [
         16, 16, 64, 32, 64]  # fmt: skip

@@ -8,7 +8,7 @@ Numerically the same function as `torch_native` (softmax in float32, output in t
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import triton
@@ -58,6 +58,12 @@ MLA_FEW_HEADS = 16
 # benchmarks/results/attention_mla_few_blocks32_h100.log, attention_mla_wide_blocks_h100.log
 MLA_FEW_SPLIT_HEADS_MAX_BS = 4
 MLA_FEW_HEADS_MAX_KV_SPLITS = 128
+# The few-heads kernel at up to 16 heads a GPU takes 128 splits too (batch 1 is the only batch it changes) where
+# the GPU's peak DRAM bandwidth an SM is at least this (GB/s): a program's split then has more bandwidth to use than
+# one program pulls. H200 (4.8 TB/s peak, 36 GB/s an SM), batch 1 x 4K / 16K / 32K, us with 64 -> 128 splits:
+# 16 heads 8.0 / 12.8 / 19.8 -> 7.6 / 12.9 / 18.0, 8 heads 7.0 / 11.7 / 18.3 -> 6.7 / 11.8 / 16.6
+# (benchmarks/results/attention_mla_splits_h200.log). The H100 (3.35 TB/s, 25 GB/s an SM) keeps 64 (above).
+MLA_FEW_WIDE_SPLITS_GBPS_PER_SM = 30.0
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 # MLA decode stage 1: "auto" takes a Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
@@ -99,12 +105,22 @@ def mla_block_h(num_heads: int, batch_size: int, kernel: str = "auto") -> int:
     return FEW_HEADS_LIMIT if kernel == "gluon_few" else MLA_BLOCK_H
 
 
-def mla_max_kv_splits(num_heads: int, kernel: str = "triton") -> int:
+def mla_max_kv_splits(num_heads: int, kernel: str = "triton", gbps_per_sm: float = 0.0) -> int:
     """mla_num_kv_splits's cap for this many heads a GPU on this stage-1 kernel (mla_decode_kernel's name;
-    see MLA_FEW_HEADS)."""
-    if kernel == "gluon_few" or num_heads > MLA_FEW_HEADS:
+    see MLA_FEW_HEADS), on a GPU of this peak DRAM bandwidth an SM (peak_gbps_per_sm; 0: unknown, the
+    few-heads kernel keeps 64; see MLA_FEW_WIDE_SPLITS_GBPS_PER_SM)."""
+    if num_heads > MLA_FEW_HEADS:
+        return MLA_MAX_KV_SPLITS
+    if kernel == "gluon_few" and gbps_per_sm < MLA_FEW_WIDE_SPLITS_GBPS_PER_SM:
         return MLA_MAX_KV_SPLITS
     return MLA_FEW_HEADS_MAX_KV_SPLITS
+
+
+def peak_gbps_per_sm(props: Any) -> float:
+    """Peak DRAM bandwidth an SM, GB/s, from CUDA device properties (double data rate x bus width); 0 where
+    torch does not report the memory clock or bus."""
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 / max(1, props.multi_processor_count)
 
 
 @register_attention_backend("triton")
@@ -138,6 +154,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._extend_start: torch.Tensor | None = None
         self._max_extend_len = 0
         self._num_sms: int | None = None
+        self._gbps_per_sm = 0.0  # set with _num_sms (peak_gbps_per_sm)
         self._prefix_start: torch.Tensor | None = None
         self._identity: torch.Tensor | None = None  # arange, grown on demand (MLA prefill's slot table)
         # MHA-form MLA prefill: "sdpa" (torch flash, one call per sequence), "triton" (the extend kernel
@@ -168,7 +185,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _sms(self, device: torch.device) -> int:
         if self._num_sms is None:
-            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+            props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+            self._num_sms = props.multi_processor_count if props is not None else 2
+            self._gbps_per_sm = peak_gbps_per_sm(props) if props is not None else 0.0
         return self._num_sms
 
     def _decode_scratch(
@@ -296,7 +315,9 @@ class TritonAttentionBackend(AttentionBackend):
                 want = mla_block_h(H, b, MLA_DECODE_KERNEL)
                 kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL, want)
                 block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
-                return kernel, block_h, mla_num_kv_splits(b, triton.cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel))
+                return kernel, block_h, mla_num_kv_splits(
+                    b, triton.cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel, self._gbps_per_sm)
+                )
 
             kernel, block_h, _ = launch(T)
             mid_o, mid_lse, splits = self._decode_scratch(T, H, L, lambda b: launch(b)[2], q_nope.device)
