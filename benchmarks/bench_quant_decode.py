@@ -81,7 +81,11 @@ def accounting(model: torch.nn.Module, cfg: dict[str, Any], layers: int) -> dict
     moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
     expert_bytes = sum(module_bytes(m) for m in moe)
     embed = model.model.embed_tokens  # type: ignore[union-attr]
-    non_expert = module_bytes(model) - expert_bytes - module_bytes(embed)
+    # a step reads one row of the embedding and of each rotary cos|sin cache (float32 [max positions, rotary dim],
+    # one a layer: 1.0 GB in Qwen3-30B-A3B, which the floors before 2026-11-28 counted as read)
+    caches = {id(t): t for m in model.modules() if isinstance(t := getattr(m, "cos_sin_cache", None), torch.Tensor)}
+    rope_bytes = sum(t.numel() * t.element_size() for t in caches.values())
+    non_expert = module_bytes(model) - expert_bytes - module_bytes(embed) - rope_bytes
     E = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
     if "kv_lora_rank" in cfg:
         kv_tok = layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
