@@ -17,7 +17,7 @@ from ftransformers.layers.attention import Attention
 from ftransformers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from ftransformers.layers.moe import FusedMoE, select_experts_softmax
 from ftransformers.layers.norm import RMSNorm
-from ftransformers.layers.rotary import get_rope, rope_parameters_of
+from ftransformers.layers.rotary import get_rope, rope_parameters_of, share_rotary_caches
 from ftransformers.layers.weight_utils import WeightShapeError
 from tests.model_harness import single_thread
 
@@ -98,6 +98,31 @@ def test_rope_interleaved_and_partial() -> None:
     ref = torch.stack((x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()), -1).flatten(-2)
     torch.testing.assert_close(q_out[..., :rot], ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(q_out[..., rot:], q[..., rot:])
+
+
+def test_layers_share_one_rotary_cache_where_equal() -> None:
+    # a model's layers keep one cos|sin cache per distinct rope: equal ones are shared, any difference is kept
+    class Attn(torch.nn.Module):
+        def __init__(self, rope: torch.nn.Module | None) -> None:
+            super().__init__()
+            self.rotary_emb = rope
+
+    params = {"rope_theta": 100.0}
+    same = [Attn(get_rope(16, 16, 64, params)) for _ in range(3)]
+    others = [
+        Attn(get_rope(16, 16, 64, {"rope_theta": 200.0})),  # other frequencies
+        Attn(get_rope(16, 16, 64, params, is_neox_style=False)),  # other pair layout
+        Attn(get_rope(16, 16, 32, params)),  # a shorter cache
+        Attn(get_rope(16, 16, 64, {"rope_type": "linear", "factor": 2.0, **params})),  # another class
+        Attn(None),
+    ]
+    before = [a.rotary_emb for a in same + others]
+    freed = share_rotary_caches([*same, *others, None])
+    assert same[0].rotary_emb is before[0] and same[1].rotary_emb is before[0] and same[2].rotary_emb is before[0]
+    assert all(a.rotary_emb is b for a, b in zip(others, before[3:]))
+    assert freed == 2 * 64 * 16 * 4
+    q, k, pos = torch.randn(5, 2, 16), torch.randn(5, 1, 16), torch.randint(0, 64, (5,))
+    assert torch.equal(same[2].rotary_emb(pos, q, k)[0], before[2](pos, q, k)[0])
 
 
 def test_rope_unknown_type_raises() -> None:

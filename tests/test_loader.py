@@ -191,7 +191,7 @@ def test_model_config_errors_are_one_line(tmp_path: Path) -> None:
 def test_model_config_fields_and_old_spelling(tmp_path: Path) -> None:
     old = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
         "max_position_embeddings": 1024, "rope_theta": 500000.0, "torch_dtype": "float16", "eos_token_id": [5, 7],
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 128},
@@ -203,6 +203,7 @@ def test_model_config_fields_and_old_spelling(tmp_path: Path) -> None:
     model = load_model(mc, "cpu", torch.float32, "dummy")
     rope = model.model.layers[0].self_attn.rotary_emb
     assert type(rope).__name__ == "Llama3RotaryEmbedding" and rope.base == 500000.0
+    assert all(layer.self_attn.rotary_emb is rope for layer in model.model.layers)  # one cos|sin cache a model
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     assert ModelConfig.from_pretrained(tmp_path, dtype="bfloat16", context_length=100).eos_token_ids == [9]
     assert ModelConfig.from_pretrained(tmp_path, context_length=100).context_len == 100

@@ -8,6 +8,7 @@ rotated in float32 and cast back to their dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -149,6 +150,28 @@ def get_rope(
         f"unsupported rope type {rope_type!r}; supported here: default, linear, llama3 "
         "(YaRN: ftransformers.layers.rotary_yarn)"
     )
+
+
+def share_rotary_caches(modules: Iterable[nn.Module]) -> int:
+    """Point every `rotary_emb` among `modules` (the decoder layers' attentions) at the first one of the same
+    class, head size, rotary dim and style whose float32 cos|sin cache is equal, so a model holds one cache
+    instead of one a layer (Qwen3-30B-A3B: 48 x 21 MB). Returns the bytes freed."""
+    kept: list[RotaryEmbedding] = []
+    freed = 0
+    for m in modules:
+        rope = getattr(m, "rotary_emb", None)
+        if not isinstance(rope, RotaryEmbedding):
+            continue
+        for k in kept:
+            same = (type(k), k.head_size, k.rotary_dim, k.is_neox_style) == (
+                type(rope), rope.head_size, rope.rotary_dim, rope.is_neox_style)  # fmt: skip
+            if same and k.cos_sin_cache.shape == rope.cos_sin_cache.shape and torch.equal(k.cos_sin_cache, rope.cos_sin_cache):
+                freed += rope.cos_sin_cache.numel() * rope.cos_sin_cache.element_size()
+                m.rotary_emb = k
+                break
+        else:
+            kept.append(rope)
+    return freed
 
 
 def rope_parameters_of(config: Any) -> dict[str, Any]:

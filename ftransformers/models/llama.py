@@ -15,7 +15,7 @@ from ftransformers.layers.attention import Attention, QKNorm
 from ftransformers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ftransformers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ftransformers.layers.norm import RMSNorm
-from ftransformers.layers.rotary import get_rope, rope_parameters_of
+from ftransformers.layers.rotary import get_rope, rope_parameters_of, share_rotary_caches
 from ftransformers.layers.weight_utils import LoadTracker, load_with_mapping
 from ftransformers.models.registry import register_model
 
@@ -113,6 +113,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             [self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers)]
         )
+        share_rotary_caches(getattr(layer, "self_attn", None) for layer in self.layers)  # one cos|sin cache
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
