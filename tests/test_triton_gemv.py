@@ -53,6 +53,9 @@ def test_gemv_every_tile_path() -> None:
         xs = x[:m].to(DEV)
         assert rel_err(gemv(xs, w.to(DEV), config=cfg), gemv_ref(xs, w.to(DEV))) < 1e-5, cfg
     assert gemv_config(1, 5120, 2048)["BLOCK_M"] == 1 and gemv_config(9, 5120, 2048)["BLOCK_M"] == 16
+    # one row: K up to GEMV_WHOLE_ROW_K in one step, longer rows GEMV_BLOCK_K at a time; 2-4 rows 1024 / rows
+    ks = [gemv_config(m, 2048, k)["BLOCK_K"] for m, k in ((1, 4096), (1, 3000), (1, 7168), (1, 16384), (2, 4096))]
+    assert ks == [4096, 4096, 2048, 2048, 512]
 
 
 def test_strided_rows() -> None:

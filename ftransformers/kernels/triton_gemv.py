@@ -33,6 +33,11 @@ GEMV_MAX_M = 16
 GEMV_SMALL = 32 << 20
 GEMV_MEDIUM = 110 << 20
 GEMV_BLOCK_K = 2048  # K elements a one-row program loads per step (2-4 rows: 1024 / rows)
+# A one-row product with K up to this takes its whole row in one step (the H100 sweeps put 2048 and 4096 level).
+# H200, bf16 B=1 steps in one process: 4096 for every K cut Qwen3-30B-A3B 2.506 -> 2.477 ms and Qwen3-8B 4.279 ->
+# 4.257, but DeepSeek-V3 (K 7168, 16384) went 1.483 -> 1.506 (benchmarks/results/ab_gemv_bk_*_h200.log); whole rows
+# only: Qwen3-8B 4.278 -> 4.194, Qwen3-30B-A3B 2.510 -> 2.476, DeepSeek-V3 1.490 -> 1.483 (ab_gemv_rule_*_h200.log).
+GEMV_WHOLE_ROW_K = 4096
 GEMV_WARPS = 4
 GEMV_STAGES = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,7 +95,10 @@ def gemv_config(M: int, N: int, K: int) -> dict[str, int]:
         block_m = triton.next_power_of_2(M)
         size = N * K
         block_n = 2 if size <= GEMV_SMALL else 4 if size <= GEMV_MEDIUM else 8
-        block_k = min(GEMV_BLOCK_K if M == 1 else 1024 // block_m, max(16, triton.next_power_of_2(K)))
+        pow2_k = max(16, triton.next_power_of_2(K))
+        block_k = min(GEMV_BLOCK_K if M == 1 else 1024 // block_m, pow2_k)
+        if M == 1 and K <= GEMV_WHOLE_ROW_K:
+            block_k = pow2_k
         return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": GEMV_WARPS,
                 "num_stages": GEMV_STAGES}  # fmt: skip
     return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
