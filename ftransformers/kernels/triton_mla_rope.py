@@ -6,8 +6,8 @@ views, four products, two sums and a concatenation for q and again for k, then t
 Written to round as that path rounds: cos / sin in float32 times the attention factor, cast to the activation
 dtype; each product, then each sum, rounded to it, as PyTorch's upcast-operate-round does. In bf16 the rounding is
 integer arithmetic (`_rounded`): with x.to(bf16).to(float32) the first version matched the module in only 75-78%
-of its bf16 outputs on the H200 (the rest one bf16 step away), although cos / sin and a lone product matched bit
-for bit (benchmarks/check_mla_rope_exact.py). Now bit for bit, on the GPU and under Triton's CPU interpreter.
+of its bf16 outputs on the H200 (the rest one bf16 step away), although its cos / sin matched bit for bit
+(benchmarks/check_mla_rope_exact.py). Now bit for bit, on the GPU and under Triton's CPU interpreter.
 
 Layouts (rotary dim R, pairs P = R/2): interleaved pair p is (x[2p], x[2p+1]), read as one contiguous row and split;
 half-split (NeoX) (x[p], x[p+P]). Both are written half-split, [x1 cos - x2 sin | x2 cos + x1 sin], as the reference
