@@ -123,6 +123,9 @@ def test_layers_share_one_rotary_cache_where_equal() -> None:
     assert freed == 2 * 64 * 16 * 4
     q, k, pos = torch.randn(5, 2, 16), torch.randn(5, 1, 16), torch.randint(0, 64, (5,))
     assert torch.equal(same[2].rotary_emb(pos, q, k)[0], before[2](pos, q, k)[0])
+    with torch.device("meta"):  # a model skeleton (ftransformers quantize builds one): no values to compare
+        meta = [Attn(get_rope(16, 16, 64, params)) for _ in range(2)]
+    assert share_rotary_caches(meta) == 0 and meta[0].rotary_emb is not meta[1].rotary_emb
 
 
 def test_rope_unknown_type_raises() -> None:

@@ -155,12 +155,13 @@ def get_rope(
 def share_rotary_caches(modules: Iterable[nn.Module]) -> int:
     """Point every `rotary_emb` among `modules` (the decoder layers' attentions) at the first one of the same
     class, head size, rotary dim and style whose float32 cos|sin cache is equal, so a model holds one cache
-    instead of one a layer (Qwen3-30B-A3B: 48 x 21 MB). Returns the bytes freed."""
+    instead of one a layer (Qwen3-30B-A3B: 48 x 21 MB). Caches on the meta device are left alone. Returns the
+    bytes freed."""
     kept: list[RotaryEmbedding] = []
     freed = 0
     for m in modules:
         rope = getattr(m, "rotary_emb", None)
-        if not isinstance(rope, RotaryEmbedding):
+        if not isinstance(rope, RotaryEmbedding) or rope.cos_sin_cache.is_meta:  # meta (a quantize skeleton): no values
             continue
         for k in kept:
             same = (type(k), k.head_size, k.rotary_dim, k.is_neox_style) == (
