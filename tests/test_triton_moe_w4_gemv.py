@@ -26,6 +26,9 @@ from ftransformers.kernels.quant_formats import quant_moe_ref
 from ftransformers.kernels.triton_w4a16 import gemv_words
 
 CFG = token.TokenGemvConfig
+# gate-up rows a program where a test is about the down kernel: the default on CUDA, more on the CPU, where the
+# interpreter's time goes with the programs
+UP_N = CFG.up_n if CUDA else 16
 
 
 def run(d: int, inter: int, e: int, k: int, dtype: torch.dtype, seed: int, cfg: CFG | None, fmt: str = "int4",
@@ -92,7 +95,7 @@ def test_fp4_preload_and_slot_groups_agree(monkeypatch: pytest.MonkeyPatch) -> N
     errs = []
     for preload, slots in ((True, 8), (False, 8), (False, 2)):
         monkeypatch.setattr(token, "DOWN_PRELOAD", preload)
-        errs.append(run(d, inter, e, k, torch.bfloat16, seed=11, cfg=CFG(down_slots=slots), fmt="nvfp4"))
+        errs.append(run(d, inter, e, k, torch.bfloat16, seed=11, cfg=CFG(up_n=UP_N, down_slots=slots), fmt="nvfp4"))
     assert max(errs) <= TOL, errs
 
 
@@ -100,19 +103,21 @@ def test_fp4_preload_and_slot_groups_agree(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("t", [2, 3])
 def test_several_tokens_match_reference(fmt: str, t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # Each token's pairs on their own rows of act and its own output row, with and without the down preload; a
-    # strided hidden (a row of a wider buffer) too
+    # strided hidden (a row of a wider buffer) too. On the CPU 16 rows a program (the interpreter's time goes with
+    # the programs; the default tiles are SMALL's first rows)
     d, inter, e, k = (128, 64, 8, 4) if not CUDA else QWEN
     qkw = {"group": 32, "zeros": True} if fmt == "int4" else {}
+    cfg = CFG(down_slots=k) if CUDA else CFG(up_n=16, down_n=16, down_slots=k)
     for preload in (True, False):
         monkeypatch.setattr(token, "DOWN_PRELOAD", preload)
-        err = run(d, inter, e, k, torch.bfloat16, seed=t + preload, cfg=CFG(down_slots=k), fmt=fmt, t=t, **qkw)
+        err = run(d, inter, e, k, torch.bfloat16, seed=t + preload, cfg=cfg, fmt=fmt, t=t, **qkw)
         assert err <= TOL, (fmt, t, preload, err)
     gen = torch.Generator(DEV).manual_seed(t)
     wide = torch.randn(t, d + 64, generator=gen, device=DEV).to(torch.bfloat16)
     hidden = wide[:, 32 : 32 + d]
     w13, w2 = random_qw(fmt, e, 2 * inter, d, gen, **qkw), random_qw(fmt, e, d, inter, gen, **qkw)
     weights, ids = make_routing(t, e, k, gen)
-    out = token.moe_w4_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids)
+    out = token.moe_w4_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids, None if CUDA else cfg)
     assert rel_err(out, quant_moe_ref(hidden.contiguous(), w13, w2, weights, ids)) <= TOL
 
 
@@ -146,7 +151,8 @@ def test_down_slot_groups_agree() -> None:
     # The down kernel's word axis holds 1, 2, 4 or 8 slots a tile: the same sums in another order.
     d, inter, e, k = (128, 64, 8, 8) if not CUDA else QWEN
     errs = [
-        run(d, inter, e, k, torch.bfloat16, seed=5, cfg=CFG(down_slots=s), group=32, zeros=True) for s in (1, 2, 4, 8)
+        run(d, inter, e, k, torch.bfloat16, seed=5, cfg=CFG(up_n=UP_N, down_slots=s), group=32, zeros=True)
+        for s in (1, 2, 4, 8)
     ]
     assert max(errs) <= TOL, errs
 
@@ -163,6 +169,7 @@ def test_down_preload_matches(d: int, inter: int, cfg: CFG, monkeypatch: pytest.
     # The down kernel with its routing and first K tile read ahead of the PDL wait (moe_w4_token's default)
     # gives what the kernel without gives, and both match the reference.
     errs = []
+    cfg = dataclasses.replace(cfg, up_n=UP_N)
     for preload in (True, False):
         monkeypatch.setattr(token, "DOWN_PRELOAD", preload)
         errs.append(run(d, inter, 8, 8, torch.bfloat16, seed=inter, cfg=cfg, group=16, zeros=preload))
@@ -191,23 +198,31 @@ def test_two_words_a_lane_only_where_the_layout_allows() -> None:
 def test_fused_moe_w4_takes_int4_and_fp4_tokens_here(monkeypatch: pytest.MonkeyPatch) -> None:
     # fused_moe_w4 sends up to INT4_MAX_TOKENS tokens of int4 experts here, and up to FP4_MAX_TOKENS of FP4 experts
     # no wider than FP4_MAX_HIDDEN (FP4_WIDE_MAX_TOKENS past MAX_HIDDEN); more tokens, FP4 with FP4 off, hidden
-    # wider than the limits or ENABLED off go elsewhere (and still match the reference).
+    # wider than the limits or ENABLED off go elsewhere. A call taken here must match the reference; the paths it
+    # falls to are stubs that count (their numerics are test_triton_moe_w4.py's), and exactly one path runs. Wide
+    # tiles (32 rows a program) keep the interpreter quick; the default tiles are SMALL's first rows.
     calls: list[int] = []
+    fell: list[str] = []
     real = token.moe_w4_token
     monkeypatch.setattr(token, "moe_w4_token", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name, owner in (("_pair_path", w4), ("moe_w4_mma", w4.mma_path)):
+        monkeypatch.setattr(owner, name, lambda hidden, *a, _n=name, **kw: fell.append(_n) or torch.zeros_like(hidden))
+    monkeypatch.setattr(token, "UP_N", 32)
+    monkeypatch.setattr(token, "DOWN_N", 32)
     gen = torch.Generator(DEV).manual_seed(9)
     d, inter, e, k = 128, 128, 8, 4
 
-    def moe(t: int, fmt: str = "int4") -> float:
+    def taken(t: int, fmt: str = "int4") -> bool:  # whether the call ran here (and then matched the reference)
+        before, fell_before = len(calls), len(fell)
         hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
         w13, w2 = random_qw(fmt, e, 2 * inter, d, gen), random_qw(fmt, e, d, inter, gen)
         weights, ids = make_routing(t, e, k, gen)
-        return rel_err(w4.fused_moe_w4(hidden, w13, w2, weights, ids), quant_moe_ref(hidden, w13, w2, weights, ids))
-
-    def taken(t: int, fmt: str = "int4") -> bool:  # whether the call ran here; it matches the reference either way
-        before = len(calls)
-        assert moe(t, fmt) <= TOL, (t, fmt)
-        return len(calls) > before
+        out = w4.fused_moe_w4(hidden, w13, w2, weights, ids)
+        here = len(calls) > before
+        assert here != (len(fell) > fell_before), (t, fmt, len(calls) - before, fell[fell_before:])
+        if here:
+            assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL, (t, fmt)
+        return here
 
     assert taken(1) and taken(token.INT4_MAX_TOKENS) and not taken(token.INT4_MAX_TOKENS + 1)
     monkeypatch.setattr(token, "INT4_MAX_TOKENS", 1)
