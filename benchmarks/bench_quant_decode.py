@@ -81,8 +81,8 @@ def accounting(model: torch.nn.Module, cfg: dict[str, Any], layers: int) -> dict
     moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
     expert_bytes = sum(module_bytes(m) for m in moe)
     embed = model.model.embed_tokens  # type: ignore[union-attr]
-    # a step reads one row of the embedding and of each rotary cos|sin cache (float32 [max positions, rotary dim],
-    # one a layer: 1.0 GB in Qwen3-30B-A3B, which the floors before 2026-11-28 counted as read)
+    # a step reads one row of the embedding and of the rotary cos|sin caches (float32 [max positions, rotary dim];
+    # before 50a2870 one a layer, 1.0 GB in Qwen3-30B-A3B, which the floors before 759e8d4 counted as read)
     caches = {id(t): t for m in model.modules() if isinstance(t := getattr(m, "cos_sin_cache", None), torch.Tensor)}
     rope_bytes = sum(t.numel() * t.element_size() for t in caches.values())
     non_expert = module_bytes(model) - expert_bytes - module_bytes(embed) - rope_bytes

@@ -153,8 +153,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._meta_batch: ForwardBatch | None = None
         self._extend_start: torch.Tensor | None = None
         self._max_extend_len = 0
-        self._num_sms: int | None = None
-        self._gbps_per_sm = 0.0  # set with _num_sms (peak_gbps_per_sm)
+        self._gpu_facts: tuple[int, float] | None = None  # (SMs, peak_gbps_per_sm), read once
         self._prefix_start: torch.Tensor | None = None
         self._identity: torch.Tensor | None = None  # arange, grown on demand (MLA prefill's slot table)
         # MHA-form MLA prefill: "sdpa" (torch flash, one call per sequence), "triton" (the extend kernel
@@ -183,12 +182,15 @@ class TritonAttentionBackend(AttentionBackend):
         assert self._extend_start is not None
         return self._extend_start, self._max_extend_len
 
-    def _sms(self, device: torch.device) -> int:
-        if self._num_sms is None:
-            props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-            self._num_sms = props.multi_processor_count if props is not None else 2
-            self._gbps_per_sm = peak_gbps_per_sm(props) if props is not None else 0.0
-        return self._num_sms
+    def _gpu(self, device: torch.device) -> tuple[int, float]:
+        """SMs and peak DRAM bandwidth an SM (GB/s) of `device`; a CPU counts as 2 SMs of unknown bandwidth."""
+        if self._gpu_facts is None:
+            if device.type == "cuda":
+                props = torch.cuda.get_device_properties(device)
+                self._gpu_facts = (props.multi_processor_count, peak_gbps_per_sm(props))
+            else:
+                self._gpu_facts = (2, 0.0)
+        return self._gpu_facts
 
     def _decode_scratch(
         self, B: int, H: int, DV: int, split_rule: Callable[[int], int], device: torch.device
@@ -276,7 +278,7 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE:
             H_kv = k_buf.shape[1]
             head_blocks = H_kv * triton.cdiv(H // H_kv, max(16, triton.next_power_of_2(H // H_kv)))
-            sms = self._sms(q.device)
+            sms, _ = self._gpu(q.device)
             mid_o, mid_lse, splits = self._decode_scratch(
                 T, H, v_buf.shape[-1], lambda b: num_kv_splits(b, head_blocks, sms, GQA_WAVES), q.device
             )
@@ -309,14 +311,14 @@ class TritonAttentionBackend(AttentionBackend):
         q_rope = q_rope.to(q_nope.dtype)
         out = q_nope.new_empty(T, H, L)
         if batch.mode == ForwardMode.DECODE:
-            sms = self._sms(q_nope.device)
+            sms, gbps_per_sm = self._gpu(q_nope.device)
 
             def launch(b: int) -> tuple[str, int, int]:  # stage-1 kernel, heads a program, splits at batch b
                 want = mla_block_h(H, b, MLA_DECODE_KERNEL)
                 kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL, want)
                 block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
                 return kernel, block_h, mla_num_kv_splits(
-                    b, triton.cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel, self._gbps_per_sm)
+                    b, triton.cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel, gbps_per_sm)
                 )
 
             kernel, block_h, _ = launch(T)

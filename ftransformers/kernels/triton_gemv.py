@@ -96,9 +96,8 @@ def gemv_config(M: int, N: int, K: int) -> dict[str, int]:
         size = N * K
         block_n = 2 if size <= GEMV_SMALL else 4 if size <= GEMV_MEDIUM else 8
         pow2_k = max(16, triton.next_power_of_2(K))
-        block_k = min(GEMV_BLOCK_K if M == 1 else 1024 // block_m, pow2_k)
-        if M == 1 and K <= GEMV_WHOLE_ROW_K:
-            block_k = pow2_k
+        step = (pow2_k if K <= GEMV_WHOLE_ROW_K else GEMV_BLOCK_K) if M == 1 else 1024 // block_m
+        block_k = min(step, pow2_k)
         return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": GEMV_WARPS,
                 "num_stages": GEMV_STAGES}  # fmt: skip
     return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}

@@ -56,7 +56,7 @@ def _rounded(x, dt: tl.constexpr):
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # finite inputs (an overflow rounds to inf)
         return bits.to(tl.float32, bitcast=True)
-    else:
+    else:  # float32 (a no-op), or float16 (the cast pair; its exactness not checked)
         return x.to(dt).to(tl.float32)
 
 
