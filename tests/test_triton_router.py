@@ -188,11 +188,50 @@ def test_fused_router_weight_from_best_is_bitwise_the_sum(softmax: bool, monkeyp
     hidden, weight = router_inputs(3, e, d, torch.bfloat16, 77)
     call = partial(fused_router_topk, hidden, weight, k, softmax=softmax, renormalize=True, round_logits=True,
                    routed_scaling_factor=1.0 if softmax else 2.0)  # fmt: skip
+    monkeypatch.setattr(triton_router, "PACKED_SELECT", False)  # the float selection, where WEIGHT_FROM_BEST applies
     w_best, ids_best = call()
     monkeypatch.setattr(triton_router, "WEIGHT_FROM_BEST", False)
     w_sum, ids_sum = call()
     assert torch.equal(ids_best, ids_sum)
     assert torch.equal(w_best, w_sum)
+
+
+def tied_router_inputs(t: int, e: int, d: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # every expert's gate row repeated by a later expert, and a quarter of them negated: exactly tied logits
+    # (the lower expert must win), ties among negative logits, and logits of both signs around 0
+    hidden, weight = router_inputs(t, e, d, dtype, seed)
+    weight[: e // 4] = -weight[: e // 4]
+    weight[e // 2 :] = weight[: e // 2]
+    return hidden, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("inputs", ["random", "tied", "negative"])
+def test_fused_router_packed_keys_select_as_the_float_path(
+    dtype: torch.dtype, renorm: bool, inputs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PACKED_SELECT (one int32 max a pick, over logits) picks the same experts in the same order as the float
+    # softmax path, ties to the lowest expert, with weights within float32 rounding of its (and torch's)
+    e, d, k, t = 128, 256, 8, 5
+    tied = inputs == "tied"
+    hidden, weight = (tied_router_inputs if tied else router_inputs)(t, e, d, dtype, 41 + renorm)
+    if inputs == "negative":  # every logit below 0: the picks are the smallest magnitudes
+        hidden, weight = hidden.abs(), -weight.abs()
+    call = partial(fused_router_topk, hidden, weight, k, softmax=True, renormalize=renorm, round_logits=True,
+                   routed_scaling_factor=1.0)  # fmt: skip
+    w_packed, ids_packed = call()
+    monkeypatch.setattr(triton_router, "PACKED_SELECT", False)
+    w_float, ids_float = call()
+    assert torch.equal(ids_packed, ids_float)
+    torch.testing.assert_close(w_packed, w_float, **TOL)
+    if tied:  # expert i + e / 2 ties with i: picked right after it, never before
+        for row in ids_packed.tolist():
+            assert all(row[j - 1] == i - e // 2 for j, i in enumerate(row) if i >= e // 2), row
+    if dtype == torch.bfloat16:  # the interpreter's float16 casts truncate, so only bf16 logits equal torch's here
+        logits = F.linear(hidden.float(), weight.float()).to(dtype)
+        w_ref, _ = select_experts_softmax_torch(logits, k, renorm)  # (bf16 logits tie; torch's tie order is unspecified)
+        torch.testing.assert_close(w_packed, w_ref, **FUSED_TOL)
 
 
 def test_fused_router_counter_resets() -> None:

@@ -41,6 +41,13 @@ _ROUND = {torch.bfloat16: 1, torch.float16: 2}  # logits rounding modes of the f
 # (benchmarks/results/ab_handoff_30b_w4a16_h100.*, ab_pickweight_30b_bf16_h100.*): the router's critical path
 # 209 -> 202 us a step in W4A16 (step 1.786 -> 1.770 ms), 206 -> 197 in bf16 (3.184 -> 3.153 ms)
 WEIGHT_FROM_BEST = True
+# Softmax routing over 16-bit logits (bf16 / fp16, rounded as nn.Linear returns them): the selection runs on one
+# int32 key an expert, (logit in an order-preserving 16-bit code) << 16 | (65535 - expert), so a pick is ONE max
+# reduction (the highest logit, the lowest expert on ties) instead of a max and an argmin, and the softmax over all
+# experts is skipped: softmax is monotonic, so the picks are the same, and a pick's weight is exp(its logit - the
+# first pick's), over their sum (renormalised) or over the sum of all experts' (not). 0 keeps the float path (an
+# A/B toggle, `set=triton_router.PACKED_SELECT=0` in benchmarks/ab_decode.py).
+PACKED_SELECT = True
 
 
 @triton.jit
@@ -185,6 +192,102 @@ def grouped_topk_sigmoid(
 
 
 @triton.jit
+def _float_topk(logits, eid, ev, s3, bias_ptr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
+                WEIGHT_IS_BEST: tl.constexpr, SEL_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    # logits [SEL_T, BG, BS] float32 of experts eid (valid where ev) -> (weights, ids) [SEL_T, BK], unscaled:
+    # scores (softmax, or sigmoid + bias for the selection), optional group pruning, K iterative argmaxes
+    if SOFTMAX:
+        lm = tl.where(ev, logits, float("-inf"))
+        num = tl.exp(lm - tl.max(tl.max(lm, 2), 1)[:, None, None])
+        scores = num / tl.sum(tl.sum(num, 2), 1)[:, None, None]
+        choice = tl.where(ev, scores, float("-inf"))
+    else:
+        scores = tl.sigmoid(logits)
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + eid, mask=ev, other=0.0).to(tl.float32)
+        choice = tl.where(ev, choice, float("-inf"))
+    if GROUPED:
+        # group_scores [SEL_T, BG]: sum of the two best biased scores in each group
+        top1 = tl.max(choice, 2)
+        arg1 = tl.min(tl.where(choice == top1[:, :, None], s3, BLOCK_S), 2)
+        top2 = tl.max(tl.where(s3 == arg1[:, :, None], float("-inf"), choice), 2)
+        gidx = tl.arange(0, BLOCK_G)[None, :]  # [1, BG]
+        gs = tl.where(gidx < G, top1 + top2, float("-inf"))
+        keep = tl.zeros([SEL_T, BLOCK_G], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            pick = tl.min(tl.where(gs == tl.max(gs, 1)[:, None], gidx, BLOCK_G), 1)  # [SEL_T]
+            keep = tl.where(gidx == pick[:, None], 1, keep)
+            gs = tl.where(gidx == pick[:, None], float("-inf"), gs)
+        choice = tl.where(keep[:, :, None] != 0, choice, float("-inf"))
+    koffs = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+    w_out = tl.zeros([SEL_T, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([SEL_T, BLOCK_K], dtype=tl.int32)
+    for kk in tl.static_range(K):
+        best = tl.max(tl.max(choice, 2), 1)  # [SEL_T]
+        idx = tl.min(tl.min(tl.where(choice == best[:, None, None], eid, BLOCK_G * BLOCK_S), 2), 1)
+        hit = (eid == idx[:, None, None]) & ev
+        if WEIGHT_IS_BEST:  # choice is the score wherever it is finite: the pick's weight is best itself
+            w_pick = best
+        else:  # choice is score + bias: the pick's unbiased score, by a sum over its one-hot
+            w_pick = tl.sum(tl.sum(tl.where(hit, scores, 0.0), 2), 1)
+        w_out = tl.where(koffs == kk, w_pick[:, None], w_out)
+        ids = tl.where(koffs == kk, idx[:, None], ids)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORM:
+        if SOFTMAX:
+            w_out = w_out / tl.sum(w_out, 1)[:, None]
+        else:
+            w_out = w_out / (tl.sum(w_out, 1)[:, None] + 1e-20)
+    return w_out, ids
+
+
+@triton.jit
+def _key_logit(key, ROUND: tl.constexpr):
+    # _packed_softmax_topk's int32 key -> its logit, float32
+    code = key >> 16  # arithmetic shift: the signed code
+    bits = tl.where(code < 0, 0x7FFF - code, code)  # the 16-bit pattern
+    if ROUND == 1:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _packed_softmax_topk(logits, eid, ev, ROUND: tl.constexpr, RENORM: tl.constexpr, K: tl.constexpr,
+                         SEL_T: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # logits [SEL_T, BG, BS] float32 holding 16-bit values (ROUND 1: bf16, 2: fp16) of experts eid (valid where
+    # ev) -> softmax top-K (weights, ids) [SEL_T, BK], unscaled (PACKED_SELECT)
+    if ROUND == 1:
+        bits = (logits.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)  # bf16 pattern
+    else:
+        bits = logits.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    bits = tl.where(bits == 0x8000, 0, bits)  # -0 ranks as +0
+    # order-preserving code, signed: positives 0x0000.. (bits), negatives ..-1 (descending magnitude)
+    code = tl.where(bits >= 0x8000, 0x7FFF - bits, bits)  # [-32768, 32767]
+    key = tl.where(ev, (code << 16) | (0xFFFF - eid), -2147483648)  # distinct for distinct experts
+    koffs = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+    picks = tl.zeros([SEL_T, BLOCK_K], dtype=tl.int32)
+    first = tl.zeros([SEL_T], dtype=tl.int32)
+    for kk in tl.static_range(K):
+        best = tl.max(tl.max(key, 2), 1)  # [SEL_T]
+        if kk == 0:
+            first = best
+        picks = tl.where(koffs == kk, best[:, None], picks)
+        key = tl.where(key == best[:, None, None], -2147483648, key)
+    ids = 0xFFFF - (picks & 0xFFFF)
+    top = _key_logit(first, ROUND)[:, None]  # the first pick's logit: the max
+    w = tl.where(koffs < K, tl.exp(_key_logit(picks, ROUND) - top), 0.0)
+    if RENORM:
+        w = w / tl.sum(w, 1)[:, None]
+    else:
+        z = tl.sum(tl.sum(tl.where(ev, tl.exp(logits - top[:, :, None]), 0.0), 2), 1)  # softmax's denominator
+        w = w / z[:, None]
+    return w, ids
+
+
+@triton.jit
 def _fused_router_kernel(
     x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
     E: tl.constexpr, G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
@@ -193,8 +296,10 @@ def _fused_router_kernel(
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    WEIGHT_IS_BEST: tl.constexpr = False, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    WEIGHT_IS_BEST: tl.constexpr = False, PACKED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
+    # PACKED (SOFTMAX, ROUND 1 or 2, not GROUPED): the key selection of PACKED_SELECT.
     # WEIGHT_IS_BEST (softmax, or sigmoid without a bias): a pick's weight is the selection score it won with.
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
@@ -241,49 +346,12 @@ def _fused_router_kernel(
             logits = bits.to(tl.float32, bitcast=True)
         elif ROUND == 2:
             logits = logits.to(tl.float16).to(tl.float32)
-        if SOFTMAX:
-            lm = tl.where(ev, logits, float("-inf"))
-            num = tl.exp(lm - tl.max(tl.max(lm, 2), 1)[:, None, None])
-            scores = num / tl.sum(tl.sum(num, 2), 1)[:, None, None]
-            choice = tl.where(ev, scores, float("-inf"))
+        if PACKED:
+            w_out, ids = _packed_softmax_topk(logits, eid, ev, ROUND, RENORM, K, SEL_T, BLOCK_K)
         else:
-            scores = tl.sigmoid(logits)
-            choice = scores
-            if HAS_BIAS:
-                choice = scores + tl.load(bias_ptr + eid, mask=ev, other=0.0).to(tl.float32)
-            choice = tl.where(ev, choice, float("-inf"))
-        if GROUPED:
-            # group_scores [SEL_T, BG]: sum of the two best biased scores in each group
-            top1 = tl.max(choice, 2)
-            arg1 = tl.min(tl.where(choice == top1[:, :, None], s3, BLOCK_S), 2)
-            top2 = tl.max(tl.where(s3 == arg1[:, :, None], float("-inf"), choice), 2)
-            gidx = tl.arange(0, BLOCK_G)[None, :]  # [1, BG]
-            gs = tl.where(gidx < G, top1 + top2, float("-inf"))
-            keep = tl.zeros([SEL_T, BLOCK_G], dtype=tl.int32)
-            for _ in tl.static_range(TOPK_GROUP):
-                pick = tl.min(tl.where(gs == tl.max(gs, 1)[:, None], gidx, BLOCK_G), 1)  # [SEL_T]
-                keep = tl.where(gidx == pick[:, None], 1, keep)
-                gs = tl.where(gidx == pick[:, None], float("-inf"), gs)
-            choice = tl.where(keep[:, :, None] != 0, choice, float("-inf"))
+            w_out, ids = _float_topk(logits, eid, ev, s3, bias_ptr, G, TOPK_GROUP, K, SOFTMAX, HAS_BIAS, GROUPED, RENORM,
+                                     WEIGHT_IS_BEST, SEL_T, BLOCK_G, BLOCK_S, BLOCK_K)  # fmt: skip
         koffs = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
-        w_out = tl.zeros([SEL_T, BLOCK_K], dtype=tl.float32)
-        ids = tl.zeros([SEL_T, BLOCK_K], dtype=tl.int32)
-        for kk in tl.static_range(K):
-            best = tl.max(tl.max(choice, 2), 1)  # [SEL_T]
-            idx = tl.min(tl.min(tl.where(choice == best[:, None, None], eid, BLOCK_G * BLOCK_S), 2), 1)
-            hit = (eid == idx[:, None, None]) & ev
-            if WEIGHT_IS_BEST:  # choice is the score wherever it is finite: the pick's weight is best itself
-                w_pick = best
-            else:  # choice is score + bias: the pick's unbiased score, by a sum over its one-hot
-                w_pick = tl.sum(tl.sum(tl.where(hit, scores, 0.0), 2), 1)
-            w_out = tl.where(koffs == kk, w_pick[:, None], w_out)
-            ids = tl.where(koffs == kk, idx[:, None], ids)
-            choice = tl.where(hit, float("-inf"), choice)
-        if RENORM:
-            if SOFTMAX:
-                w_out = w_out / tl.sum(w_out, 1)[:, None]
-            else:
-                w_out = w_out / (tl.sum(w_out, 1)[:, None] + 1e-20)
         w_out = w_out * scale
         t2 = tl.arange(0, SEL_T)[:, None]
         omask = (t2 < T) & (koffs < K)
@@ -356,12 +424,14 @@ def fused_router_topk(
     ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
     sel_t = max(4, triton.next_power_of_2(t))  # H100: a [1, G, S] selection tile ran slower than [4, G, S]
     has_bias = correction_bias is not None and not softmax
+    rounding = _ROUND.get(hidden.dtype, 0) if round_logits else 0
     _fused_router_kernel[(e_blocks * n_split,)](
         hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
         float(routed_scaling_factor),
         E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
         SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=grouped, WEIGHT_IS_BEST=WEIGHT_FROM_BEST and not has_bias,
-        RENORM=bool(renormalize), ROUND=_ROUND.get(hidden.dtype, 0) if round_logits else 0, IEEE=ieee,
+        PACKED=PACKED_SELECT and softmax and rounding in (1, 2),
+        RENORM=bool(renormalize), ROUND=rounding, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=8 if sel_t * block_g * block_s >= 4096 else 4,
