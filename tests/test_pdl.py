@@ -55,7 +55,6 @@ READ_BEFORE_WAIT = {
     "mla_decode_stage1_few_heads": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
     "_mla_rope_kernel": "the constant inv_freq",
-    "_gemv_kernel": "with PRELOAD its rows of the weight, which its callers (linear layers, the LM head) pass as constant",
     "_w4a16_gemv_kernel": "the first K tile of its (constant) words, with PRELOAD_SZ that of its scale_zero copy",
     "_token_down_kernel": "with PRELOAD the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",

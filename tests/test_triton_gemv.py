@@ -12,8 +12,7 @@ import torch
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
-from ftransformers.kernels import triton_gemv
-from ftransformers.kernels.triton_gemv import GEMV_MAX_M, gemv, gemv_config, gemv_ref, preloads
+from ftransformers.kernels.triton_gemv import GEMV_MAX_M, gemv, gemv_config, gemv_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): K not a multiple of any BLOCK_K exercises the masked path; N not a multiple of BLOCK_N too.
@@ -59,25 +58,6 @@ def test_gemv_every_tile_path() -> None:
     assert ks == [4096, 4096, 2048, 2048, 512]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_preload_is_the_same_product(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """preload=True (a constant weight read ahead of the PDL wait) on one row whose K is one step: bit for bit
-    the product without it; rows of several steps, or more rows, keep the loop."""
-    gen = torch.Generator().manual_seed(12)
-    one_step = [(37, 96), (20, 512), (9, 1000)]  # 1000: a masked K tail inside the one step
-    for N, K in one_step + [(5, 5000)]:
-        x = torch.randn(1, K, generator=gen).to(DEV, dtype)
-        w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, dtype)
-        b = torch.randn(N, generator=gen).to(DEV, dtype)
-        assert preloads(1, N, K) == ((N, K) in one_step)
-        out = gemv(x, w, b, preload=True)
-        assert torch.equal(out, gemv(x, w, b)), (N, K)
-        assert rel_err(out, gemv_ref(x, w, b)) < tol(dtype), (N, K)
-    assert not preloads(2, 37, 96)
-    monkeypatch.setattr(triton_gemv, "GEMV_PRELOAD", False)
-    assert not preloads(1, 37, 96) and not triton_gemv.reads_ahead(1, 37, 96)
-
-
 def test_strided_rows() -> None:
     """x may be a row slice of a wider buffer (unit stride along K only)."""
     gen = torch.Generator().manual_seed(5)
@@ -94,10 +74,8 @@ def test_linear_layer_dispatches_one_row(monkeypatch: pytest.MonkeyPatch) -> Non
 
     calls: list[tuple[int, ...]] = []
     real = mod.gemv
-    monkeypatch.setattr(mod, "gemv", lambda x, w, b=None, config=None, preload=False: calls.append(tuple(x.shape))
-                        or real(x, w, b, preload=preload))  # fmt: skip
+    monkeypatch.setattr(mod, "gemv", lambda x, w, b=None, config=None: calls.append(tuple(x.shape)) or real(x, w, b))
     layer = ReplicatedLinear(2048, 640, bias=True).to(DEV, torch.bfloat16)
-    assert layer.reads_ahead_of_wait(1) == mod.GEMV_EARLY and not layer.reads_ahead_of_wait(2)
     torch.nn.init.normal_(layer.weight, std=2048**-0.5)
     torch.nn.init.normal_(layer.bias)
     for shape in [(1, 2048), (1, 1, 2048), (3, 2048)]:
@@ -128,8 +106,8 @@ def test_lm_head_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[tuple[int, ...]] = []
     real = mod.gemv
-    monkeypatch.setattr(mod, "gemv", lambda x, w, b=None, config=None, out=None, preload=False:
-                        calls.append(tuple(x.shape)) or real(x, w, b, out=out, preload=preload))  # fmt: skip
+    monkeypatch.setattr(mod, "gemv", lambda x, w, b=None, config=None, out=None: calls.append(tuple(x.shape))
+                        or real(x, w, b, out=out))  # fmt: skip
     head = ParallelLMHead(5000, 256).to(DEV, torch.bfloat16)
     torch.nn.init.normal_(head.weight, std=256**-0.5)
     buf = head.logits_buffer(4)

@@ -38,38 +38,20 @@ GEMV_BLOCK_K = 2048  # K elements a one-row program loads per step (2-4 rows: 10
 # 4.257, but DeepSeek-V3 (K 7168, 16384) went 1.483 -> 1.506 (benchmarks/results/ab_gemv_bk_*_h200.log); whole rows
 # only: Qwen3-8B 4.278 -> 4.194, Qwen3-30B-A3B 2.510 -> 2.476, DeepSeek-V3 1.490 -> 1.483 (ab_gemv_rule_*_h200.log).
 GEMV_WHOLE_ROW_K = 4096
-# A one-row product whose row is one K step (K <= GEMV_WHOLE_ROW_K) loads its program's weight rows ahead of its
-# PDL wait where the caller says the weight is constant (`gemv(preload=True)`: the linear layers and the LM head),
-# and the layers report it (LinearBase.reads_ahead_of_wait) so that the kernel before them triggers early
-# (pdl.py): the rows stream in while the RMSNorm or attention's stage 2 still runs. 0 loads them after the wait
-# (an A/B toggle, `set=triton_gemv.GEMV_PRELOAD=0` in benchmarks/ab_decode.py); GEMV_EARLY=0 keeps the preload but
-# not the early triggers.
-GEMV_PRELOAD = True
-GEMV_EARLY = True
 GEMV_WARPS = 4
 GEMV_STAGES = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _accumulate(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr):
-    # acc [BM, BN] += x [BM, BK] . w [BN, BK]^T
-    if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
-        if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
-            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(x, tl.trans(w), acc)
-    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # CUDA cores
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr = False,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
-    # PRELOAD (K <= BLOCK_K: one step; the caller's weight is constant): the rows are loaded before the PDL wait.
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,25 +60,24 @@ def _gemv_kernel(
     mask_n = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
-    if PRELOAD:
-        w_row = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k[None, :] < K), other=0.0)
-    pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PRELOAD:
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
-        acc = _accumulate(acc, x, w_row, DOT, IEEE)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-                x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            mask_k = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
+            if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             else:
-                mask_k = (k0 + offs_k) < K
-                w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc = _accumulate(acc, x, w, DOT, IEEE)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:  # CUDA cores: [BM, BN, BK] products summed over K
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -122,24 +103,12 @@ def gemv_config(M: int, N: int, K: int) -> dict[str, int]:
     return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 
-def preloads(M: int, N: int, K: int, config: dict[str, int] | None = None) -> bool:
-    """Whether `gemv(preload=True)` reads the weight ahead of its PDL wait (GEMV_PRELOAD): one row, one K step."""
-    cfg = config or gemv_config(M, N, K)
-    return GEMV_PRELOAD and M == 1 and K <= cfg["BLOCK_K"]
-
-
-def reads_ahead(M: int, N: int, K: int) -> bool:
-    """Whether a constant weight's `gemv(preload=True)` reads ahead, so the kernel before it should trigger early."""
-    return GEMV_EARLY and preloads(M, N, K)
-
-
 def gemv(
     x: torch.Tensor,  # [M, K], unit stride along K
     weight: torch.Tensor,  # [N, K], unit stride along K
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
     out: torch.Tensor | None = None,  # [M, N] x.dtype, unit stride along N: written and returned
-    preload: bool = False,  # the weight is constant (no kernel writes it): it may be read ahead of the PDL wait
 ) -> torch.Tensor:  # [M, N], x.dtype
     M, K = x.shape
     N = weight.shape[0]
@@ -152,7 +121,7 @@ def gemv(
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
-        IEEE=x.dtype == torch.float32 or _INTERPRET, PRELOAD=preload and preloads(M, N, K, cfg),
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
         **cfg,
         **pdl_launch(x.device),
     )  # fmt: skip

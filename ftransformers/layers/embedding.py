@@ -44,7 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if one_row_gemv(hidden, self.weight):  # batch-1 decode: ~9% faster than cuBLAS on an H100
             from ftransformers.kernels.triton_gemv import gemv  # here: CPU needs no triton
 
-            y = gemv(hidden, self.weight, self.bias, out=out, preload=True)  # the weight is constant
+            y = gemv(hidden, self.weight, self.bias, out=out)
             return y if out is not None else y.float()
         if out is None:
             return F.linear(hidden, self.weight, self.bias).float()

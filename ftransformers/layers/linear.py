@@ -92,14 +92,7 @@ class LinearBase(nn.Module):
     def reads_ahead_of_wait(self, rows: int) -> bool:
         """Whether this layer's kernel on `rows` rows reads its weight ahead of its PDL wait (kernels/pdl.py), so
         that the kernel just before it should trigger early (RMSNorm, decode attention's stage 2)."""
-        if self.quant_method is not None:
-            return self.quant_method.reads_ahead_of_wait(self, rows)
-        w = self.weight
-        if rows != 1 or not w.is_cuda or w.dtype not in _GEMV_DTYPES or w.stride(-1) != 1:
-            return False
-        from ftransformers.kernels.triton_gemv import reads_ahead  # here: CPU needs no triton
-
-        return reads_ahead(1, w.shape[0], w.shape[1])
+        return self.quant_method is not None and self.quant_method.reads_ahead_of_wait(self, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
@@ -109,7 +102,7 @@ class LinearBase(nn.Module):
         if one_row_gemv(x, w):
             from ftransformers.kernels.triton_gemv import gemv  # here: CPU needs no triton
 
-            y = gemv(x.reshape(1, -1), w, self.bias, preload=True)  # a layer's weight is constant
+            y = gemv(x.reshape(1, -1), w, self.bias)
             return y.view(*x.shape[:-1], w.shape[0])
         return F.linear(x, self.weight, self.bias)
 
