@@ -5,8 +5,11 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh server demo bench test
 # Convert the demo model once up front (cached under ~/.cache/ftransformers) so tests share it.
 .venv/bin/python -c "from ftransformers.entrypoints.demo_model import ensure_demo_model; ensure_demo_model()"
+# One pytest worker a core (pytest-xdist; FTRANSFORMERS_TEST_WORKERS overrides, 0 runs in this process): most of
+# the suite is the Triton interpreter, single-threaded Python, so two cores take it in about half the time.
+workers="${FTRANSFORMERS_TEST_WORKERS:-auto}"
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n "$workers" "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
