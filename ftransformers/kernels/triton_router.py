@@ -48,6 +48,12 @@ WEIGHT_FROM_BEST = True
 # first pick's), over their sum (renormalised) or over the sum of all experts' (not). 0 keeps the float path (an
 # A/B toggle, `set=triton_router.PACKED_SELECT=0` in benchmarks/ab_decode.py).
 PACKED_SELECT = True
+# The fused router's launch: about this many phase-1 programs (expert blocks x D splits), a selection tile of at
+# least this many token rows (H100: [4, G, S] ran faster than [1, G, S]), and its warps (0: 8 for tiles of
+# 4096 elements or more, else 4). Module constants for benchmarks/ab_decode.py's `set=`.
+ROUTER_PROGRAMS = 128
+ROUTER_SEL_T = 4
+ROUTER_WARPS = 0
 
 
 @triton.jit
@@ -412,7 +418,7 @@ def fused_router_topk(
     assert counter is not None, "check can_fuse_router first"
     block_e, block_d = 32, 128
     e_blocks, d_tiles = triton.cdiv(e, block_e), triton.cdiv(d, block_d)
-    n_split = min(d_tiles, max(1, 128 // e_blocks))  # ~128 programs of one or a few D tiles each
+    n_split = min(d_tiles, max(1, ROUTER_PROGRAMS // e_blocks))  # ~ROUTER_PROGRAMS programs of one or more D tiles
     tiles_per_split = triton.cdiv(d_tiles, n_split)
     n_split = triton.cdiv(d_tiles, tiles_per_split)
     block_t = 16  # tl.dot needs M >= 16
@@ -422,7 +428,7 @@ def fused_router_topk(
     bias = correction_bias.contiguous() if correction_bias is not None else out_w
     block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
     ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
-    sel_t = max(4, triton.next_power_of_2(t))  # H100: a [1, G, S] selection tile ran slower than [4, G, S]
+    sel_t = max(ROUTER_SEL_T, triton.next_power_of_2(t))
     has_bias = correction_bias is not None and not softmax
     rounding = _ROUND.get(hidden.dtype, 0) if round_logits else 0
     _fused_router_kernel[(e_blocks * n_split,)](
@@ -434,7 +440,7 @@ def fused_router_topk(
         RENORM=bool(renormalize), ROUND=rounding, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
         N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=8 if sel_t * block_g * block_s >= 4096 else 4,
+        num_warps=ROUTER_WARPS or (8 if sel_t * block_g * block_s >= 4096 else 4),
         **prefetch_lines(tiles_per_split * block_d, weight.element_size()), **pdl_launch(hidden.device, prefetch="router"),
     )  # fmt: skip
     return out_w, out_ids
