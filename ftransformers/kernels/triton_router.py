@@ -50,7 +50,9 @@ WEIGHT_FROM_BEST = True
 PACKED_SELECT = True
 # The fused router's launch: about this many phase-1 programs (expert blocks x D splits), a selection tile of at
 # least this many token rows (H100: [4, G, S] ran faster than [1, G, S]), and its warps (0: 8 for tiles of
-# 4096 elements or more, else 4). Module constants for benchmarks/ab_decode.py's `set=`.
+# 4096 elements or more, else 4). Module constants for benchmarks/ab_decode.py's `set=`. H200, Qwen3-30B-A3B
+# bf16 B=1, with the packed selection (benchmarks/results/ab_router_shape_30b_bf16_h200.log): 2.460 ms; 32 or
+# 16 programs, selection tiles of 1 or 2 rows, 2 or 8 warps all 2.49-2.65.
 ROUTER_PROGRAMS = 128
 ROUTER_SEL_T = 4
 ROUTER_WARPS = 0
