@@ -90,6 +90,11 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
     return MoEConfig(128, 128, 64, 256, 64, 8, 8, 3)
 
 
+# The gate-up tiles default_pair_config gives a token of hidden size <= 4096 (module names so that
+# benchmarks/ab_decode.py's `set=` can change them in a whole model)
+PAIR_UP_N, PAIR_UP_K, PAIR_UP_WARPS, PAIR_UP_STAGES = 8, 1024, 4, 2
+
+
 def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
     """Narrow N tiles and 1024-wide K steps, as for the dense one-row GEMV (kernels/triton_gemv.py);
     the best of the T=1 sweep on the H100 (moe_pair_h100.json): D=2048 up_n 8 / down_n 2, D=7168
@@ -97,8 +102,8 @@ def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
     4 slot groups at T=1, D=2048 (moe_split_bf16_h100.json: Qwen3-30B experts 35.0 -> 33.7 us; at T=2 no
     split was best; DeepSeek width not measured, so not split)."""
     if num_tokens * hidden_size <= 4096:
-        return PairConfig(up_n=8, down_n=2, up_stages=2, down_stages=2, down_split=4 if num_tokens == 1 else 1,
-                          token_down=True)  # fmt: skip
+        return PairConfig(up_n=PAIR_UP_N, up_k=PAIR_UP_K, down_n=2, up_warps=PAIR_UP_WARPS, up_stages=PAIR_UP_STAGES,
+                          down_stages=2, down_split=4 if num_tokens == 1 else 1, token_down=True)  # fmt: skip
     return PairConfig(up_n=4, down_n=4, up_stages=2, down_stages=2, token_down=True)
 
 
