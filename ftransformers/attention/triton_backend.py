@@ -37,6 +37,9 @@ GQA_BLOCK_N = 64  # KV tokens a tile of the GQA decode kernel on CUDA
 # 12.546 / 12.450; ctx 4096 B=1 2.290 / 2.325, B=8 5.743 / 6.004; bf16 ctx 512 B=1 3.215 / 3.253, B=8 10.342 /
 # 10.313. At 195 registers a thread (156 without) fewer programs fit an SM, which costs where many are live.
 GQA_PRELOAD_MAX_BS = 8
+# The GQA decode stage 1's warps and pipeline stages (module constants for benchmarks/ab_decode.py's `set=`)
+GQA_WARPS = 4
+GQA_STAGES = 2
 MLA_MAX_KV_SPLITS = 64
 # MLA decode on the 64-head kernels with at most this many heads a GPU (DeepSeek-V3 / Kimi-K2 at tensor
 # parallel 8): up to 128 splits, so that batch 1 puts a program on nearly every SM (H100, batch 1 x 32K, 8 / 16
@@ -284,8 +287,9 @@ class TritonAttentionBackend(AttentionBackend):
             )
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, rope=rope,
-                preload=None if T <= GQA_PRELOAD_MAX_BS else False, early_trigger=early_trigger,
+                mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, num_warps=GQA_WARPS,
+                num_stages=GQA_STAGES, rope=rope, preload=None if T <= GQA_PRELOAD_MAX_BS else False,
+                early_trigger=early_trigger,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return extend_attention_fwd(
