@@ -16,7 +16,8 @@ from the torch reference, never otherwise. No host sync, outputs sized by shape 
 selection in ONE launch. Programs split the weight over (expert block, D split) and store fp32
 partial logits; the last program to finish (a ticket of kernels/tickets.py, which it resets to 0)
 sums the partials in split order (deterministic) and runs the selection for all tokens at once on a
-[T, G, S] tile.
+[T, G, S] tile. For softmax over 16-bit logits that selection runs on the logits as packed int32 keys, one max a
+pick (PACKED_SELECT; same picks and tie rule, weights within float32 rounding).
 """
 
 from __future__ import annotations
