@@ -10,6 +10,10 @@ non-absorbed) / bf16 matmul rate (8192^3). Decode KV is the model's own: each se
 (slots_start = context). Until session 31 the KV was a uniform(-1, 1) fill instead, which skewed MoE routing
 for quantized dummy weights (see `decode_batch`).
 
+Prefill rows also give the step's summed kernel time and launch count from one profiled eager step
+(`kernel_ms`, `launches`): where the step takes much longer than its kernels, the host's launches bound it
+(Qwen3-30B-A3B at 1K tokens on an H200: 28 ms of kernels in 30-74 ms steps, docs/performance.md).
+
 Engine rows (`engine_overlap_ms`, `engine_sync_ms`): the same batch served through the `Scheduler`
 loop (requests of `context` prompt tokens, greedy or `--engine-sampling`, ignore_eos, 64 new tokens), with overlap
 scheduling on and off: the median wall time of the `Scheduler.step()` calls that launch a decode of
@@ -321,6 +325,10 @@ def bench_prefill(runner: Any, acc: dict[str, Any], rate: float, bw: float, toke
     step = StepBatch([seq_step(0, ids, 0, 0, list(range(1, tokens + 1)))])
     t = median_ms(lambda: runner.forward_step(step), 3, 1)
     row.update(ms=t, ratio=t / row["floor_ms"], matmul_share=row["floor_ms"] / t)
+    # the step's summed kernel time and launches (profiled): a step well above its kernels' time waits on the host
+    prof = profile_step(runner, step, f"prefill {tokens}")
+    row.update(kernel_ms=prof["kernel_ms"], launches=prof["kernels_per_step"],
+               kernel_matmul_share=row["floor_ms"] / prof["kernel_ms"] if prof["kernel_ms"] else 0.0)  # fmt: skip
     return row
 
 
@@ -580,7 +588,9 @@ def print_table(out: dict[str, Any]) -> None:
         for r in m["prefill"]:
             if "skipped" not in r:
                 print(f"  prefill {r['tokens']:<6} floor {r['floor_ms']:.1f} ms (bytes {r['byte_floor_ms']:.1f} ms)  "
-                      f"{r['ms']:.1f} ms  {100 * r['matmul_share']:.0f}% of matmul rate")  # fmt: skip
+                      f"{r['ms']:.1f} ms  {100 * r['matmul_share']:.0f}% of matmul rate; its kernels "
+                      f"{r.get('kernel_ms', 0):.1f} ms in {r.get('launches', 0):.0f} launches "
+                      f"({100 * r.get('kernel_matmul_share', 0):.0f}%)")  # fmt: skip
         if "hf" in m:
             print(f"  HF peer: {m['hf']}")
 
