@@ -97,46 +97,19 @@ def _grouped_topk_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    # one row as the fused router's selection on a [1, G, S] tile (_float_topk), the pick's weight summed over
+    # its one-hot (the bias, when present, is not in the score)
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1]
-    s = tl.arange(0, BLOCK_S)[None, :]  # [1, BLOCK_S]
-    eid = g * S + s  # [BLOCK_G, BLOCK_S] expert index
-    valid = (g < G) & (s < S)
-    x = tl.load(logits_ptr + row * stride_l + eid, mask=valid, other=0.0).to(tl.float32)
-    scores = tl.sigmoid(x)
-    choice = scores
-    if HAS_BIAS:
-        choice = scores + tl.load(bias_ptr + eid, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
-    if GROUPED:
-        # group_scores: [BLOCK_G], sum of the two best biased scores in each group
-        top1 = tl.max(choice, 1)
-        arg1 = tl.min(tl.where(choice == top1[:, None], s, BLOCK_S), 1)
-        top2 = tl.max(tl.where(s == arg1[:, None], float("-inf"), choice), 1)
-        gs = tl.where(tl.arange(0, BLOCK_G) < G, top1 + top2, float("-inf"))
-        gidx = tl.arange(0, BLOCK_G)
-        keep = gidx < 0  # [BLOCK_G] all False
-        for _ in tl.static_range(TOPK_GROUP):
-            best = tl.max(gs, 0)
-            pick = tl.min(tl.where(gs == best, gidx, BLOCK_G), 0)
-            keep = keep | (gidx == pick)
-            gs = tl.where(gidx == pick, float("-inf"), gs)
-        choice = tl.where(keep[:, None], choice, float("-inf"))
-    koffs = tl.arange(0, BLOCK_K)
-    w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    big = BLOCK_G * BLOCK_S
-    for i in tl.static_range(K):
-        best = tl.max(tl.max(choice, 1), 0)
-        idx = tl.min(tl.min(tl.where(choice == best, eid, big), 1), 0)
-        hit = (eid == idx) & valid
-        w = tl.where(koffs == i, tl.sum(tl.sum(tl.where(hit, scores, 0.0), 1), 0), w)
-        ids = tl.where(koffs == i, idx, ids)
-        choice = tl.where(hit, float("-inf"), choice)
-    if RENORM:
-        w = w / (tl.sum(w, 0) + 1e-20)
+    g3 = tl.arange(0, BLOCK_G)[None, :, None]
+    s3 = tl.arange(0, BLOCK_S)[None, None, :]
+    eid = g3 * S + s3  # [1, BG, BS] expert index
+    ev = (g3 < G) & (s3 < S)
+    x = tl.load(logits_ptr + row * stride_l + eid, mask=ev, other=0.0).to(tl.float32)
+    w, ids = _float_topk(x, eid, ev, s3, bias_ptr, G, TOPK_GROUP, K, False, HAS_BIAS, GROUPED, RENORM, False, 1,
+                         BLOCK_G, BLOCK_S, BLOCK_K)  # fmt: skip
     w = w * scale
+    koffs = tl.arange(0, BLOCK_K)[None, :]
     kmask = koffs < K
     tl.store(w_ptr + row * K + koffs, w, mask=kmask)
     tl.store(ids_ptr + row * K + koffs, ids.to(ids_ptr.dtype.element_ty), mask=kmask)
