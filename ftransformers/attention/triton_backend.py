@@ -11,11 +11,11 @@ import os
 from typing import Any, Callable
 
 import torch
-import triton
 
 from ftransformers.attention.backend import AttentionBackend, register_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
+from ftransformers.kernels.launch import cdiv, next_pow2
 from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import (
@@ -86,8 +86,8 @@ def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, waves: int = 
     """Fixed split count for a GQA decode launch: enough (batch x head-block x split) programs for
     about `waves` waves, so batch 1 at long context still fills the GPU. Depends on shapes only; the
     kernel's split length (a multiple of BLOCK_N) makes short sequences use fewer."""
-    want = triton.cdiv(waves * num_sms, max(1, batch_size * head_blocks))
-    return max(1, min(MAX_KV_SPLITS, triton.next_power_of_2(want)))
+    want = cdiv(waves * num_sms, max(1, batch_size * head_blocks))
+    return max(1, min(MAX_KV_SPLITS, next_pow2(want)))
 
 
 def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_splits: int = MLA_MAX_KV_SPLITS) -> int:
@@ -106,7 +106,7 @@ def mla_block_h(num_heads: int, batch_size: int, kernel: str = "auto") -> int:
     takes that kernel where a program's heads fit it, the 64-head one (MLA_BLOCK_H a program) otherwise.
     With the few-heads kernel forced (`kernel` "gluon_few"), blocks it can take."""
     if MLA_FEW_HEADS < num_heads <= 2 * FEW_HEADS_LIMIT and batch_size <= MLA_FEW_SPLIT_HEADS_MAX_BS:
-        return triton.next_power_of_2(num_heads) // 2
+        return next_pow2(num_heads) // 2
     return FEW_HEADS_LIMIT if kernel == "gluon_few" else MLA_BLOCK_H
 
 
@@ -282,7 +282,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = q.new_empty(T, H, v_buf.shape[-1])
         if batch.mode == ForwardMode.DECODE:
             H_kv = k_buf.shape[1]
-            head_blocks = H_kv * triton.cdiv(H // H_kv, max(16, triton.next_power_of_2(H // H_kv)))
+            head_blocks = H_kv * cdiv(H // H_kv, max(16, next_pow2(H // H_kv)))
             sms, _ = self._gpu(q.device)
             mid_o, mid_lse, splits = self._decode_scratch(
                 T, H, v_buf.shape[-1], lambda b: num_kv_splits(b, head_blocks, sms, GQA_WAVES), q.device
@@ -324,7 +324,7 @@ class TritonAttentionBackend(AttentionBackend):
                 kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL, want)
                 block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
                 return kernel, block_h, mla_num_kv_splits(
-                    b, triton.cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel, gbps_per_sm)
+                    b, cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel, gbps_per_sm)
                 )
 
             kernel, block_h, _ = launch(T)

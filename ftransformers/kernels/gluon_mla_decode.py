@@ -37,7 +37,6 @@ copies hide while the kernel is bandwidth-bound (below ~64 heads on an H100).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -48,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.triton_decode_attention import decode_combine
 
@@ -186,6 +186,7 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
                  s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, s_layout, o_layout)  # fmt: skip
 
 
+@cached_launch
 @gluon.jit
 def mla_decode_stage1_gluon(
     Q_NOPE, Q_ROPE, KV, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
@@ -303,10 +304,10 @@ def mla_decode(
     """Stage 1 here, then `decode_combine` for rows of several splits (as `mla_decode_fwd` does with the
     Triton kernel); returns `out`."""
     B, H, L = q_nope.shape
-    min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
+    min_split_len = cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                        num_kv_splits, sm_scale, min_split_len)  # fmt: skip
-    mla_decode_stage1_gluon[(triton.cdiv(H, BLOCK_H), num_kv_splits, B)](
+    mla_decode_stage1_gluon[(cdiv(H, BLOCK_H), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
         LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, num_warps=NUM_WARPS, maxnreg=maxnreg(),

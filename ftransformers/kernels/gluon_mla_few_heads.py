@@ -42,7 +42,6 @@ Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 head
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -54,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, latent_loads, pdl_enter, stage1_args
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.triton_decode_attention import decode_combine
 from ftransformers.kernels.triton_mla_attention import FEW_HEADS_LIMIT
@@ -70,7 +70,7 @@ def heads_block(num_heads: int) -> int:
     """The wgmma N for this many heads a GPU: 8, 16 or 32 (a block of fewer is padded with zero queries)."""
     if num_heads > MAX_HEADS:
         raise ValueError(f"the few-heads MLA kernel takes at most {MAX_HEADS} heads, not {num_heads}")
-    return max(8, triton.next_power_of_2(num_heads))
+    return max(8, next_pow2(num_heads))
 
 
 @gluon.jit
@@ -174,6 +174,7 @@ def _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end,
     _cta_barrier()  # slot_buf read by every warp before the load partition refills it
 
 
+@cached_launch
 @gluon.jit
 def mla_decode_stage1_few_heads(
     Q_NOPE, Q_ROPE, KV, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
@@ -260,10 +261,10 @@ def mla_decode_few_heads(
     """Stage 1 here, then `decode_combine` for rows of several splits; returns `out`."""
     B, H, L = q_nope.shape
     hn = heads_block(H) if block_h is None or block_h >= H else heads_block(block_h)
-    min_split_len = triton.cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
+    min_split_len = cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                        num_kv_splits, sm_scale, min_split_len)  # fmt: skip
-    mla_decode_stage1_few_heads[(triton.cdiv(H, hn), num_kv_splits, B)](
+    mla_decode_stage1_few_heads[(cdiv(H, hn), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
         LOAD_ROWS=LOAD_ROWS, num_warps=NUM_WARPS, maxnreg=maxnreg(),

@@ -46,6 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import pdl_enter
+from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 
@@ -241,6 +242,7 @@ def _sum_chunks(q_ptrs, x_ptrs, xc_ptrs, s_rows, z_rows, span_k, magic, offset, 
     return tot
 
 
+@cached_launch
 @gluon.jit
 def _gate_up_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, magic, offset, N, num_pairs,
@@ -277,6 +279,7 @@ def _gate_up_kernel(
     gl.store(act_ptr + pair.to(gl.int64) * N + n0 + rows, act)
 
 
+@cached_launch
 @gluon.jit
 def _down_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, tw_ptr, magic, offset, num_tokens,

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, mma_capable, word_offsets
 from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
+from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
 
@@ -129,6 +130,7 @@ def _store_y(y, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS: gl.constexp
     gl.store(y_ptr + tok.to(gl.int64) * stride_ym + n_idx, y.to(y_ptr.dtype.element_ty), mask=tok < M)
 
 
+@cached_launch
 @gluon.jit
 def _w4a16_mma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,

@@ -97,6 +97,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ftransformers.kernels.launch import cdiv, next_pow2
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _enabled = os.environ.get("FTRANSFORMERS_DISABLE_PDL", "0") in ("", "0") and not _INTERPRET
 _by_device: dict[int, dict[str, bool]] = {}
@@ -182,7 +184,7 @@ def prefetch_lines(row_elems: int, element_size: int) -> dict[str, int]:
     """PF_STRIDE (elements per 128-byte line) and PF_LINES (lines to cover a row of `row_elems`, a power
     of two for tl.arange, at most MAX_PREFETCH_LINES) for a kernel prefetching whole rows."""
     stride = max(1, 128 // element_size)
-    lines = min(MAX_PREFETCH_LINES, triton.next_power_of_2(triton.cdiv(row_elems, stride)))
+    lines = min(MAX_PREFETCH_LINES, next_pow2(cdiv(row_elems, stride)))
     return {"PF_STRIDE": stride, "PF_LINES": lines}
 
 

@@ -8,9 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
 
+@cached_launch
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
@@ -31,9 +33,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(max(inter, 1)))
+    block = min(1024, next_pow2(max(inter, 1)))
     if x2.shape[0] > 0 and inter > 0:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        _silu_and_mul_kernel[(x2.shape[0], cdiv(inter, block))](
             x2, out, inter, x2.stride(0), out.stride(0), BLOCK=block, num_warps=4,
             **pdl_launch(x2.device),
         )

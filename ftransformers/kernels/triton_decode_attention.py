@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import early_trigger_on, pdl_enter, pdl_launch, pdl_trigger
 from ftransformers.kernels.triton_rope_store import norm_rope
 
@@ -67,6 +68,7 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
     return m_new, l_i, acc
 
 
+@cached_launch
 @triton.jit
 def _decode_stage1_kernel(
     Q, QPE, K, KPE, V, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
@@ -209,6 +211,7 @@ def _decode_stage1_kernel(
         tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
 
 
+@cached_launch
 @triton.jit
 def _decode_stage2_kernel(
     mid_o, mid_lse, O, seq_lens, num_kv_splits, min_split_len,
@@ -266,9 +269,9 @@ def decode_combine(
 ) -> torch.Tensor:
     """Stage 2: merge each row's non-empty splits (same split rule as stage 1) into `out`."""
     B, H, DV = out.shape
-    block_s = max(2, triton.next_power_of_2(num_kv_splits))
-    chunk_dv = min(max(16, triton.next_power_of_2(DV)), max(16, 8192 // block_s))
-    _decode_stage2_kernel[(B, H, triton.cdiv(DV, chunk_dv))](
+    block_s = max(2, next_pow2(num_kv_splits))
+    chunk_dv = min(max(16, next_pow2(DV)), max(16, 8192 // block_s))
+    _decode_stage2_kernel[(B, H, cdiv(DV, chunk_dv))](
         mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -332,9 +335,9 @@ def decode_attention_fwd(
         assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1 and rope.cos_sin_cache.stride(-1) == 1
         assert (rope.q_norm_weight is None) == (rope.k_norm_weight is None)
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
-    block_h = max(16, min(block_h, triton.next_power_of_2(group)))
-    blocks_per_kv = triton.cdiv(group, block_h)
-    min_split_len = triton.cdiv(max(min_split_len, 1), block_n) * block_n
+    block_h = max(16, min(block_h, next_pow2(group)))
+    blocks_per_kv = cdiv(group, block_h)
+    min_split_len = cdiv(max(min_split_len, 1), block_n) * block_n
     dpe = 0 if q_pe is None else q_pe.shape[-1]
     if q_pe is None:
         q_pe, kpe_buf = q, k_buf  # unused placeholders
@@ -363,8 +366,8 @@ def decode_attention_fwd(
         out.stride(0), out.stride(1),
         knew.stride(0), knew.stride(1), vnew.stride(0), vnew.stride(1), cs.stride(0),
         D=D, DPE=dpe, DV=DV,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, triton.next_power_of_2(dpe)),
-        BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, next_pow2(dpe)),
+        BLOCK_DV=max(16, next_pow2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
         num_warps=num_warps, num_stages=num_stages,

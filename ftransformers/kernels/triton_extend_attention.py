@@ -14,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 
+
+@cached_launch
 @triton.jit
 def _extend_kernel(
     Q, QPE, K_new, KPE_new, V_new, K_buf, KPE_buf, V_buf, O,
@@ -148,7 +151,7 @@ def extend_attention_fwd(
     if q_pe is None:
         q_pe, kpe_new, kpe_buf = q, k_new, k_buf  # unused placeholders
     assert kpe_new is not None and kpe_buf is not None
-    grid = (triton.cdiv(max_extend_len, bm), H, B)
+    grid = (cdiv(max_extend_len, bm), H, B)
     _extend_kernel[grid](
         q, q_pe, k_new, kpe_new, v_new, k_buf, kpe_buf, v_buf, out,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
@@ -158,8 +161,8 @@ def extend_attention_fwd(
         k_buf.stride(0), k_buf.stride(1), kpe_buf.stride(0), kpe_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         D=D, DPE=dpe, DV=DV,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, triton.next_power_of_2(dpe)),
-        BLOCK_DV=max(16, triton.next_power_of_2(DV)), BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_D=max(16, next_pow2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, next_pow2(dpe)),
+        BLOCK_DV=max(16, next_pow2(DV)), BLOCK_M=bm, BLOCK_N=bn,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=nw, num_stages=2 if D + dpe > 256 else 3,
     )  # fmt: skip
     return out

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.tiling import grouped_tile
@@ -62,6 +63,7 @@ def quant_fp8(x, scale):
     return e4m3_round(y).to(tl.float8e4nv)
 
 
+@cached_launch
 @triton.jit
 def _quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
@@ -88,18 +90,19 @@ def quant_act_fp8(x: torch.Tensor, group: int = 128, fake: bool = False) -> tupl
     """x [M, K] (unit stride along K) -> (float8_e4m3fn [M, K], float32 scale [M, ceil(K/group)]),
     as `quantize_act_fp8`; fake: (float32 q * scale [M, K], an empty scale tensor)."""
     m, k = x.shape
-    ng = triton.cdiv(k, group)
+    ng = cdiv(k, group)
     q = torch.empty(m, k, dtype=torch.float32 if fake else torch.float8_e4m3fn, device=x.device)
     s = torch.empty(0 if fake else m, ng, dtype=torch.float32, device=x.device)
     if m:
-        groups = min(8, triton.next_power_of_2(ng))
-        _quant_fp8_kernel[(m, triton.cdiv(ng, groups))](
+        groups = min(8, next_pow2(ng))
+        _quant_fp8_kernel[(m, cdiv(ng, groups))](
             x, q, s, k, ng, x.stride(0), q.stride(0), s.stride(0), GROUP_K=group, GROUPS=groups, FAKE=fake,
             **pdl_launch(x.device),
         )
     return q, s
 
 
+@cached_launch
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_ym,
@@ -140,6 +143,7 @@ def _fp8_gemv_kernel(
              mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_ym,
@@ -203,8 +207,8 @@ class Fp8GemmConfig:
 def fp8_gemv_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     """CUDA cores: 8 weight rows x 1024 columns (8 KB of fp8) per step, the best default of the H100
     sweep (within 15% of the best per shape on Qwen3 qkv and DeepSeek q_a+kv_a)."""
-    bm = triton.next_power_of_2(m)
-    return Fp8GemvConfig(bm, 8, min(1024 // bm, max(16, triton.next_power_of_2(k))))
+    bm = next_pow2(m)
+    return Fp8GemvConfig(bm, 8, min(1024 // bm, max(16, next_pow2(k))))
 
 
 def fp8_gemm_config(m: int, n: int, k: int) -> Fp8GemmConfig:
@@ -230,7 +234,7 @@ def fp8_block_gemm(
     w, ws = qw.qweight, qw.scales
     n = w.shape[0]
     cfg = config or fp8_gemm_config(m, n, k)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](
         xq, xs, w, ws, bias if bias is not None else ws, out, m, n, k,
         xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
@@ -263,7 +267,7 @@ def fp8_block_linear(
     if isinstance(cfg, Fp8GemvConfig) and qw.block_n % cfg.block_n == 0:
         assert m <= cfg.block_m, (m, cfg)
         xf, _ = quant_act_fp8(x2, qw.group_size, fake=True)  # float32 [M, K]
-        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        _fp8_gemv_kernel[(cdiv(n, cfg.block_n),)](
             xf, w, ws, bias if bias is not None else ws, y, m, n, k,
             xf.stride(0), w.stride(0), ws.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

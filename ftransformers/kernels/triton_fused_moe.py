@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import triton_moe_token_down as token_down
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
@@ -111,9 +112,10 @@ def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+    return cdiv(bound, block_m) * block_m
 
 
+@cached_launch
 @triton.jit
 def _align_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_experts, max_padded, max_blocks,
@@ -192,16 +194,17 @@ def moe_align(
     expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)  # any integer dtype; the kernel compares in registers
-    chunk = min(1024, max(128, triton.next_power_of_2(n)))
+    chunk = min(1024, max(128, next_pow2(n)))
     _align_kernel[(num_experts,)](
         ids, sorted_ids, expert_ids, num_post, n, num_experts, max_padded, max_padded // block_m,
-        BLOCK_M=block_m, E_P2=triton.next_power_of_2(num_experts), CHUNK=chunk,
-        MAX_BLOCKS_P2=triton.next_power_of_2(triton.cdiv(n, block_m)), num_warps=4,
+        BLOCK_M=block_m, E_P2=next_pow2(num_experts), CHUNK=chunk,
+        MAX_BLOCKS_P2=next_pow2(cdiv(n, block_m)), num_warps=4,
         **pdl_launch(ids.device),
     )
     return sorted_ids, expert_ids, num_post
 
 
+@cached_launch
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -272,19 +275,20 @@ def moe_gemm(
     if b.shape[1] != (2 * n if fuse_silu else n) or b.shape[2] != k:
         raise ValueError(f"weight {tuple(b.shape)} does not fit A {tuple(a.shape)} -> C {tuple(out.shape)}")
     max_padded = sorted_ids.numel()
-    grid = ((max_padded // block_m) * triton.cdiv(n, block_n),)
+    grid = ((max_padded // block_m) * cdiv(n, block_n),)
     _moe_gemm_kernel[grid](
         a, b, out, weights if weights is not None else out, sorted_ids, expert_ids, num_post,
         n, k, out.shape[0], max_padded, n * b.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         A_DIV=a_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32 or _INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, K_TILES=triton.cdiv(k, block_k),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, K_TILES=cdiv(k, block_k),
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(a.device),
     )
     return out
 
 
+@cached_launch
 @triton.jit
 def _pair_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, tw_ptr, N, K, num_pairs, up_offset,
@@ -321,6 +325,7 @@ def _pair_gate_up_kernel(
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
 
 
+@cached_launch
 @triton.jit
 def _pair_down_sum_kernel(
     act_ptr, w_ptr, out_ptr, ids_ptr, part_ptr, ticket_ptr, N, K, num_tokens,
@@ -375,12 +380,12 @@ def pair_gate_up(
     num_pairs, d = topk_ids.numel(), hidden.shape[1]
     inter = w13.shape[1] // 2
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    block_k = min(cfg.up_k, triton.next_power_of_2(d))
-    grid = (num_pairs * triton.cdiv(inter, cfg.up_n),)
+    block_k = min(cfg.up_k, next_pow2(d))
+    grid = (num_pairs * cdiv(inter, cfg.up_n),)
     _pair_gate_up_kernel[grid](
         hidden, w13, act, topk_ids, weights, inter, d, num_pairs, inter * w13.stride(1),
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=triton.cdiv(d, block_k),
+        TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=cdiv(d, block_k),
         num_warps=cfg.up_warps, num_stages=cfg.up_stages,
         **pdl_launch(hidden.device),
     )  # fmt: skip
@@ -396,20 +401,21 @@ def pair_down_sum(
 ) -> torch.Tensor:
     t, top_k = topk_ids.shape
     d, inter = w2.shape[1], w2.shape[2]
-    block_k = min(cfg.down_k, triton.next_power_of_2(inter))
-    n_blocks = triton.cdiv(d, cfg.down_n)
+    block_k = min(cfg.down_k, next_pow2(inter))
+    n_blocks = cdiv(d, cfg.down_n)
     split = cfg.down_split if top_k % cfg.down_split == 0 else 1
     split, tickets, part = split_scratch(act.device, "moe_down", t * n_blocks, split, t, d)
     _pair_down_sum_kernel[(t * split * n_blocks,)](
         act, w2, out, topk_ids, act if part is None else part, topk_ids if tickets is None else tickets, d, inter, t, act.stride(0),
         w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), TOP_K=top_k, SPLIT=split, BLOCK_N=cfg.down_n,
-        BLOCK_K=block_k, K_TILES=triton.cdiv(inter, block_k),
+        BLOCK_K=block_k, K_TILES=cdiv(inter, block_k),
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
         **pdl_launch(act.device),
     )  # fmt: skip
     return out
 
 
+@cached_launch
 @triton.jit
 def _moe_sum_kernel(
     x_ptr, out_ptr, D, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False
@@ -427,9 +433,9 @@ def _moe_sum_kernel(
 def moe_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     # x: [T, K, D] contiguous; out: [T, D] contiguous
     t, k, d = x.shape
-    block_d = min(1024, triton.next_power_of_2(d))
-    _moe_sum_kernel[(t, triton.cdiv(d, block_d))](
-        x, out, d, TOP_K=k, K_P2=triton.next_power_of_2(k), BLOCK_D=block_d, **pdl_launch(x.device)
+    block_d = min(1024, next_pow2(d))
+    _moe_sum_kernel[(t, cdiv(d, block_d))](
+        x, out, d, TOP_K=k, K_P2=next_pow2(k), BLOCK_D=block_d, **pdl_launch(x.device)
     )
     return out
 

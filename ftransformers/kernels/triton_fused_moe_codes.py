@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_w4a16_codes import MAGIC, code_tile, codes_block_k, group_params
@@ -49,6 +50,7 @@ def _codes_tile_dot(q_ptrs, s_ptrs, z_ptrs, g, n_ok, magic, offset, ad, xs, scal
     return (part - zoff[:, None] * xs) * scale[:, None], nxt_scale, nxt_zoff
 
 
+@cached_launch
 @triton.jit
 def _moe_gemm_codes_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, magic, offset, c_ptr, w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -135,7 +137,7 @@ def moe_gemm_codes(
     magic, offset = MAGIC[a.dtype]
     max_padded = align[0].numel()
     z = zeros if zeros is not None else scales
-    _moe_gemm_codes_kernel[((max_padded // block_m) * triton.cdiv(n, block_n),)](
+    _moe_gemm_codes_kernel[((max_padded // block_m) * cdiv(n, block_n),)](
         a, qweight, scales, z, magic, offset, out, weights if weights is not None else out, *align,
         n, k, out.shape[0], max_padded, a.stride(0), qweight.stride(0), qweight.stride(1), scales.stride(0),
         scales.stride(1), out.stride(0),

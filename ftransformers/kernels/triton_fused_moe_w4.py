@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma_path
 from ftransformers.kernels import triton_moe_w4_gemv as token_path
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
@@ -112,6 +113,7 @@ def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size:
     return MoEConfig(cfg.block_m, up_n, up_k, down_n, down_k, cfg.group_m, cfg.num_warps, stages)
 
 
+@cached_launch
 @triton.jit
 def _pair_gate_up_w4_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, act_ptr, ids_ptr, N, K, num_pairs,
@@ -171,6 +173,7 @@ def _pair_gate_up_w4_kernel(
     tl.store(act_ptr + pair.to(tl.int64) * N + (offs_n % 8) * plane + offs_n // 8, act, mask=n_ok)
 
 
+@cached_launch
 @triton.jit
 def _pair_down_sum_w4_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, out_ptr, ids_ptr, tw_ptr, part_ptr, ticket_ptr, N, K,
@@ -265,6 +268,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@cached_launch
 @triton.jit
 def _moe_gemm_w4_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, magic, c_ptr, w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -343,7 +347,7 @@ def _check(qw: QuantizedWeight, name: str, n: int, k: int) -> None:
 
 
 def _block_k(want: int, k: int, group: int) -> int:
-    return max(group, min(want, triton.next_power_of_2(k)))
+    return max(group, min(want, next_pow2(k)))
 
 
 def _maxnreg(cap: int) -> dict[str, int]:
@@ -361,11 +365,11 @@ def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig) -> torch.Tensor:
     act = torch.empty(num_pairs, inter, dtype=torch.float32, device=hidden.device)  # planes [T*K, 8, I/8]
     x = (hidden if hidden.stride(0) % 2 == 0 else hidden.contiguous()).view(torch.int32)  # [T, D/2] pairs
     bk = _block_k(cfg.up_k, d, w13.group_size)
-    _pair_gate_up_w4_kernel[(num_pairs * triton.cdiv(inter, cfg.up_n),)](
+    _pair_gate_up_w4_kernel[(num_pairs * cdiv(inter, cfg.up_n),)](
         x, *weight_args(w13)[:5], act, ids, inter, d, num_pairs, x.stride(0), *weight_args(w13)[5:],
         FMT=FMT_ID[w13.fmt], HAS_ZERO=w13.zeros is not None, X_F16=hidden.dtype == torch.float16,
         ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
-        GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=triton.cdiv(d, bk),
+        GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=cdiv(d, bk),
         num_warps=cfg.up_warps, num_stages=cfg.stages, **_maxnreg(cfg.up_maxnreg),
         **pdl_launch(x.device),
     )  # fmt: skip
@@ -378,7 +382,7 @@ def pair_down(act, hidden, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
     top_k, inter = ids.shape[1], w2.in_features
     out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
     bk = _block_k(cfg.down_k, inter, w2.group_size)
-    n_blocks = triton.cdiv(d, cfg.down_n)
+    n_blocks = cdiv(d, cfg.down_n)
     split = cfg.down_split if top_k % cfg.down_split == 0 else 1
     split, tickets, part = split_scratch(hidden.device, "moe_w4_down", t * n_blocks, split, t, d)
     _pair_down_sum_w4_kernel[(t * split * n_blocks,)](
@@ -386,7 +390,7 @@ def pair_down(act, hidden, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
         ids if tickets is None else tickets, d, inter, t,
         inter // 8, *weight_args(w2)[5:], out.stride(0), FMT=FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
         EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, SPLIT=split,
-        BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=triton.cdiv(inter, bk), num_warps=cfg.down_warps,
+        BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=cdiv(inter, bk), num_warps=cfg.down_warps,
         num_stages=cfg.stages, **_maxnreg(cfg.down_maxnreg),
         **pdl_launch(act.device),
     )  # fmt: skip
@@ -416,12 +420,12 @@ def _moe_gemm_w4(
         return
     bk = _block_k(block_k, k, qw.group_size)
     max_padded = align[0].numel()
-    _moe_gemm_w4_kernel[((max_padded // cfg.block_m) * triton.cdiv(n, block_n),)](
+    _moe_gemm_w4_kernel[((max_padded // cfg.block_m) * cdiv(n, block_n),)](
         a, *weight_args(qw)[:5], out, weights if weights is not None else out, *align,
         n, k, out.shape[0], max_padded, a.stride(0), *weight_args(qw)[5:], out.stride(0),
         A_DIV=a_div, FUSE_SILU=weights is None, MUL_WEIGHT=weights is not None, IEEE=_INTERPRET,
         FMT=FMT_ID[qw.fmt], HAS_ZERO=qw.zeros is not None, GROUP=qw.group_size, BLOCK_M=cfg.block_m,
-        BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, K_TILES=triton.cdiv(k, bk),
+        BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, K_TILES=cdiv(k, bk),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )  # fmt: skip

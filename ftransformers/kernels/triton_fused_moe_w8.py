@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
@@ -47,6 +48,7 @@ W8_FORMATS = ("fp8_block", "int8")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+@cached_launch
 @triton.jit
 def _w8_moe_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
@@ -306,14 +308,14 @@ def w8_moe_gemm(
     block_n, block_k = (cfg.up_n, cfg.up_k) if fuse_silu else (cfg.down_n, cfg.down_k)
     block_k = qw.group_size if fp8 else block_k
     max_padded = sorted_ids.numel()
-    grid = ((max_padded // cfg.block_m) * triton.cdiv(n, block_n),)
+    grid = ((max_padded // cfg.block_m) * cdiv(n, block_n),)
     _w8_moe_gemm_kernel[grid](
         a, a_scale, b, bs, out, weights if weights is not None else a_scale, sorted_ids, expert_ids, num_post,
         n, k, out.shape[0], max_padded, n * b.stride(1), n,
         a.stride(0), a_scale.stride(0), b.stride(0), b.stride(1), bs.stride(0), bs.stride(1), out.stride(0),
         A_DIV=a_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=weights is not None, FP8=fp8, SCALE_N=qw.block_n,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        K_TILES=triton.cdiv(k, block_k), ROUND_TY=_TL_DTYPES[round_dtype],
+        K_TILES=cdiv(k, block_k), ROUND_TY=_TL_DTYPES[round_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )  # fmt: skip
@@ -323,7 +325,7 @@ def w8_moe_gemm(
 def _pair_tiles(qw: QuantizedWeight, block_n: int, block_k: int, k: int, *row_offsets: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K); fp8 needs BLOCK_N to divide the scale block and the row offsets."""
     bn = pow2_dividing(block_n, qw.block_n, *row_offsets) if qw.fmt == "fp8_block" else block_n
-    return bn, min(block_k, triton.next_power_of_2(k))
+    return bn, min(block_k, next_pow2(k))
 
 
 def _pair_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, pc: W8PairConfig) -> torch.Tensor:
@@ -336,7 +338,7 @@ def _pair_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)  # [T*K, I]
     bn, bk = _pair_tiles(w13, pc.up_n, pc.up_k, d, inter)
     s13 = _scales(w13)
-    _pair_gate_up_kernel[(num_pairs * triton.cdiv(inter, bn),)](
+    _pair_gate_up_kernel[(num_pairs * cdiv(inter, bn),)](
         x, w13.qweight, s13, act, ids, inter, d, num_pairs, inter,
         x.stride(0), w13.qweight.stride(0), w13.qweight.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
         TOP_K=top_k, FP8=fp8, SCALE_N=w13.block_n, GROUP_K=w13.group_size, BLOCK_N=bn, BLOCK_K=bk,
@@ -359,7 +361,7 @@ def _pair_path(
     out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
     bn, bk = _pair_tiles(w2, pc.down_n, pc.down_k, inter)
     s2 = _scales(w2)
-    _pair_down_sum_kernel[(t * triton.cdiv(d, bn),)](
+    _pair_down_sum_kernel[(t * cdiv(d, bn),)](
         a, w2.qweight, s2, out, ids, weights, d, inter, t,
         a.stride(0), w2.qweight.stride(0), w2.qweight.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         TOP_K=top_k, FP8=fp8, SCALE_N=w2.block_n, GROUP_K=w2.group_size, BLOCK_N=bn, BLOCK_K=bk,

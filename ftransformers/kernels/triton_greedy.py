@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import last_one_out, ticket_counters
 
@@ -31,6 +32,7 @@ TARGET_PROGRAMS = 512  # split rows until about this many programs (a few per SM
 _INT_MAX = tl.constexpr(2**31 - 1)
 
 
+@cached_launch
 @triton.jit
 def _decode_inputs_kernel(
     inputs_ptr, n, future_ptr, req_to_token_ptr, stride_r2t,
@@ -61,11 +63,12 @@ def decode_inputs(
     _decode_inputs_kernel[(1,)](
         inputs, n, future, req_to_token, req_to_token.stride(0),
         IDS=fields.index("input_ids"), POS=fields.index("positions"), LOC=fields.index("out_cache_loc"),
-        POOL=fields.index("req_pool_indices"), BLOCK_N=triton.next_power_of_2(n), num_warps=1,
+        POOL=fields.index("req_pool_indices"), BLOCK_N=next_pow2(n), num_warps=1,
         **pdl_launch(inputs.device),
     )  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _greedy_kernel(
     logits_ptr, V, stride_row, chunk, part_max_ptr, part_idx_ptr, counter_ptr, tokens_ptr, future_ptr, slots_ptr,
@@ -118,7 +121,7 @@ def _emit(tokens_ptr, future_ptr, slots_ptr, row, col, HAS_FUTURE: tl.constexpr)
 
 def greedy_split(rows: int, vocab: int) -> int:
     """Programs per row: enough for about TARGET_PROGRAMS in all, at most one per BLOCK columns."""
-    return max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
+    return max(1, min(cdiv(vocab, BLOCK), cdiv(TARGET_PROGRAMS, max(rows, 1))))
 
 
 def greedy_tokens(
@@ -137,14 +140,14 @@ def greedy_tokens(
     counters = ticket_counters(logits.device, "greedy", S) if split > 1 else None
     if counters is None:  # a capture before the pool exists: one program a row
         split = 1
-    chunk = triton.cdiv(triton.cdiv(V, split), BLOCK) * BLOCK
-    split = triton.cdiv(V, chunk)  # no program without columns
+    chunk = cdiv(cdiv(V, split), BLOCK) * BLOCK
+    split = cdiv(V, chunk)  # no program without columns
     part_max = torch.empty(S, split, dtype=torch.float32, device=logits.device) if split > 1 else tokens
     part_idx = torch.empty(S, split, dtype=torch.int32, device=logits.device) if split > 1 else tokens
     _greedy_kernel[(S, split)](
         logits, V, logits.stride(0), chunk, part_max, part_idx, tokens if counters is None else counters,
         tokens, tokens if future is None else future, tokens if slots is None else slots,
-        SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BLOCK=BLOCK, HAS_FUTURE=future is not None,
+        SPLIT=split, SPLIT_P2=next_pow2(split), BLOCK=BLOCK, HAS_FUTURE=future is not None,
         num_warps=8, **pdl_launch(logits.device),
     )  # fmt: skip
     return tokens

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.tiling import grouped_tile
@@ -55,6 +56,7 @@ def int8_scale(amax):
     return tl.maximum(tl.math.div_rn(amax, 127.0), 1e-10)
 
 
+@cached_launch
 @triton.jit
 def _quant_int8_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False
@@ -81,11 +83,12 @@ def quant_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         _quant_int8_kernel[(m,)](
-            x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=min(2048, triton.next_power_of_2(k)), **pdl_launch(x.device)
+            x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=min(2048, next_pow2(k)), **pdl_launch(x.device)
         )
     return q, s
 
 
+@cached_launch
 @triton.jit
 def _int8_gemv_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -137,6 +140,7 @@ def _int8_gemv_kernel(
              mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _int8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_am, stride_wn, stride_ym,
@@ -202,7 +206,7 @@ def int8_gemv_config(m: int, n: int, k: int) -> Int8GemvConfig:
     sweep in benchmarks/bench_w8.py: the best on Qwen3 qkv, within 8% on DeepSeek q_a+kv_a).
     2..16 rows: pre-quantized x, 16 x 32 tensor-core tiles, 512-wide K steps for K >= 4096."""
     if m <= INT8_FUSED_MAX_M:
-        return Int8GemvConfig(1, 8, min(1024, max(16, triton.next_power_of_2(k))), dot=False, prequant=False)
+        return Int8GemvConfig(1, 8, min(1024, max(16, next_pow2(k))), dot=False, prequant=False)
     return Int8GemvConfig(16, 32, 512 if k >= 4096 else 256, dot=True, prequant=True, num_stages=4)
 
 
@@ -227,7 +231,7 @@ def int8_gemm(
     w, ws = qw.qweight, qw.scales.reshape(-1)
     n = w.shape[0]
     cfg = config or int8_gemm_config(m, n, k)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _int8_gemm_kernel[grid](
         xq, xs, w, ws, bias if bias is not None else ws, out, m, n, k, xq.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -260,7 +264,7 @@ def int8_linear(
     if isinstance(cfg, Int8GemvConfig):
         assert m <= cfg.block_m, (m, cfg)
         xq, xs = quant_act_int8(x2) if cfg.prequant else (x2, ws)
-        _int8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        _int8_gemv_kernel[(cdiv(n, cfg.block_n),)](
             xq, xs, w, ws, b, y, m, n, k, xq.stride(0), w.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, PREQUANT=cfg.prequant, DOT=cfg.dot, LATE_SUM=cfg.late_sum,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

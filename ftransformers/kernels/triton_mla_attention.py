@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.triton_decode_attention import _split_len, decode_combine
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
@@ -60,6 +61,7 @@ def _load_rows(ptr, rows, s_row, offs, row_mask, N: tl.constexpr, BLOCK: tl.cons
     return x
 
 
+@cached_launch
 @triton.jit
 def _mla_decode_stage1_kernel(
     Q_NOPE, Q_ROPE, KV, O, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
@@ -225,17 +227,17 @@ def mla_decode_fwd(
                                     mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     cuda = q_nope.is_cuda
     block_h = block_h or (64 if cuda else 16)
-    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
+    block_h = max(16, min(block_h, next_pow2(H)))
     block_n = block_n or (64 if cuda else 16)
     num_warps = num_warps or (8 if block_h >= 64 else 4)
-    min_split_len = triton.cdiv(max(min_split_len, 1), block_n) * block_n
-    _mla_decode_stage1_kernel[(triton.cdiv(H, block_h), num_kv_splits, B)](
+    min_split_len = cdiv(max(min_split_len, 1), block_n) * block_n
+    _mla_decode_stage1_kernel[(cdiv(H, block_h), num_kv_splits, B)](
         q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         sm_scale, num_kv_splits, min_split_len,
         q_nope.stride(0), q_nope.stride(1), q_rope.stride(0), q_rope.stride(1), latent_buf.stride(0),
         req_to_token.stride(0), out.stride(0), out.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        H=H, L=L, R=R, BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_R=max(16, triton.next_power_of_2(R)),
+        H=H, L=L, R=R, BLOCK_L=max(16, next_pow2(L)), BLOCK_R=max(16, next_pow2(R)),
         BLOCK_H=block_h, BLOCK_N=block_n, DOT_PREC="ieee" if q_nope.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(q_nope.device),

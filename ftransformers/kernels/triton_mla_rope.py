@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
 # heads of q_pe a program (a power of two), and warps a program; module constants for benchmarks/ab_decode.py's `set=`
@@ -74,6 +75,7 @@ def _rotate(x1, x2, cos, sin):
     return _rounded(ac - bs, dt).to(dt), _rounded(bc + as_, dt).to(dt)
 
 
+@cached_launch
 @triton.jit
 def _mla_rope_kernel(
     pos_ptr, inv_freq_ptr, q_ptr, ckv_ptr, kpe_ptr, q_out_ptr, latent_ptr,
@@ -139,13 +141,13 @@ def mla_rope(
     latent = torch.empty(t, lat + r, dtype=c_kv.dtype, device=c_kv.device)
     if t == 0:
         return q_out, latent
-    block_p = triton.next_power_of_2(r // 2)
-    block_h = min(triton.next_power_of_2(h), HEADS_PER_PROGRAM)
-    _mla_rope_kernel[(t, triton.cdiv(h, block_h) + 1)](
+    block_p = next_pow2(r // 2)
+    block_h = min(next_pow2(h), HEADS_PER_PROGRAM)
+    _mla_rope_kernel[(t, cdiv(h, block_h) + 1)](
         positions, inv_freq, q_pe, c_kv, k_pe, q_out, latent, h, lat, float(attention_factor),
         q_pe.stride(0), q_pe.stride(1), c_kv.stride(0), k_pe.stride(0), q_out.stride(0), q_out.stride(1),
         latent.stride(0), P=r // 2, BLOCK_P=block_p, BLOCK_H=block_h,
-        BLOCK_L=min(1024, triton.next_power_of_2(max(lat, 1))), INTERLEAVED=interleaved, num_warps=WARPS,
+        BLOCK_L=min(1024, next_pow2(max(lat, 1))), INTERLEAVED=interleaved, num_warps=WARPS,
         **pdl_launch(q_pe.device),
     )  # fmt: skip
     return q_out, latent

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
 # The pair path of fused_moe runs its down projection here (`set=triton_moe_token_down.ENABLED=0` in
@@ -52,6 +53,7 @@ def takes(num_tokens: int, top_k: int) -> bool:
     return ENABLED and 1 <= num_tokens <= MAX_TOKENS and 1 <= top_k <= MAX_TOP_K
 
 
+@cached_launch
 @triton.jit
 def _moe_token_down_kernel(
     act_ptr, w_ptr, out_ptr, ids_ptr, N, K,
@@ -104,10 +106,10 @@ def moe_token_down(
     if not (1 <= top_k <= MAX_TOP_K and act.shape == (t * top_k, inter) and act.stride(1) == 1 and out.stride(1) == 1):
         raise ValueError(f"moe_token_down: act [T*K, I] = [{t * top_k}, {inter}] unit-stride and top-k <= {MAX_TOP_K} "
                          f"expected, got act {tuple(act.shape)} stride {act.stride()}, top-k {top_k}")  # fmt: skip
-    block_k = min(cfg.block_k, triton.next_power_of_2(inter))
-    _moe_token_down_kernel[(triton.cdiv(d, cfg.block_n), t)](
+    block_k = min(cfg.block_k, next_pow2(inter))
+    _moe_token_down_kernel[(cdiv(d, cfg.block_n), t)](
         act, w2, out, ids, d, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
-        TOP_K=top_k, SLOTS_P2=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        K_TILES=triton.cdiv(inter, block_k), PRELOAD=cfg.preload, num_warps=cfg.warps, **pdl_launch(act.device),
+        TOP_K=top_k, SLOTS_P2=next_pow2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        K_TILES=cdiv(inter, block_k), PRELOAD=cfg.preload, num_warps=cfg.warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
@@ -249,6 +250,7 @@ def _down_tiles(part, a_ptrs, q_ptrs, s_ptrs, z_ptrs, k_start, w2, n2, N, K, GRO
     return part
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["unit"])
 def _token_gate_up_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, act_ptr, ids_ptr, N, K, unit,
@@ -294,6 +296,7 @@ def _token_gate_up_kernel(
     tl.store(act_ptr + pair * N + offs_n, to_16bit(act, act_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["unit"])
 def _token_down_kernel(
     act_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, out_ptr, ids_ptr, tw_ptr, N, K, unit,
@@ -402,10 +405,10 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     (t, d), top_k, inter = hidden.shape, ids.shape[1], w13.out_features // 2
     if act is None:
         act = torch.empty(t * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    up_k = min(cfg.up_k, triton.next_power_of_2(d))
+    up_k = min(cfg.up_k, next_pow2(d))
     q, words = gemv_words(w13, cfg.up_words, up_k)
     tensors, strides = _weight_args(w13, words)
-    _token_gate_up_kernel[(triton.cdiv(inter, cfg.up_n), t * top_k)](
+    _token_gate_up_kernel[(cdiv(inter, cfg.up_n), t * top_k)](
         hidden, q, *tensors, act, ids, inter, d, 1, *strides, hidden.stride(0),
         TOP_K=top_k, GROUP=w13.group_size, HAS_ZEROS=w13.zeros is not None, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
         EVEN=d % up_k == 0 and inter % cfg.up_n == 0, WORDS=words, FMT=_FMT_ID[w13.fmt], num_warps=cfg.up_warps,
@@ -426,10 +429,10 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     slots = min(cfg.down_slots, top_k & -top_k)  # a power of two dividing top-k
     if out is None:
         out = torch.empty(t, d, dtype=act.dtype, device=act.device)
-    down_k = min(cfg.down_k, triton.next_power_of_2(inter))
+    down_k = min(cfg.down_k, next_pow2(inter))
     q, words = gemv_words(w2, cfg.down_words, down_k)
     tensors, strides = _weight_args(w2, words)
-    _token_down_kernel[(triton.cdiv(d, cfg.down_n), t)](
+    _token_down_kernel[(cdiv(d, cfg.down_n), t)](
         act, q, *tensors, out, ids, weights, d, inter, 1, *strides, out.stride(0),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
         BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, PRELOAD=preload and slots == top_k,

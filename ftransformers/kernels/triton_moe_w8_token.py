@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fp8_gemm import fp8_scale, quant_fp8
@@ -74,6 +75,7 @@ def fp8_down_config() -> TokenW8Config:
     return TokenW8Config(UP_N, UP_WARPS, DOWN_N, FP8_DOWN_WARPS)
 
 
+@cached_launch
 @triton.jit
 def _token_gate_up_w8_kernel(
     x_ptr, w_ptr, ws_ptr, act_ptr, ids_ptr, N, K,
@@ -113,6 +115,7 @@ def _token_gate_up_w8_kernel(
     tl.store(act_ptr + slot * N + n, act.to(act_ptr.dtype.element_ty), mask=n < N)
 
 
+@cached_launch
 @triton.jit
 def _token_down_w8_kernel(
     act_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, tw_ptr, N, K,
@@ -203,7 +206,7 @@ def token_gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     bn = pow2_dividing(cfg.up_n, w13.block_n, inter) if fp8 else cfg.up_n
     group, ng = k_tiles(w13)
     s13, se, sn = _scales(w13)
-    _token_gate_up_w8_kernel[(triton.cdiv(inter, bn), top_k)](
+    _token_gate_up_w8_kernel[(cdiv(inter, bn), top_k)](
         hidden, w13.qweight, s13, act, ids, inter, d,
         w13.qweight.stride(0), w13.qweight.stride(1), se, sn,
         FP8=fp8, SCALE_N=w13.block_n, GROUP=group, NG=ng, BLOCK_N=bn, num_warps=cfg.up_warps,
@@ -224,10 +227,10 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     bn = pow2_dividing(cfg.down_n, w2.block_n) if fp8 else cfg.down_n
     group, ng = k_tiles(w2)
     s2, se, sn = _scales(w2)
-    _token_down_w8_kernel[(triton.cdiv(d, bn),)](
+    _token_down_w8_kernel[(cdiv(d, bn),)](
         act, w2.qweight, s2, out, ids, weights, d, inter,
         w2.qweight.stride(0), w2.qweight.stride(1), se, sn,
-        TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), FP8=fp8, SCALE_N=w2.block_n, GROUP=group, NG=ng,
+        TOP_K=top_k, SLOTS=next_pow2(top_k), FP8=fp8, SCALE_N=w2.block_n, GROUP=group, NG=ng,
         BLOCK_N=bn, num_warps=cfg.down_warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out

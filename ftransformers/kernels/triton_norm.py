@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, next_pow2
 from ftransformers.kernels.pdl import early_trigger_on, l2_prefetch, pdl_enter, pdl_launch, pdl_trigger, prefetch_lines
 
 # The norm triggers the next kernel's launch before its PDL wait (pdl.py, "Early trigger"; the kernels after a
@@ -19,6 +20,7 @@ from ftransformers.kernels.pdl import early_trigger_on, l2_prefetch, pdl_enter, 
 EARLY_TRIGGER = 1
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, D, eps,
@@ -71,7 +73,7 @@ def rms_norm(
         new_res = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     else:
         res2 = new_res = x2
-    block_d = triton.next_power_of_2(d)
+    block_d = next_pow2(d)
     if rows > 0:
         _rmsnorm_kernel[(rows,)](
             x2, res2, weight, out, new_res, d, eps,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
 
@@ -38,6 +39,7 @@ def norm_rope(src, w_ptr, eps, cos, sin, offs, mask, HALF: tl.constexpr, HAS_NOR
     return a * cos - b * sin, b * cos + a * sin
 
 
+@cached_launch
 @triton.jit
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, loc_ptr,
@@ -122,7 +124,7 @@ def rope_store(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         q_out.stride(0), q_out.stride(1), ko.stride(0), ko.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        HALF=half, DV=D_v, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_DV=triton.next_power_of_2(D_v),
+        HALF=half, DV=D_v, BLOCK_HALF=next_pow2(half), BLOCK_DV=next_pow2(D_v),
         HAS_NORM=has_norm, WRITE_K=write_k, num_warps=1,
         **pdl_launch(q.device),
     )  # fmt: skip

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import l2_prefetch, pdl_enter, pdl_launch, prefetch_lines
 from ftransformers.kernels.tickets import last_one_out, ticket_counters
 
@@ -59,6 +60,7 @@ ROUTER_SEL_T = 4
 ROUTER_WARPS = 0
 
 
+@cached_launch
 @triton.jit
 def _softmax_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, E, stride_l,
@@ -89,6 +91,7 @@ def _softmax_topk_kernel(
     tl.store(ids_ptr + row * K + koffs, ids.to(ids_ptr.dtype.element_ty), mask=kmask)
 
 
+@cached_launch
 @triton.jit
 def _grouped_topk_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, scale,
@@ -131,10 +134,10 @@ def softmax_topk(
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=ids_dtype, device=logits.device)
     if t > 0:
-        block_e = triton.next_power_of_2(e)
+        block_e = next_pow2(e)
         _softmax_topk_kernel[(t,)](
             logits, weights, ids, e, logits.stride(0),
-            K=top_k, RENORM=bool(renormalize), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            K=top_k, RENORM=bool(renormalize), BLOCK_E=block_e, BLOCK_K=next_pow2(top_k),
             num_warps=4 if block_e >= 256 else 2,
             **pdl_launch(logits.device),
         )  # fmt: skip
@@ -161,12 +164,12 @@ def grouped_topk_sigmoid(
     ids = torch.empty(t, top_k, dtype=ids_dtype, device=logits.device)
     if t > 0:
         bias = correction_bias.contiguous() if correction_bias is not None else weights
-        block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
+        block_g, block_s = next_pow2(groups), next_pow2(e // groups)
         _grouped_topk_kernel[(t,)](
             logits, bias, weights, ids, logits.stride(0), float(routed_scaling_factor),
             G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups), K=top_k,
             HAS_BIAS=correction_bias is not None, GROUPED=grouped, RENORM=bool(renormalize),
-            BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=next_pow2(top_k),
             num_warps=4 if block_g * block_s >= 256 else 2,
             **pdl_launch(logits.device),
         )  # fmt: skip
@@ -269,6 +272,7 @@ def _packed_softmax_topk(logits, eid, ev, ROUND: tl.constexpr, RENORM: tl.conste
     return w, ids
 
 
+@cached_launch
 @triton.jit
 def _fused_router_kernel(
     x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
@@ -393,18 +397,18 @@ def fused_router_topk(
     counter = _router_counter(hidden.device)
     assert counter is not None, "check can_fuse_router first"
     block_e, block_d = 32, 128
-    e_blocks, d_tiles = triton.cdiv(e, block_e), triton.cdiv(d, block_d)
+    e_blocks, d_tiles = cdiv(e, block_e), cdiv(d, block_d)
     n_split = min(d_tiles, max(1, ROUTER_PROGRAMS // e_blocks))  # ~ROUTER_PROGRAMS programs of one or more D tiles
-    tiles_per_split = triton.cdiv(d_tiles, n_split)
-    n_split = triton.cdiv(d_tiles, tiles_per_split)
+    tiles_per_split = cdiv(d_tiles, n_split)
+    n_split = cdiv(d_tiles, tiles_per_split)
     block_t = 16  # tl.dot needs M >= 16
     part = torch.empty(n_split, block_t, e, dtype=torch.float32, device=hidden.device)
     out_w = torch.empty(t, top_k, dtype=torch.float32, device=hidden.device)
     out_ids = torch.empty(t, top_k, dtype=ids_dtype, device=hidden.device)
     bias = correction_bias.contiguous() if correction_bias is not None else out_w
-    block_g, block_s = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
+    block_g, block_s = next_pow2(groups), next_pow2(e // groups)
     ieee = _INTERPRET or hidden.dtype != weight.dtype or hidden.dtype == torch.float32
-    sel_t = max(ROUTER_SEL_T, triton.next_power_of_2(t))
+    sel_t = max(ROUTER_SEL_T, next_pow2(t))
     has_bias = correction_bias is not None and not softmax
     rounding = _ROUND.get(hidden.dtype, 0) if round_logits else 0
     _fused_router_kernel[(e_blocks * n_split,)](
@@ -415,7 +419,7 @@ def fused_router_topk(
         PACKED=PACKED_SELECT and softmax and rounding in (1, 2),
         RENORM=bool(renormalize), ROUND=rounding, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
-        N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=triton.next_power_of_2(top_k),
+        N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=next_pow2(top_k),
         num_warps=ROUTER_WARPS or (8 if sel_t * block_g * block_s >= 4096 else 4),
         **prefetch_lines(tiles_per_split * block_d, weight.element_size()), **pdl_launch(hidden.device, prefetch="router"),
     )  # fmt: skip

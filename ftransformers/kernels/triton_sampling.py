@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.tickets import exit_ticket, grid_barrier, ticket_counters
 
 # (columns per tile, warps) below and from LARGE_ROWS rows: measured best on an H100
@@ -228,6 +229,7 @@ def _uniform(seed, draw):
     return tl.sum(tl.rand(seed, tl.full([1], 0, tl.int32) + draw), axis=0)
 
 
+@cached_launch
 @triton.jit
 def _sample_kernel(
     logits_ptr, stride_row, V, chunk, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr,
@@ -320,7 +322,7 @@ def sample_split(rows: int, vocab: int, block: int, device: torch.device) -> int
     row barrier needs); 1 on the CPU (Triton's interpreter runs programs one after another)."""
     if device.type != "cuda":
         return 1
-    return max(1, min(triton.cdiv(vocab, block), _num_sms(device.index) // max(rows, 1)))
+    return max(1, min(cdiv(vocab, block), _num_sms(device.index) // max(rows, 1)))
 
 
 @functools.cache
@@ -356,20 +358,21 @@ def sample_tokens(
     counters = ticket_counters(dev, "sampling", 2 * S) if split > 1 else None
     if counters is None:
         split = 1
-    chunk = triton.cdiv(triton.cdiv(V, split), block) * block
-    split = triton.cdiv(V, chunk)  # no program without columns
+    chunk = cdiv(cdiv(V, split), block) * block
+    split = cdiv(V, chunk)  # no program without columns
     key_bits = 16 if logits.dtype == torch.bfloat16 else 32
     _sample_kernel[(S, split)](
         logits, logits.stride(0), V, chunk, temperature, top_k, top_p, min_p, seeds, tokens,
         torch.empty(S, split, 3, dtype=torch.float32, device=dev), torch.empty(S, split, 2, dtype=torch.int32, device=dev),
         torch.zeros(S, key_bits // 8, 256, dtype=torch.int32, device=dev), torch.empty(S, 3, dtype=torch.int64, device=dev),
         tokens if counters is None else counters,
-        P_P2=triton.next_power_of_2(split), NT_P2=triton.next_power_of_2(chunk // block), BLOCK=block,
+        P_P2=next_pow2(split), NT_P2=next_pow2(chunk // block), BLOCK=block,
         KEY_BITS=key_bits, MAX_ROUNDS=MAX_ROUNDS, num_warps=num_warps, launch_cooperative_grid=split > 1,
     )  # fmt: skip
     return tokens
 
 
+@cached_launch
 @triton.jit
 def _uniforms_kernel(seed_ptr, out_ptr, DRAWS: tl.constexpr):
     row = tl.program_id(0)

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import gluon_w4a16_mma as mma_path
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
 from ftransformers.kernels.tiling import grouped_tile
@@ -133,6 +134,7 @@ def _e2m1_codes(q, j4):
     return _e2m1_top(tl.where(j4 < 7, q << (28 - 4 * j4), q))
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["unit"])
 def _w4a16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, sz_ptr, M, N, K, unit,
@@ -272,6 +274,7 @@ def _nibble_value(q, qh, J: tl.constexpr, scale, zero_scale, FMT: tl.constexpr):
     return v
 
 
+@cached_launch
 @triton.jit
 def _w4a16_gemm_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, gs_ptr, b_ptr, y_ptr, M, N, K,
@@ -354,8 +357,8 @@ def decode_split(N: int, K: int, block_n: int, block_k: int, programs: int = 512
     fewest of 2, 4, 8 parts that gives `programs` programs, keeping at least two K tiles per part. From
     `DECODE_MIN_TILES` column tiles up the product runs unsplit: on the H100 a split there cost more
     (partials and their sum) than it gained (benchmarks/results/w4a16_fp4_split_h100.json)."""
-    tiles = triton.cdiv(N, block_n)
-    allowed = [s for s in (2, 4, 8) if triton.cdiv(K, block_k) >= 2 * s]
+    tiles = cdiv(N, block_n)
+    allowed = [s for s in (2, 4, 8) if cdiv(K, block_k) >= 2 * s]
     if tiles >= DECODE_MIN_TILES or not allowed:
         return 1
     return next((s for s in allowed if tiles * s >= programs), allowed[-1])
@@ -382,13 +385,13 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
         return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
         words = GEMV_WORDS if fmt == "int4" else FP4_GEMV_WORDS
-        bk = min(GEMV_BLOCK_K, triton.next_power_of_2(K)) if GEMV_BLOCK_K and fmt == "int4" else 1024 * words
-        return {"GEMV": 1, "BLOCK_M": triton.next_power_of_2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": bk,
+        bk = min(GEMV_BLOCK_K, next_pow2(K)) if GEMV_BLOCK_K and fmt == "int4" else 1024 * words
+        return {"GEMV": 1, "BLOCK_M": next_pow2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": bk,
                 "SPLIT_K": 1, "WORDS": words, "num_warps": GEMV_WARPS, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
         bn, bk = (64, 128) if large or M > 32 else (16, 256)
         split = decode_split(N, K, bn, bk, split_programs(M))
-        return {"GEMV": 0, "BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": bn, "BLOCK_K": bk,
+        return {"GEMV": 0, "BLOCK_M": max(16, next_pow2(M)), "BLOCK_N": bn, "BLOCK_K": bk,
                 "SPLIT_K": split, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
     bm, bn, bk, warps, stages = (128, 128, 64, 8, 4) if M <= 128 else (256, 128, 64, 8, 3)
     return {"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 1, "GROUP_M": 8,
@@ -506,13 +509,13 @@ def w4a16_linear(
         sz = qw.scale_zero if USE_SCALE_ZERO else None
         if sz is not None:
             assert qw.fmt == "int4" and sz.shape[1:] == (K // qw.group_size, SCALE_ZERO_ROWS) and sz.is_contiguous()
-        _w4a16_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), split_k)](
+        _w4a16_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), split_k)](
             *args[:7], s if sz is None else sz, *args[7:], 1, *strides, 0 if sz is None else sz.stride(0),
             **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, SZ_ROWS=SCALE_ZERO_ROWS, WORDS=words,
             PRELOAD_SZ=GEMV_PRELOAD_SZ and PRELOAD_FIRST_TILE and sz is not None, **pdl,
         )  # fmt: skip
     else:
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split_k)
         ieee = x.dtype == torch.float32 or _INTERPRET
         _w4a16_gemm_kernel[grid](*args, *strides, **flags, GROUP_M=group_m, IEEE=ieee, **cfg, **pdl)
     out = y[0] if split_k == 1 else y.sum(0).to(x.dtype)

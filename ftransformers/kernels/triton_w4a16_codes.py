@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 
@@ -86,6 +87,7 @@ def group_params(s_ptrs, z_ptrs, g, n_ok, offset, HAS_ZEROS: tl.constexpr, BLOCK
     return scale, zoff
 
 
+@cached_launch
 @triton.jit
 def _w4a16_codes_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, magic, offset, M, N, K,
@@ -177,9 +179,9 @@ def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     bk = codes_block_k(group)
     if not bk or K % bk or M > CODES_MAX_M:
         return None
-    tiles = triton.cdiv(N, 64)
+    tiles = cdiv(N, 64)
     split = next((s for s in (1, 2, 4) if tiles * s >= split_programs(M)), 8)
-    return {"CODES": 1, "BLOCK_M": max(16, triton.next_power_of_2(M)), "BLOCK_N": 64, "BLOCK_K": bk,
+    return {"CODES": 1, "BLOCK_M": max(16, next_pow2(M)), "BLOCK_N": 64, "BLOCK_K": bk,
             "SPLIT_K": min(split, K // bk), "num_warps": 4, "num_stages": 3}  # fmt: skip
 
 
@@ -203,7 +205,7 @@ def w4a16_codes(
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     assert M <= bm and group % bk == 0 and K % bk == 0 and x.stride(1) == 1 and x.dtype in MAGIC, (M, K, group, cfg)
     split = max(1, min(split, K // bk))
-    n_tiles = triton.cdiv(N, bn)
+    n_tiles = cdiv(N, bn)
     magic, offset = MAGIC[x.dtype]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     split, tickets, part = split_scratch(x.device, "w4a16_codes", n_tiles, split, M, N)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_fp8_gemm import fp8_scale, quant_fp8
@@ -45,6 +46,7 @@ def quant_row(x, FP8: tl.constexpr, NG: tl.constexpr, GROUP: tl.constexpr):
     return values, scale
 
 
+@cached_launch
 @triton.jit
 def _w8_row_kernel(
     x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn,
@@ -90,7 +92,7 @@ def pow2_dividing(n: int, *sizes: int) -> int:
 
 def k_tiles(qw: QuantizedWeight) -> tuple[int, int]:
     """(GROUP, NG): K as NG groups of GROUP, NG * GROUP the next power of two >= K (fp8: GROUP = its K block)."""
-    bk = triton.next_power_of_2(qw.in_features)
+    bk = next_pow2(qw.in_features)
     group = min(qw.group_size, bk) if qw.fmt == "fp8_block" else min(128, bk)
     return group, max(1, bk // group)
 
@@ -126,7 +128,7 @@ def w8_row(
         block_n = pow2_dividing(block_n, qw.block_n)  # inside one scale block
     ws = qw.scales if fp8 else qw.scales.reshape(-1)
     assert x.stride(-1) == 1 and qw.qweight.stride(-1) == 1 and ws.stride(-1) == 1
-    _w8_row_kernel[(triton.cdiv(n, block_n),)](
+    _w8_row_kernel[(cdiv(n, block_n),)](
         x, qw.qweight, ws, bias if bias is not None else ws, out, n, k, qw.qweight.stride(0),
         ws.stride(0) if fp8 else 1,
         FP8=fp8, SCALE_N=qw.block_n, GROUP=group, NG=ng, BLOCK_N=block_n, HAS_BIAS=bias is not None,

@@ -1,0 +1,117 @@
+"""The host side of kernel launches: Triton launches without most of Triton's per-call Python, and integer
+helpers for launch arithmetic.
+
+An eager step is bound by the host where its kernels are short: a 1K-token prefill of Qwen3-30B-A3B on an
+H200 ran 56 ms against 28 ms of kernels (592 launches), an eager batch-1 decode 63 ms against 2.8
+(benchmarks/profile_host.py, docs/performance.md). Per Triton launch, `JITFunction.run` spends most of its
+time outside the specialization it must do: reading Triton's knobs (each an environment lookup), a string of
+the launch options for the cache key, building launch metadata for hooks nobody set, and more; and in
+Triton 3.6 `triton.cdiv` / `triton.next_power_of_2` are constexpr functions whose host calls unwrap every
+argument.
+
+`cached_launch` (a decorator over `@triton.jit` / `@gluon.jit` of a kernel launched from the host) keeps
+Triton's binder, so the specialization of every argument (dtype, 16-byte alignment, integers equal to 1 or
+divisible by 16, constexpr values) is computed exactly as Triton does, and keys its own table of compiled
+kernels on that specialization, the launch options and the device. A hit launches the compiled kernel
+through its launcher directly; a miss, a warmup, a kernel with pre-run hooks or launch hooks set (a Triton
+profiler) takes `JITFunction.run` unchanged. Invariant: a key maps to the kernel `JITFunction.run` compiled
+for the same specialization and options, so a hit launches what Triton would have.
+
+Not used under TRITON_INTERPRET=1 (the CPU interpreter has its own `run`), nor with
+FTRANSFORMERS_DISABLE_LAUNCH_CACHE=1 (`set_launch_cache(False)` turns it off in a running process). Triton's debug setting is read when the kernel is first launched with a
+key, not on each hit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, TypeVar
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime.jit import JITFunction
+except ImportError:  # pragma: no cover - a Triton without these internals: no cache, plain launches
+    JITFunction = None  # type: ignore[assignment,misc]
+
+F = TypeVar("F")
+_ENABLED = (
+    JITFunction is not None
+    and os.environ.get("TRITON_INTERPRET") != "1"
+    and os.environ.get("FTRANSFORMERS_DISABLE_LAUNCH_CACHE", "0") in ("", "0")
+)
+_on = True  # set_launch_cache: off sends every launch through JITFunction.run (in-process A/B)
+_MISSING = object()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host launch arithmetic (a plain function: triton.cdiv is a constexpr function)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0, as triton.next_power_of_2)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _hook_set(hook: Any) -> bool:
+    # Triton 3.6 holds the launch hooks as a HookChain (its `calls` list), older ones as None or a callable
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _CachedRun:
+    """Replaces `fn.run` (an instance attribute over JITFunction.run; `fn[grid](...)` calls it)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.triton_run = functools.partial(type(fn).run, fn)
+        self.kernels: dict[tuple[Any, ...], Any] = {}
+        self.binders: dict[int, Any] = {}  # device -> Triton's argument binder for fn (its specialization)
+
+    def __call__(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        fn = self.fn
+        runtime = _knobs.runtime
+        hooks = _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+        if not _on or warmup or fn.pre_run_hooks or hooks:
+            return self.triton_run(*args, grid=grid, warmup=warmup, **kwargs)
+        device = torch._C._cuda_getDevice()  # what Triton's CUDA driver reads (torch.cuda.current_device)
+        binder = self.binders.get(device)
+        if binder is None:
+            binder = self.binders[device] = fn.device_caches[device][4]
+        bound, specialization, options = binder(*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()))
+        kernel = self.kernels.get(key)
+        if kernel is None:  # compile (or find) and launch through Triton, then remember what it ran
+            kernel = self.triton_run(*args, grid=grid, warmup=False, **kwargs)
+            if kernel is not None:
+                self.kernels[key] = kernel
+            return kernel
+        for (name, _), (val, globals_dict) in fn.used_global_vals.items():  # as JITFunction.run checks
+            if globals_dict.get(name, _MISSING) != val:
+                raise RuntimeError(f"Global variable {name} has changed since {fn.__name__} was compiled")
+        if callable(grid):
+            grid = grid(bound)
+        n = len(grid)
+        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+                   kernel.function, kernel.packed_metadata, None, None, None, *bound.values())  # fmt: skip
+        return kernel
+
+
+def cached_launch(fn: F) -> F:
+    """Decorator for a Triton / Gluon kernel launched from the host (above its @triton.jit / @gluon.jit);
+    returns `fn` itself, with launches through the table above where it applies."""
+    if _ENABLED and isinstance(fn, JITFunction):
+        fn.run = _CachedRun(fn)  # type: ignore[attr-defined]
+    return fn
+
+
+def launch_cache_enabled() -> bool:
+    return _ENABLED and _on
+
+
+def set_launch_cache(enabled: bool) -> None:
+    """Turn the cached launches off (every launch through JITFunction.run) or back on, from now on."""
+    global _on
+    _on = bool(enabled)
