@@ -56,11 +56,6 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def _hook_set(hook: Any) -> bool:
-    # Triton 3.6 holds the launch hooks as a HookChain (its `calls` list), older ones as None or a callable
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
 class _CachedRun:
     """Replaces `fn.run` (an instance attribute over JITFunction.run; `fn[grid](...)` calls it)."""
 
@@ -72,8 +67,11 @@ class _CachedRun:
 
     def __call__(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         fn = self.fn
-        runtime = _knobs.runtime
-        hooks = _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+        # launch hooks: Triton 3.6 holds them as a HookChain (its `calls` list), older ones as None or a callable
+        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        hooks = (enter is not None and getattr(enter, "calls", True)) or (
+            leave is not None and getattr(leave, "calls", True)
+        )
         if not _on or warmup or fn.pre_run_hooks or hooks:
             return self.triton_run(*args, grid=grid, warmup=warmup, **kwargs)
         device = torch._C._cuda_getDevice()  # what Triton's CUDA driver reads (torch.cuda.current_device)
@@ -94,8 +92,9 @@ class _CachedRun:
         if callable(grid):
             grid = grid(bound)
         n = len(grid)
-        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
-                   kernel.function, kernel.packed_metadata, None, None, None, *bound.values())  # fmt: skip
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+                   kernel.packed_metadata, None, None, None, *bound.values())  # fmt: skip
         return kernel
 
 
