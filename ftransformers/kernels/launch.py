@@ -63,7 +63,7 @@ class _CachedRun:
         self.fn = fn
         self.triton_run = functools.partial(type(fn).run, fn)
         self.kernels: dict[tuple[Any, ...], Any] = {}
-        self.binders: dict[int, Any] = {}  # device -> Triton's argument binder for fn (its specialization)
+        self.binders: dict[int, Any] = {}  # device -> Triton's argument binder for fn, False: not one we know
 
     def __call__(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         fn = self.fn
@@ -77,8 +77,12 @@ class _CachedRun:
         device = torch._C._cuda_getDevice()  # what Triton's CUDA driver reads (torch.cuda.current_device)
         binder = self.binders.get(device)
         if binder is None:
-            binder = self.binders[device] = fn.device_caches[device][4]
-        bound, specialization, options = binder(*args, **kwargs)
+            caches = fn.device_caches[device]
+            # Triton 3.6-3.9: (kernel cache, key cache, target, backend, binder); another layout: Triton's path
+            binder = self.binders[device] = caches[4] if isinstance(caches, tuple) and len(caches) == 5 else False
+        if binder is False:
+            return self.triton_run(*args, grid=grid, warmup=False, **kwargs)
+        bound, specialization, options = binder(*args, **kwargs)  # (params dict, specialization list, options)
         key = (device, tuple(specialization), tuple(options.items()))
         kernel = self.kernels.get(key)
         if kernel is None:  # compile (or find) and launch through Triton, then remember what it ran
