@@ -102,11 +102,9 @@ def examine(label: str, runner: Any, step: Any, graphs: bool, reps: int, n: int)
     try:
         fn = lambda: runner.forward_step(step)
         res: dict[str, Any] = {"label": label, "wall_ms": wall_ms(fn, max(5, reps))}
-        if not graphs:
-            runner.graph_runner = saved
-            res["kernel_ms"] = bd.profile_step(runner, step, label)["kernel_ms"]
-            res["launches"] = bd.profile_step(runner, step, label)["kernels_per_step"]
-            runner.graph_runner = None
+        if not graphs:  # (profile_step runs the step eagerly itself)
+            kernels = bd.profile_step(runner, step, label)
+            res["kernel_ms"], res["launches"] = kernels["kernel_ms"], kernels["kernels_per_step"]
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(reps):
