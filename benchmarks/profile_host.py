@@ -33,18 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd
 
 
-def wall_ms(fn: Any, iters: int) -> float:
-    fn()
-    bd.sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        bd.sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def pinned_allocs(iters: int) -> dict[str, float]:
     """us a call of the pinned allocations a graph decode step makes (CUDA only)."""
     if bd.DEV != "cuda":
@@ -101,7 +89,7 @@ def examine(label: str, runner: Any, step: Any, graphs: bool, reps: int, n: int)
     runner.graph_runner = saved if graphs else None
     try:
         fn = lambda: runner.forward_step(step)
-        res: dict[str, Any] = {"label": label, "wall_ms": wall_ms(fn, max(5, reps))}
+        res: dict[str, Any] = {"label": label, "wall_ms": bd.median_ms(fn, max(5, reps), 1)}
         if not graphs:  # (profile_step runs the step eagerly itself)
             kernels = bd.profile_step(runner, step, label)
             res["kernel_ms"], res["launches"] = kernels["kernel_ms"], kernels["kernels_per_step"]
@@ -131,7 +119,7 @@ def ab_launch_cache(runner: Any, steps: dict[str, Any], rounds: int, iters: int)
             for on in (True, False):
                 set_launch_cache(on)
                 for label, step in steps.items():
-                    ms = wall_ms(lambda: runner.forward_step(step), iters)  # noqa: B023
+                    ms = bd.median_ms(lambda: runner.forward_step(step), iters, 1)  # noqa: B023
                     rows.append({"round": r, "cache": on, "step": label, "wall_ms": ms})
                     print(f"round {r} cache {'on ' if on else 'off'} {label:32s} {ms:8.2f} ms", flush=True)
     finally:
