@@ -6,8 +6,9 @@ Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros 
 the copy bandwidth measured in this run; each time is the median of a CUDA graph of products over enough
 weight copies to exceed L2 several times. Every timed config is first checked against quant_linear_ref
 (||y - ref|| / ||ref|| < 1e-2). `--sweep M,..` also times every config of gluon_w4a16_mma.SWEEP on the
-int4-asym weights at those row counts (`--sweep-split`: only those whose warps split N). Kernels are
-compiled first in a process pool.
+int4-asym weights at those row counts (`--sweep-split`: only those whose warps split N); `--ab NAME=V`
+times each row's default config again with a module toggle of gluon_w4a16_mma set (e.g. SPAN_MASKED_X=0).
+Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]
 """
@@ -95,8 +96,18 @@ def main() -> None:
         action="store_true",
         help="also time each row's default config with gl.sum's own cross-warp exchange",
     )
+    p.add_argument(
+        "--ab",
+        default="",
+        metavar="NAME=V",
+        help="also time each row's default config with the module toggle gluon_w4a16_mma.NAME set to int(V), "
+        "e.g. SPAN_MASKED_X=0",
+    )
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
+    ab_name, _, ab_value = args.ab.partition("=")
+    if args.ab and (not hasattr(mma, ab_name) or not ab_value.lstrip("-").isdigit()):
+        p.error(f"--ab: NAME=V with NAME a module-level name of gluon_w4a16_mma and V an integer, got {args.ab!r}")
     shapes, variants = args.shapes.split(","), args.variants.split(",")
     rows = [int(m) for m in args.rows.split(",")]
     sweep_rows = [int(m) for m in args.sweep.split(",") if m]
@@ -140,6 +151,15 @@ def main() -> None:
                        "cublas_bf16_ms": peers[m][1]}  # fmt: skip
                 if t_plain is not None:
                     row["mma_plain_sum_ms"] = t_plain
+                t_ab = None
+                if args.ab and not isinstance(t_mma, str):
+                    kept = getattr(mma, ab_name)
+                    setattr(mma, ab_name, type(kept)(int(ab_value)))
+                    try:
+                        t_ab = checked(x, qws, lambda x, qw: run_mma(x, qw, None))
+                    finally:
+                        setattr(mma, ab_name, kept)
+                    row["mma_ab"] = {"toggle": args.ab, "ms": t_ab}
                 for key, t in (("mma", t_mma), ("before", t_before)):
                     if not isinstance(t, str):
                         row[f"{key}_pct_copy"] = 100 * nbytes / t / 1e6 / bw
@@ -149,7 +169,8 @@ def main() -> None:
                 print(f"{name:20s} {v:9s} M={m:<3d} floor {nbytes / bw / 1e3:6.1f} us  mma {pct(nbytes, t_mma, bw)}  "
                       f"before {pct(nbytes, t_before, bw)} {speed:6s} bf16 gemv {pct(b16, peers[m][0], bw)}  "
                       f"cublas {pct(b16, peers[m][1], bw)}"
-                      + (f"  mma with gl.sum {pct(nbytes, t_plain, bw)}" if t_plain is not None else ""),
+                      + (f"  mma with gl.sum {pct(nbytes, t_plain, bw)}" if t_plain is not None else "")
+                      + (f"  mma with {args.ab} {pct(nbytes, t_ab, bw)}" if t_ab is not None else ""),
                       flush=True)  # fmt: skip
                 Path(args.out).write_text(json.dumps(out, indent=1))
             if v != "int4-asym":

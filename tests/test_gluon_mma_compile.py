@@ -7,7 +7,8 @@ Triton's interpreter, see tests/test_gluon_mla_compile.py).
 What each compiled kernel must show: m16n8k16 bf16 mma.sync with float32 accumulation; the weights decoded
 by the inline LOP3 (lut 0xEA: (q & mask) | magic) into operand registers, never staged in shared memory
 (the only shared memory is the cross-warp sum, at most 6 bytes an output element a warp: float32, rows of 16
-columns padded to 24); and ptxas (the one Triton runs for sm_90, -v) spilling nothing.
+columns padded to 24); ptxas (the one Triton runs for sm_90, -v) spilling nothing; and at 1-4 rows the dense
+kernel's x loaded on its spans only (SPAN_MASKED_X: predicated vector loads).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
 
     jobs = []
     # the last two: 64 rows a warp (default_config's form for deep and for wide weights past 8 rows)
+    # and at 1-4 rows on the H200's forms: 16 warps on narrow weights, 64 rows on wide shallow ones
     dense = [(1, 7168, 16384, 128), (2, 24576, 4096, 128), (4, 5120, 2048, 128), (8, 4096, 12288, 128),
-             (16, 1024, 2048, 32), (16, 7168, 16384, 128), (16, 24576, 1536, 128)]  # fmt: skip
+             (16, 1024, 2048, 32), (16, 7168, 16384, 128), (16, 24576, 1536, 128), (1, 4096, 12288, 128),
+             (4, 4096, 12288, 128), (1, 24576, 1536, 128)]  # fmt: skip
     # and the form whose warps split N (split 1, and split K with the last-one-out sum)
     split = [(16, 7168, 16384, 128, lin.MmaLinearConfig(32, 8, 128, 8)),
              (2, 4096, 12288, 128, lin.MmaLinearConfig(16, 4, 128, 1))]  # fmt: skip
@@ -96,9 +99,11 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 13
+    assert len(kernels) == 16
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]
         assert k["shared"] <= k["max_shared"], (k["name"], k["shared"])  # only the cross-warp sum
         assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", k["ptxas"]), (k["name"], k["ptxas"])
+        if re.match(r"dense M=[1-4] ", k["name"]):  # x on its spans only: predicated 16-byte loads
+            assert re.search(r"@%p\d+ ld\.global\.v4\.b32", k["ptx"]), k["name"]

@@ -31,7 +31,10 @@ def test_default_config_fits_wherever_the_kernel_takes_the_product(group: int) -
 
 def test_rule_takes_the_measured_wins_only() -> None:
     assert mma.takes(4, 24576, 4096, False) and mma.takes(16, 7168, 16384, False)  # large: 2-16 rows
-    assert mma.takes(1, 7168, 16384, True) and not mma.takes(1, 7168, 16384, False)  # one row: zero points only
+    # one row: zero points, or symmetric on wide weights only
+    assert mma.takes(1, 7168, 16384, True) and not mma.takes(1, 7168, 16384, False)
+    assert mma.takes(1, 24576, 4096, False) and mma.takes(1, 24576, 1536, False)
+    assert not mma.takes(1, 4096, 12288, False)
     assert mma.takes(3, 5120, 2048, True) and not mma.takes(2, 5120, 2048, True)  # small: 3-8 rows
     assert (
         mma.takes(8, 2048, 4096, True) and not mma.takes(9, 2048, 4096, True) and not mma.takes(17, 24576, 4096, True)
@@ -42,7 +45,15 @@ def test_rule_takes_the_measured_wins_only() -> None:
 
 def test_rule_uses_64_rows_where_they_measured_faster() -> None:
     assert mma.default_config(8, 24576, 4096).rows == 64 and mma.default_config(16, 7168, 16384).rows == 64
-    assert mma.default_config(4, 24576, 4096).rows != 64 and mma.default_config(16, 4096, 12288).rows != 64
+    assert mma.default_config(2, 24576, 4096).rows != 64 and mma.default_config(16, 4096, 12288).rows != 64
+    # 1-4 rows (H200, span-masked x): wide weights at 3-4 rows or with K < 4096; not deep or narrow ones
+    assert mma.default_config(4, 24576, 4096).rows == 64 and mma.default_config(3, 36864, 7168).rows == 64
+    assert all(mma.default_config(m, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128) for m in (1, 2, 3, 4))
+    assert mma.default_config(1, 7168, 16384) == mma.MmaLinearConfig(32, 4, 512) == mma.default_config(2, 7168, 16384)
+    assert mma.default_config(4, 7168, 16384) == mma.MmaLinearConfig(32, 8, 128)
+    assert mma.default_config(1, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
+    assert mma.default_config(4, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
+    assert mma.default_config(5, 4096, 12288) == mma.MmaLinearConfig(32, 8, 256)  # 5-8 rows: the H100's rule
     # 9-16 rows: wide weights too (4 warps where K < 4096), and 16 warps on narrow, deep ones
     assert mma.default_config(12, 24576, 4096) == mma.MmaLinearConfig(64, 8, 128)
     assert mma.default_config(16, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128)

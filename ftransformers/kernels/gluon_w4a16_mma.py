@@ -17,7 +17,12 @@ Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
   words [W, ROWS, 4, RW] (gluon_moe_w4_mma.layouts' w_l): memory word RW t + r of a row's chunk.
   x [W, NCOL, KC] in memory order: lane (t, column) holds its column's 8 RW contiguous elements from
   8 RW t (16-byte loads); reshaped [.., t, r, h, i] and permuted to logical k = 8 (4r + t) + 2i + h it
-  is B's register layout (no data movement).
+  is B's register layout (no data movement). Memory element e of a chunk lies in span e // (KC / S), so at
+  1-4 rows a lane loads x only where that is its column's span (SPAN_MASKED_X: masked 16-byte loads; the
+  other lanes issue no request) and each row of x leaves L1 once a chunk, not S times. The kernel is bound
+  by L1/TEX at these sizes (docs/performance.md, session 21): on the H200 the masked loads took DeepSeek-V3
+  o from 27.5 to 23.1 us at one row and Qwen3-8B gate_up from 21.9 to 18.7
+  (benchmarks/results/w4a16_mma_rule_s41_h200.*).
 
 Two ways to split the work (MmaLinearConfig.split):
   split 0: a program takes ROWS rows of W from n0; its W warps each take K / W of K in chunks, summed at
@@ -50,6 +55,10 @@ MAX_ROWS = 16
 # The cross-warp sum of the split-0 form through `_warp_sum`'s padded shared memory (False: gl.sum's own
 # exchange; kept for benchmarks/bench_w4a16_mma.py --ab-warp-sum)
 PADDED_WARP_SUM = True
+# At 1-4 rows (S > 1 spans a chunk) column c of B is x only inside span c % S: a lane loads x only there (a
+# masked load, no memory request elsewhere) instead of the whole chunk and zeroing S - 1 of S spans after it.
+# False restores the full loads (for an A/B)
+SPAN_MASKED_X = True
 
 
 def tokens_and_spans(m: int) -> tuple[int, int]:
@@ -68,13 +77,15 @@ def layouts(warps: int, rows: int, kc: int, tok: int) -> dict:
 
 
 @gluon.jit
-def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr):
+def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr,
+            ZEROED: gl.constexpr = False):  # fmt: skip
     # x [W, NCOL, 32 RW] memory order -> [W, 32 RW, NCOL] B operand in logical k order, zero outside each
-    # column's span c % S (memory word RW t + r is in span (RW t + r) // (4 RW / S))
+    # column's span c % S (memory word RW t + r is in span (RW t + r) // (4 RW / S)); ZEROED: x was loaded
+    # with zeros there already (SPAN_MASKED_X)
     x6 = gl.reshape(x, [W, NCOL, 4, RW, 2, 4])  # [., t, r, h, i]: memory k = 8 (RW t + r) + 4h + i
     b = gl.reshape(gl.permute(x6, (0, 3, 2, 5, 4, 1)), [W, 32 * RW, NCOL])  # k = 8 (4r + t) + 2i + h
     b = gl.convert_layout(b, b_l, assert_trivial=True)
-    if S > 1:
+    if S > 1 and not ZEROED:
         k = gl.arange(0, 32 * RW, layout=gl.SliceLayout(1, gl.SliceLayout(0, b_l)))
         span = (RW * ((k // 8) % 4) + k // 32) // (4 * RW // S)
         col = gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, b_l)))
@@ -86,9 +97,9 @@ def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.co
 @gluon.jit
 def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr, W: gl.constexpr,
            ROWS: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr,
-           a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+           a_l: gl.constexpr, b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
     # tot [W, ROWS, NCOL] += scale * (A.B - (offset + zero) * column sums) over one chunk
-    b = _b_tile(x, b_l, W, NCOL, RW, S)
+    b = _b_tile(x, b_l, W, NCOL, RW, S, ZEROED)
     acc = mma_v2(_a_tile(q, magic, DT, a_l, W, ROWS, RW), b, gl.zeros([W, ROWS, NCOL], gl.float32, mma))
     # all 16 rows of ones @ B are the column sums; max over them moves one to every row of C's layout
     sums = gl.max(mma_v2(ones, b, gl.zeros([W, 16, NCOL], gl.float32, mma)), axis=1)
@@ -138,7 +149,7 @@ def _w4a16_mma_kernel(
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
     PADDED_SUM: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # SPLIT 0: y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
     # SPLIT >= 1: warp w's rows [n0 + w ROWS, n0 + (w + 1) ROWS) over K [k0, k0 + KS), k0 = program_id(1) KS
@@ -167,6 +178,10 @@ def _w4a16_mma_kernel(
     xc = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, x2)), 0), 2)
     xk = gl.expand_dims(gl.expand_dims(gl.arange(0, KC, layout=gl.SliceLayout(0, gl.SliceLayout(0, x_l))), 0), 0)
     x_ptrs = x_ptr + gl.minimum(xc // S, M - 1).to(gl.int64) * stride_xm + k0 + xw * WK + xk
+    ZEROED: gl.constexpr = MASK_X and S > 1
+    # [1, NCOL, KC]: memory element e of a chunk is in span e // SPAN (contiguous runs of SPAN >= 8 elements,
+    # so the masked loads keep their 16-byte vectors)
+    x_mask = (xk // SPAN) == (xc % S)
 
     # scales / zeros [W, ROWS, NCOL] in C's layout: row n0 + w WROWS + row, group of column c's span start
     m2: gl.constexpr = gl.SliceLayout(2, mma)
@@ -182,15 +197,21 @@ def _w4a16_mma_kernel(
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
     q = gl.load(q_ptrs)
-    x = gl.load(x_ptrs)
+    if ZEROED:
+        x = gl.load(x_ptrs, mask=x_mask, other=0.0)
+    else:
+        x = gl.load(x_ptrs)
     for c in range(CHUNKS):
         q_c, x_c = q, x
         if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+            if ZEROED:
+                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, mask=x_mask, other=0.0)
+            else:
+                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
         g = (span_k + c * KC) // GROUP
         tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
-                     W, ROWS, NCOL, RW, S, mma, a_l, b_l)  # fmt: skip
+                     W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED)  # fmt: skip
 
     if SPLIT == 0:
         if PADDED_SUM:
@@ -265,13 +286,24 @@ WAVE = 132
 
 
 def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
-    """From the H100 sweep (benchmarks/results/w4a16_mma_v1_h100.{json,log}, int4 g128 asym at 1, 4 and 16
-    rows): at every swept point `takes` sends here, this rule lands on the fastest of the 18 configs or within
-    2% (not where it does not: Qwen3-30B-A3B qkv at 16 rows 10.3 against 9.0 us for 32 rows a warp).
-    Large weights: 32 rows a warp; 4 warps where that still leaves 256 programs (Qwen3-8B gate_up: 25.0 /
-    27.6 / 35.0 us) or at one row over K / 4 >= 4096 with chunks of 512 (DeepSeek-V3 o: 28.5 us against 35.5
-    for 8 warps), else 8 (Qwen3-8B down 15.9 / 16.3 / 20.5; DeepSeek-V3 o at 4 and 16 rows 32.2 / 46.5
-    against 33.8 / 58.8 for 4). Smaller weights: 16 rows, 4 warps at 256 programs, else 8, chunks of 128
+    """Large weights at 1-4 rows (x loaded on its spans only, SPAN_MASKED_X), from the H200 sweep
+    (benchmarks/results/w4a16_mma_spanmask_s41_h200.{json,log}, int4 g128 asym at 1, 2 and 4 rows), us:
+    - wide weights (N / 64 >= 256) at 3-4 rows, or with K < 4096 at any: 64 rows a warp, 4 warps, chunks of 128
+      (Qwen3-8B gate_up at 4 rows 21.2 against 22.4 for 32 rows; DeepSeek-V3 q_b at 1 / 2 / 4 rows 8.4 / 8.7 /
+      8.9 against 9.7 / 9.9 / 10.1);
+    - other wide weights (Qwen3-8B gate_up at 1-2 rows): 32 rows, 4 warps, chunks of 256 (18.4 / 18.4 against
+      20.7 / 21.0 for 64 rows);
+    - deep ones (K / 4 >= 4096: DeepSeek-V3 o): 32 rows, 4 warps of 512-wide chunks at 1-2 rows (22.8 / 24.8
+      against 27.3 / 27.5 for 8 warps of 128), 8 warps of 128 at 3-4 (28.0 against 34.3 for chunks of 256);
+    - narrow ones (N / 32 < 256: Qwen3-8B down): 32 rows, 16 warps, chunks of 128 (11.9 / 12.4 / 12.6 at 1 / 2
+      / 4 rows against 12.4 / 12.4 / 14.8 for 8 warps of 256; at one row chunks of 256 took 11.4, but 512
+      threads cap ptxas at 128 registers and it spills 40 bytes there, tests/test_gluon_mma_compile.py).
+    Elsewhere from the H100 sweep (benchmarks/results/w4a16_mma_v1_h100.{json,log}, int4 g128 asym at 1, 4 and
+    16 rows, before the span-masked x): at every swept point `takes` sends here, this rule lands on the fastest
+    of the 18 configs or within 2% (not where it does not: Qwen3-30B-A3B qkv at 16 rows 10.3 against 9.0 us for
+    32 rows a warp). Large weights at 5-8 rows: 32 rows a warp; 4 warps where that still leaves 256 programs,
+    else 8 (Qwen3-8B down 15.9 / 16.3 / 20.5; DeepSeek-V3 o at 4 and 16 rows 32.2 / 46.5 against 33.8 / 58.8
+    for 4). Smaller weights: 16 rows, 4 warps at 256 programs, else 8, chunks of 128
     (Qwen3-30B-A3B qkv / o at 4 rows: 6.0 / 5.9 us). 64 rows a warp where x's reads from L2 weigh most
     (benchmarks/results/w4a16_mma_rows64_h100.{json,log}): 5-8 rows on wide weights, 4 warps (Qwen3-8B
     gate_up at 8 rows 28.1 us against 30.6 for the next config and 34.6 for 32 rows, 4 warps), and 9-16 rows
@@ -293,10 +325,14 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
             if n % 64 == 0 and (k >= 16384 or n // 64 >= 256):
                 return MmaLinearConfig(rows=64, warps=8 if k >= 4096 else 4, kc=128)
             return MmaLinearConfig(rows=32, warps=16, kc=128)
-        if n % 64 == 0 and 4 < m <= 8 and n // 64 >= 256:
+        if wide_weight(n) and (m > 2 or k < 4096):
             return MmaLinearConfig(rows=64, warps=4, kc=128)
-        warps = 4 if n // 32 >= 256 or (m == 1 and k // 4 >= 4096) else 8
-        return MmaLinearConfig(rows=32, warps=warps, kc=512 if m == 1 and k // warps >= 4096 else 256)
+        if m <= 4 and not wide_weight(n):
+            if k // 4 >= 4096:  # deep
+                return MmaLinearConfig(32, 4, 512) if m <= 2 else MmaLinearConfig(32, 8, 128)
+            if n // 32 < 256:  # narrow
+                return MmaLinearConfig(rows=32, warps=16, kc=128)
+        return MmaLinearConfig(rows=32, warps=4 if n // 32 >= 256 else 8, kc=256)
     if n * k >= MEDIUM and n % 256 == 0 and m > 2 and (m > 8 or k >= n):
         split = 8
         while split > 1 and (m > 8 and n // 256 * split > WAVE or k % (128 * split)):
@@ -305,12 +341,20 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
     return MmaLinearConfig(rows=16, warps=4 if n // 16 >= 256 else 8, kc=128)
 
 
+def wide_weight(n: int) -> bool:
+    """N splits into at least 256 tiles of 64 rows (Qwen3-8B's gate_up, DeepSeek-V3's q_b)."""
+    return n % 64 == 0 and n // 64 >= 256
+
+
 def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     """Whether w4a16_linear runs this product here rather than on its CUDA-core GEMV (1-2 rows) or codes
     kernel (3-16 rows), from the same-process comparison in benchmarks/results/w4a16_mma_v1_h100.{json,log}.
     Large weights at 2-16 rows: 1.2-1.8x faster (Qwen3-8B down 16.3 against 27.9 us at 4 rows, DeepSeek-V3 o
-    32.2 against 57.6); at one row only with zero points (DeepSeek-V3 o 28.5 against 39.2, Qwen3-8B down 15.8
-    against 17.2): symmetric weights' GEMV is as fast or faster there (Qwen3-8B down 14.2 against 15.6).
+    32.2 against 57.6); at one row with zero points (DeepSeek-V3 o 28.5 against 39.2, Qwen3-8B down 15.8
+    against 17.2), and symmetric ones only on wide weights: on the H200 with the span-masked x
+    (benchmarks/results/w4a16_mma_spanmask_s41_h200.*) Qwen3-8B gate_up 17.9 against the GEMV's 21.5 us and
+    DeepSeek-V3 q_b 9.7 (32 rows a warp; 64 took 8.4 asymmetric) against 13.0, while on deep or narrow ones the
+    symmetric GEMV is as fast or faster (DeepSeek-V3 o 22.6 against 22.5, Qwen3-8B down 10.3 against 12.5).
     Smaller weights at 3-4 rows in that sweep (Qwen3-30B-A3B qkv 6.0 against 7.5 us): at 1-2 rows the GEMV is
     faster (4.5-4.9 against 5.5-5.9), at 16 the codes kernel (8.3 against 9.0); 5-8 rows are below.
     Past 8 rows on DeepSeek-V3's q_b (24576 x 1536), where the codes kernel was as fast or faster (17.5 /
@@ -323,7 +367,7 @@ def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     same 8 columns as 4: Qwen3-30B-A3B qkv 6.0 / 6.2 against 7.6 at 5 / 8 rows, o 6.1 / 6.0 against 7.3,
     DeepSeek-V3 shared down 6.8 / 7.0 against 10.2 / 10.4)."""
     if n * k >= LARGE:
-        return 2 <= m <= MAX_ROWS or (m == 1 and has_zero)
+        return 2 <= m <= MAX_ROWS or (m == 1 and (has_zero or wide_weight(n)))
     if n * k >= MEDIUM:
         return 3 <= m <= MAX_ROWS
     return 3 <= m <= 8
@@ -393,5 +437,5 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
-                ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM,
+                ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM, MASK_X=SPAN_MASKED_X,
                 **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
