@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_moe_w4 as bm
 import bench_w4a16 as bw
 
+from ftransformers.kernels import gluon_moe_w4_mma as mma_path
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels import triton_moe_w4_gemv as tok
 from ftransformers.kernels import triton_w4a16 as tw
@@ -312,9 +313,9 @@ def bench_token(out: dict[str, Any], bw_gbs: float, log, formats: list[str]) -> 
 
 def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[str], tokens: list[int],
                        shapes: list[str]) -> None:  # fmt: skip
-    """The GEMV-form kernels at T tokens (forced by their config, whatever `takes` says) beside the pair path's
-    and the aligned path's default tiles (each forced too) and fused_moe_w4's own choice ("engine") in the same
-    process, per expert shape and format: each checked against the reference, then timed
+    """The GEMV-form kernels at T tokens (forced by their config, whatever `takes` says) beside the pair path's,
+    the mma path's (int4) and the aligned path's default tiles (each forced too) and fused_moe_w4's own choice
+    ("engine") in the same process, per expert shape and format: each checked against the reference, then timed
     over REPS routings; bytes = the distinct experts each routing reads, averaged."""
     for shape in shapes:
         d, _, _, k = bm.SHAPES[shape]
@@ -325,9 +326,11 @@ def bench_token_tokens(out: dict[str, Any], bw_gbs: float, log, formats: list[st
                 distinct = bm.distinct_experts(routes)
                 nbytes = bm.distinct_bytes(w13, w2, routes) + 4 * t * d
                 floor = nbytes / bw_gbs / 1e3
-                paths = (("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config()),
+                paths = [("pair", w4.default_w4_pair_config(t, d, w13.fmt)), ("token", tok.default_config()),
                          ("aligned", w4.aligned_config(t, w13, w2, k)),
-                         ("engine", None))  # fmt: skip
+                         ("engine", None)]  # fmt: skip
+                if w13.fmt == "int4":  # the tensor-core pair path, forced at any count (its `takes` starts above)
+                    paths.insert(2, ("mma", mma_path.default_config(t, d)))
                 for path, cfg in paths:
                     try:
                         err, us = checked_moe_us(cfg, w13, w2, hiddens, routes, ref)
