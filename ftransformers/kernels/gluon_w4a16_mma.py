@@ -59,10 +59,6 @@ PADDED_WARP_SUM = True
 # masked load, no memory request elsewhere) instead of the whole chunk and zeroing S - 1 of S spans after it.
 # False restores the full loads (for an A/B)
 SPAN_MASKED_X = True
-# At 1-4 rows a thread's two columns of C (2t, 2t + 1) are adjacent spans: where both lie in one quantization group
-# (GROUP % (2 KC / S) == 0) the thread loads their scale and zero once, and where the whole chunk does (GROUP % KC
-# == 0) once a row, as at 5-16 rows. False: one load a column (for an A/B)
-GROUP_SCALE_LOADS = True
 
 
 def tokens_and_spans(m: int) -> tuple[int, int]:
@@ -99,33 +95,17 @@ def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.co
 
 
 @gluon.jit
-def _load_pairs(ptrs, W: gl.constexpr, ROWS: gl.constexpr, NCOL: gl.constexpr):
-    # ptrs [W, ROWS, NCOL] in C's layout with columns 2j and 2j + 1 at one address (both a thread's): one load a pair
-    first, _ = gl.split(gl.reshape(ptrs, [W, ROWS, NCOL // 2, 2]))
-    v = gl.load(first)
-    return gl.convert_layout(gl.reshape(gl.join(v, v), [W, ROWS, NCOL]), ptrs.type.layout, assert_trivial=True)
-
-
-@gluon.jit
 def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr, W: gl.constexpr,
            ROWS: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr,
-           a_l: gl.constexpr, b_l: gl.constexpr, ZEROED: gl.constexpr = False,
-           PAIRS: gl.constexpr = False):  # fmt: skip
-    # tot [W, ROWS, NCOL] += scale * (A.B - (offset + zero) * column sums) over one chunk; PAIRS: s_ptrs / z_ptrs
-    # [W, ROWS, NCOL] hold one address for each pair of columns (SCALES 1), loaded once
+           a_l: gl.constexpr, b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
+    # tot [W, ROWS, NCOL] += scale * (A.B - (offset + zero) * column sums) over one chunk
     b = _b_tile(x, b_l, W, NCOL, RW, S, ZEROED)
     acc = mma_v2(_a_tile(q, magic, DT, a_l, W, ROWS, RW), b, gl.zeros([W, ROWS, NCOL], gl.float32, mma))
     # all 16 rows of ones @ B are the column sums; max over them moves one to every row of C's layout
     sums = gl.max(mma_v2(ones, b, gl.zeros([W, 16, NCOL], gl.float32, mma)), axis=1)
-    if PAIRS:
-        scale = _load_pairs(s_ptrs, W, ROWS, NCOL).to(gl.float32)
-    else:
-        scale = gl.load(s_ptrs).to(gl.float32)
+    scale = gl.load(s_ptrs).to(gl.float32)
     if HAS_ZERO:
-        if PAIRS:
-            zz = _load_pairs(z_ptrs, W, ROWS, NCOL).to(gl.float32) + offset
-        else:
-            zz = gl.load(z_ptrs).to(gl.float32) + offset
+        zz = gl.load(z_ptrs).to(gl.float32) + offset
     else:
         zz = offset + 8.0
     return tot + scale * (acc - zz * gl.expand_dims(sums, 1))
@@ -169,7 +149,7 @@ def _w4a16_mma_kernel(
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
     PADDED_SUM: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, MASK_X: gl.constexpr = False, SCALES: gl.constexpr = 0, USE_PDL: gl.constexpr = False,
+    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # SPLIT 0: y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
     # SPLIT >= 1: warp w's rows [n0 + w ROWS, n0 + (w + 1) ROWS) over K [k0, k0 + KS), k0 = program_id(1) KS
@@ -203,19 +183,15 @@ def _w4a16_mma_kernel(
     # so the masked loads keep their 16-byte vectors)
     x_mask = (xk // SPAN) == (xc % S)
 
-    # scales / zeros [W, ROWS, NCOL] in C's layout: row n0 + w WROWS + row, group of column c's span start.
-    # SCALES 0: one load a column; 1: columns 2j and 2j + 1 share a group, one load a pair (their addresses are
-    # made equal); 2: one group for every column, [W, 1, 1], so a thread loads a row's scale and zero once
+    # scales / zeros [W, ROWS, NCOL] in C's layout: row n0 + w WROWS + row, group of column c's span start
     m2: gl.constexpr = gl.SliceLayout(2, mma)
     mw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, m2)), 1), 2)
     mrow = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, m2)), 0), 2)
     mcol = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma))), 0), 0)
     s_rows = (n0 + mw * WROWS + mrow).to(gl.int64) * stride_sn
-    if SCALES == 0:
+    if S > 1:
         span_k = k0 + mw * WK + (mcol % S) * SPAN
-    elif SCALES == 1:
-        span_k = k0 + mw * WK + (mcol % S) // 2 * (2 * SPAN)
-    else:
+    else:  # one group for every column: [W, 1, 1], so a thread loads a row's scale and zero once, not per column
         span_k = k0 + mw * WK
 
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
@@ -235,7 +211,7 @@ def _w4a16_mma_kernel(
                 x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
         g = (span_k + c * KC) // GROUP
         tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
-                     W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED, SCALES == 1)  # fmt: skip
+                     W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED)  # fmt: skip
 
     if SPLIT == 0:
         if PADDED_SUM:
@@ -455,23 +431,11 @@ def w4a16_mma(
     return y
 
 
-def scale_loads(group: int, kc: int, spans: int) -> int:
-    """The kernel's SCALES form for chunks of kc in `spans` spans: 2 where one group holds the whole chunk (always
-    at one span), 1 where it holds each pair of adjacent spans, else 0 (GROUP_SCALE_LOADS off: 0 at 2+ spans)."""
-    if spans == 1:
-        return 2
-    if not GROUP_SCALE_LOADS:
-        return 0
-    return 2 if group % kc == 0 else 1 if group % (2 * kc // spans) == 0 else 0
-
-
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: MmaLinearConfig) -> dict:
     """The kernel's compile-time arguments for M rows of x, K, the group and cfg (supported shapes)."""
     tok, spans = tokens_and_spans(m)
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
-    scales = scale_loads(group, kc, spans)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
                 ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM, MASK_X=SPAN_MASKED_X,
-                SCALES=scales,
                 **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
