@@ -61,24 +61,23 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
     for m, n, k, group, cfg in [(*d, None) for d in dense] + split:
         cfg = cfg or lin.default_config(m, n, k)
         jobs.append((f"dense M={m} {n}x{k} g{group}", lin._w4a16_mma_kernel,
-                     lin.constexprs(m, k, group, True, True, cfg), cfg.warps, cfg.rows * 16, cfg.maxnreg))  # fmt: skip
+                     lin.constexprs(m, k, group, True, True, cfg), cfg.warps, cfg.rows * 16))  # fmt: skip
     for t, d, inter in [(1, 7168, 2048), (8, 2048, 768)]:  # DeepSeek-V3, Qwen3-30B-A3B
         cfg = moe.default_config(t, d)
         kc = moe.chunk_k(d // cfg.up_warps, 128, cfg.up_kc)
         up = dict(HAS_ZERO=True, GROUP=128, TOP_K=8, KC=kc, CHUNKS=d // cfg.up_warps // kc, AHEAD=cfg.up_ahead,
                   ROWS=cfg.up_rows, W=cfg.up_warps, **moe.layouts(cfg.up_warps, cfg.up_rows, kc))  # fmt: skip
-        jobs.append((f"moe gate-up T={t} D={d}", moe._gate_up_kernel, up, cfg.up_warps, cfg.up_rows * 8, 0))
+        jobs.append((f"moe gate-up T={t} D={d}", moe._gate_up_kernel, up, cfg.up_warps, cfg.up_rows * 8))
         kc = moe.chunk_k(inter, 128, cfg.down_kc)
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
                     **moe.layouts(8, cfg.down_rows, kc))  # fmt: skip
-        jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8, 0))
+        jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8))
     ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90
     out = []
-    for name, fn, consts, warps, outputs, maxnreg in jobs:  # maxnreg: the launch's register cap (0: none)
+    for name, fn, consts, warps, outputs in jobs:
         sig, attrs = _sig(fn, consts)
         src = GluonASTSource(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
-        options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
             log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],

@@ -54,9 +54,6 @@ def test_rule_uses_64_rows_where_they_measured_faster() -> None:
     assert mma.default_config(1, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
     assert mma.default_config(4, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
     assert mma.default_config(5, 4096, 12288) == mma.MmaLinearConfig(32, 8, 256)  # 5-8 rows: the H100's rule
-    # wide weights at 1-2 rows: ptxas may use WIDE_MAXNREG registers (three programs an SM still fit)
-    assert mma.default_config(1, 24576, 4096) == mma.MmaLinearConfig(32, 4, 256, maxnreg=mma.WIDE_MAXNREG)
-    assert mma.WIDE_MAXNREG * 128 * 3 <= 65536 and mma.default_config(3, 24576, 4096).maxnreg == 0
     # 9-16 rows: wide weights too (4 warps where K < 4096), and 16 warps on narrow, deep ones
     assert mma.default_config(12, 24576, 4096) == mma.MmaLinearConfig(64, 8, 128)
     assert mma.default_config(16, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128)

@@ -59,11 +59,6 @@ PADDED_WARP_SUM = True
 # masked load, no memory request elsewhere) instead of the whole chunk and zeroing S - 1 of S spans after it.
 # False restores the full loads (for an A/B)
 SPAN_MASKED_X = True
-# Registers a thread ptxas may use in the 32-row, 4-warp form on wide weights at 1-2 rows (Qwen3-8B gate_up): left
-# to itself ptxas takes 141 (sm_90, Triton 3.9's) and three programs an SM; 168 still fits three, and the extra
-# registers keep more loads in flight (H200, benchmarks/results/w4a16_mma_maxnreg168_s41_h200.*: 17.8 against 18.6
-# us at one row). 0: ptxas's own choice (for an A/B)
-WIDE_MAXNREG = 168
 
 
 def tokens_and_spans(m: int) -> tuple[int, int]:
@@ -262,7 +257,6 @@ class MmaLinearConfig:
     warps: int = 8
     kc: int = 256
     split: int = 0
-    maxnreg: int = 0  # registers a thread ptxas may use (a launch option); 0: its own choice
 
     def tile(self) -> int:
         """Rows of W a program takes."""
@@ -298,7 +292,7 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
       (Qwen3-8B gate_up at 4 rows 21.2 against 22.4 for 32 rows; DeepSeek-V3 q_b at 1 / 2 / 4 rows 8.4 / 8.7 /
       8.9 against 9.7 / 9.9 / 10.1);
     - other wide weights (Qwen3-8B gate_up at 1-2 rows): 32 rows, 4 warps, chunks of 256 (18.4 / 18.4 against
-      20.7 / 21.0 for 64 rows), ptxas allowed WIDE_MAXNREG registers;
+      20.7 / 21.0 for 64 rows);
     - deep ones (K / 4 >= 4096: DeepSeek-V3 o): 32 rows, 4 warps of 512-wide chunks at 1-2 rows (22.8 / 24.8
       against 27.3 / 27.5 for 8 warps of 128), 8 warps of 128 at 3-4 (28.0 against 34.3 for chunks of 256);
     - narrow ones (N / 32 < 256: Qwen3-8B down): 32 rows, 16 warps, chunks of 128 (11.9 / 12.4 / 12.6 at 1 / 2
@@ -338,8 +332,6 @@ def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
                 return MmaLinearConfig(32, 4, 512) if m <= 2 else MmaLinearConfig(32, 8, 128)
             if n // 32 < 256:  # narrow
                 return MmaLinearConfig(rows=32, warps=16, kc=128)
-        if wide_weight(n) and m <= 2:
-            return MmaLinearConfig(rows=32, warps=4, kc=256, maxnreg=WIDE_MAXNREG)
         return MmaLinearConfig(rows=32, warps=4 if n // 32 >= 256 else 8, kc=256)
     if n * k >= MEDIUM and n % 256 == 0 and m > 2 and (m > 8 or k >= n):
         split = 8
@@ -434,7 +426,7 @@ def w4a16_mma(
         cnt if cnt is not None else qweight, magic, offset, m, n,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         **constexprs(m, k, group, zeros is not None, bias is not None, cfg), num_warps=cfg.warps,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl_launch(x.device),
+        **pdl_launch(x.device),
     )  # fmt: skip
     return y
 
