@@ -95,6 +95,14 @@ def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.co
 
 
 @gluon.jit
+def _load_x(ptrs, mask, ZEROED: gl.constexpr):
+    # one chunk of x [W, NCOL, KC]: only each column's span where ZEROED (zeros elsewhere), else all of it
+    if ZEROED:
+        return gl.load(ptrs, mask=mask, other=0.0)
+    return gl.load(ptrs)
+
+
+@gluon.jit
 def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr, W: gl.constexpr,
            ROWS: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr,
            a_l: gl.constexpr, b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
@@ -197,18 +205,12 @@ def _w4a16_mma_kernel(
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
     q = gl.load(q_ptrs)
-    if ZEROED:
-        x = gl.load(x_ptrs, mask=x_mask, other=0.0)
-    else:
-        x = gl.load(x_ptrs)
+    x = _load_x(x_ptrs, x_mask, ZEROED)
     for c in range(CHUNKS):
         q_c, x_c = q, x
         if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-            if ZEROED:
-                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, mask=x_mask, other=0.0)
-            else:
-                x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+            x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, ZEROED)
         g = (span_k + c * KC) // GROUP
         tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
                      W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED)  # fmt: skip
