@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument(
         "--ab-warp-sum",
         action="store_true",
-        help="also time each row's default config with gl.sum's own cross-warp exchange",
+        help="--ab PADDED_WARP_SUM=0: each row's default config also with gl.sum's own cross-warp exchange",
     )
     p.add_argument(
         "--ab",
@@ -105,6 +105,10 @@ def main() -> None:
     )
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
+    if args.ab_warp_sum:
+        if args.ab:
+            p.error("--ab-warp-sum is --ab PADDED_WARP_SUM=0: give one of them")
+        args.ab = "PADDED_WARP_SUM=0"
     ab_name, _, ab_value = args.ab.partition("=")
     if args.ab and (not hasattr(mma, ab_name) or not ab_value.lstrip("-").isdigit()):
         p.error(f"--ab: NAME=V with NAME a module-level name of gluon_w4a16_mma and V an integer, got {args.ab!r}")
@@ -141,16 +145,9 @@ def main() -> None:
                 t_mma = checked(x, qws, lambda x, qw: run_mma(x, qw, None)) if mma.supported(
                     x, probe.qweight, probe.group_size, cfg) else "not supported"  # fmt: skip
                 t_before = checked(x, qws, before)
-                t_plain = None
-                if args.ab_warp_sum and not isinstance(t_mma, str):
-                    mma.PADDED_WARP_SUM = False
-                    t_plain = checked(x, qws, lambda x, qw: run_mma(x, qw, None))
-                    mma.PADDED_WARP_SUM = True
                 row = {"shape": name, "N": n, "K": k, "M": m, "fmt": v, "bytes": nbytes, "floor_ms": nbytes / bw / 1e6,
                        "mma_config": asdict(cfg), "mma_ms": t_mma, "before_ms": t_before, "gemv_bf16_ms": peers[m][0],
                        "cublas_bf16_ms": peers[m][1]}  # fmt: skip
-                if t_plain is not None:
-                    row["mma_plain_sum_ms"] = t_plain
                 t_ab = None
                 if args.ab and not isinstance(t_mma, str):
                     kept = getattr(mma, ab_name)
@@ -169,7 +166,6 @@ def main() -> None:
                 print(f"{name:20s} {v:9s} M={m:<3d} floor {nbytes / bw / 1e3:6.1f} us  mma {pct(nbytes, t_mma, bw)}  "
                       f"before {pct(nbytes, t_before, bw)} {speed:6s} bf16 gemv {pct(b16, peers[m][0], bw)}  "
                       f"cublas {pct(b16, peers[m][1], bw)}"
-                      + (f"  mma with gl.sum {pct(nbytes, t_plain, bw)}" if t_plain is not None else "")
                       + (f"  mma with {args.ab} {pct(nbytes, t_ab, bw)}" if t_ab is not None else ""),
                       flush=True)  # fmt: skip
                 Path(args.out).write_text(json.dumps(out, indent=1))
