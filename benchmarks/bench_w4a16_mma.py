@@ -7,7 +7,10 @@ the copy bandwidth measured in this run; each time is the median of a CUDA graph
 weight copies to exceed L2 several times. Every timed config is first checked against quant_linear_ref
 (||y - ref|| / ||ref|| < 1e-2). `--sweep M,..` also times every config of gluon_w4a16_mma.SWEEP on the
 int4-asym weights at those row counts (`--sweep-split`: only those whose warps split N); `--ab NAME=V`
-times each row's default config again with a module toggle of gluon_w4a16_mma set (e.g. SPAN_MASKED_X=0).
+times each row's default config again with a module toggle of gluon_w4a16_mma set (e.g. SPAN_MASKED_X=0);
+`--caps R,..` times it again with each register cap R (the launch's `maxnreg`; 0: ptxas's own choice) that
+fits its warps in the register file, and prints each capped kernel's registers, spills and programs an SM as
+this device's ptxas built it.
 Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]
@@ -19,7 +22,7 @@ import argparse
 import datetime
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_w4_b1 import compiled, occupancy
 from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, run_pool, time_per_call
 from ceilings import copy_bandwidth
 
@@ -83,6 +87,24 @@ def cname(c: mma.MmaLinearConfig) -> str:
     return f"r{c.rows} w{c.warps} kc{c.kc}" + (f" s{c.split}" if c.split else "")
 
 
+def kinfo(k: dict[str, Any] | None) -> str:
+    return f" [{k['regs']}r {k['spills']}s {k['programs_per_sm']}/SM]" if k else ""
+
+
+def capped(cfg: mma.MmaLinearConfig, caps: list[int]) -> list[mma.MmaLinearConfig]:
+    """cfg with each other register cap whose program fits the register file (65536 a multiprocessor)."""
+    return [replace(cfg, maxnreg=c) for c in caps if c != cfg.maxnreg and c * 32 * cfg.warps <= 65536]
+
+
+def built(run: Any) -> tuple[Any, dict[str, Any] | None]:
+    """run()'s result, and the registers, spills and programs an SM of the one kernel it compiled (None if it
+    compiled none or several)."""
+    seen = set(compiled(mma._w4a16_mma_kernel))
+    result = run()
+    new = [k for key, k in compiled(mma._w4a16_mma_kernel).items() if key not in seen]
+    return result, occupancy(new[0], 0) if len(new) == 1 else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -103,6 +125,8 @@ def main() -> None:
         help="also time each row's default config with the module toggle gluon_w4a16_mma.NAME set to int(V), "
         "e.g. SPAN_MASKED_X=0",
     )
+    p.add_argument("--caps", default="", metavar="R,..",
+                   help="also time each row's default config with each register cap R (0: none) that fits")
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
     if args.ab_warp_sum:
@@ -116,6 +140,9 @@ def main() -> None:
     rows = [int(m) for m in args.rows.split(",")]
     sweep_rows = [int(m) for m in args.sweep.split(",") if m]
     jobs: list[Job] = [(v, *SHAPES[s], m, None) for s in shapes for v in variants for m in rows]
+    caps = [int(c) for c in args.caps.split(",") if c]
+    jobs += [(v, *SHAPES[s], m, c) for s in shapes for v in variants for m in rows
+             for c in capped(mma.default_config(m, *SHAPES[s]), caps)]  # fmt: skip
     sweep = [c for c in mma.SWEEP if c.split or not args.sweep_split]
     jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in sweep]
     run_pool(_compile_job, jobs, args.workers)
@@ -142,12 +169,13 @@ def main() -> None:
                     peers[m] = (time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16)),
                                 time_per_call(lambda i, x=x, w=w16: F.linear(x, w[i]), len(w16)))  # fmt: skip
                 cfg = mma.default_config(m, n, k)
-                t_mma = checked(x, qws, lambda x, qw: run_mma(x, qw, None)) if mma.supported(
-                    x, probe.qweight, probe.group_size, cfg) else "not supported"  # fmt: skip
+                t_mma, own = ("not supported", None)
+                if mma.supported(x, probe.qweight, probe.group_size, cfg):
+                    t_mma, own = built(lambda x=x, qws=qws: checked(x, qws, lambda x, qw: run_mma(x, qw, None)))
                 t_before = checked(x, qws, before)
                 row = {"shape": name, "N": n, "K": k, "M": m, "fmt": v, "bytes": nbytes, "floor_ms": nbytes / bw / 1e6,
                        "mma_config": asdict(cfg), "mma_ms": t_mma, "before_ms": t_before, "gemv_bf16_ms": peers[m][0],
-                       "cublas_bf16_ms": peers[m][1]}  # fmt: skip
+                       "cublas_bf16_ms": peers[m][1], "mma_kernel": own}  # fmt: skip
                 t_ab = None
                 if args.ab and not isinstance(t_mma, str):
                     kept = getattr(mma, ab_name)
@@ -157,16 +185,25 @@ def main() -> None:
                     finally:
                         setattr(mma, ab_name, kept)
                     row["mma_ab"] = {"toggle": args.ab, "ms": t_ab}
+                t_caps: dict[int, float | str] = {}
+                built_caps: dict[int, dict[str, Any] | None] = {}
+                if caps and not isinstance(t_mma, str):
+                    for c in capped(cfg, caps):
+                        t_caps[c.maxnreg], built_caps[c.maxnreg] = built(
+                            lambda c=c, x=x, qws=qws: checked(x, qws, lambda x, qw: run_mma(x, qw, c)))  # fmt: skip
+                    row["mma_caps"] = {str(r): {"ms": t, "kernel": built_caps[r]} for r, t in t_caps.items()}
                 for key, t in (("mma", t_mma), ("before", t_before)):
                     if not isinstance(t, str):
                         row[f"{key}_pct_copy"] = 100 * nbytes / t / 1e6 / bw
                 out["rows"].append(row)
                 both = not isinstance(t_mma, str) and not isinstance(t_before, str)
                 speed = f"x{t_before / t_mma:.2f}" if both else ""
-                print(f"{name:20s} {v:9s} M={m:<3d} floor {nbytes / bw / 1e3:6.1f} us  mma {pct(nbytes, t_mma, bw)}  "
+                print(f"{name:20s} {v:9s} M={m:<3d} floor {nbytes / bw / 1e3:6.1f} us  "
+                      f"mma {pct(nbytes, t_mma, bw)}{kinfo(own)}  "
                       f"before {pct(nbytes, t_before, bw)} {speed:6s} bf16 gemv {pct(b16, peers[m][0], bw)}  "
                       f"cublas {pct(b16, peers[m][1], bw)}"
-                      + (f"  mma with {args.ab} {pct(nbytes, t_ab, bw)}" if t_ab is not None else ""),
+                      + (f"  mma with {args.ab} {pct(nbytes, t_ab, bw)}" if t_ab is not None else "")
+                      + "".join(f"  cap {r} {pct(nbytes, t, bw)}{kinfo(built_caps[r])}" for r, t in t_caps.items()),
                       flush=True)  # fmt: skip
                 Path(args.out).write_text(json.dumps(out, indent=1))
             if v != "int4-asym":

@@ -43,6 +43,9 @@ if [[ " $groups " == *" gluon "* ]]; then  # Hopper-only Gluon kernels, MLA pref
     tests/test_gluon_mma_compile.py tests/test_w4a16_mma_rule.py tests/test_mla_prefill.py tests/test_triton_greedy.py \
     tests/test_triton_sampling.py tests/test_triton_moe_w4_gemv.py tests/test_quant_formats.py
 fi
+if [[ " $groups " == *" w4a16 "* ]]; then  # the dense 4-bit linear alone (in kernels too): for a change to its routing
+  shards w4a16 8 tests/test_triton_w4a16.py
+fi
 if [[ " $groups " == *" parity "* ]]; then
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 t parity_bf16_default tests/test_engine_parity.py
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 FT_TEST_DISABLE_CUDA_GRAPH=1 t parity_bf16_graph_off tests/test_engine_parity.py
