@@ -7,8 +7,10 @@ Triton's interpreter, see tests/test_gluon_mla_compile.py).
 What each compiled kernel must show: m16n8k16 bf16 mma.sync with float32 accumulation; the weights decoded
 by the inline LOP3 (lut 0xEA: (q & mask) | magic) into operand registers, never staged in shared memory
 (the only shared memory is the cross-warp sum, at most 6 bytes an output element a warp: float32, rows of 16
-columns padded to 24); ptxas (the one Triton runs for sm_90, -v) spilling nothing; and at 1-4 rows the dense
-kernel's x loaded on its spans only (SPAN_MASKED_X: predicated vector loads).
+columns padded to 24); ptxas (the one Triton runs for sm_90, -v) spilling nothing, except one register (4
+bytes) under a register cap (gluon_w4a16_mma.register_cap: the 16-warp form capped at 128 spills that here, 2
+bytes on the H200's ptxas, and measured 8% faster); and at 1-4 rows the dense kernel's x loaded on its spans
+only (SPAN_MASKED_X: predicated vector loads).
 """
 
 from __future__ import annotations
@@ -50,40 +52,42 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
     from ftransformers.kernels import gluon_w4a16_mma as lin
 
     jobs = []
-    # the last two: 64 rows a warp (default_config's form for deep and for wide weights past 8 rows)
-    # and at 1-4 rows on the H200's forms: 16 warps on narrow weights, 64 rows on wide shallow ones
+    # default configs, among them: 64 rows a warp (deep and wide weights past 8 rows); at 1-4 rows the H200's
+    # forms (16 warps on narrow weights, 64 rows on wide shallow ones); the last, the split form with its
+    # register cap of 255
     dense = [(1, 7168, 16384, 128), (2, 24576, 4096, 128), (4, 5120, 2048, 128), (8, 4096, 12288, 128),
              (16, 1024, 2048, 32), (16, 7168, 16384, 128), (16, 24576, 1536, 128), (1, 4096, 12288, 128),
-             (4, 4096, 12288, 128), (1, 24576, 1536, 128)]  # fmt: skip
+             (4, 4096, 12288, 128), (1, 24576, 1536, 128), (4, 4096, 7168, 128)]  # fmt: skip
     # and the form whose warps split N (split 1, and split K with the last-one-out sum)
     split = [(16, 7168, 16384, 128, lin.MmaLinearConfig(32, 8, 128, 8)),
              (2, 4096, 12288, 128, lin.MmaLinearConfig(16, 4, 128, 1))]  # fmt: skip
     for m, n, k, group, cfg in [(*d, None) for d in dense] + split:
         cfg = cfg or lin.default_config(m, n, k)
         jobs.append((f"dense M={m} {n}x{k} g{group}", lin._w4a16_mma_kernel,
-                     lin.constexprs(m, k, group, True, True, cfg), cfg.warps, cfg.rows * 16))  # fmt: skip
+                     lin.constexprs(m, k, group, True, True, cfg), cfg.warps, cfg.rows * 16, cfg.maxnreg))  # fmt: skip
     for t, d, inter in [(1, 7168, 2048), (8, 2048, 768)]:  # DeepSeek-V3, Qwen3-30B-A3B
         cfg = moe.default_config(t, d)
         kc = moe.chunk_k(d // cfg.up_warps, 128, cfg.up_kc)
         up = dict(HAS_ZERO=True, GROUP=128, TOP_K=8, KC=kc, CHUNKS=d // cfg.up_warps // kc, AHEAD=cfg.up_ahead,
                   ROWS=cfg.up_rows, W=cfg.up_warps, **moe.layouts(cfg.up_warps, cfg.up_rows, kc))  # fmt: skip
-        jobs.append((f"moe gate-up T={t} D={d}", moe._gate_up_kernel, up, cfg.up_warps, cfg.up_rows * 8))
+        jobs.append((f"moe gate-up T={t} D={d}", moe._gate_up_kernel, up, cfg.up_warps, cfg.up_rows * 8, 0))
         kc = moe.chunk_k(inter, 128, cfg.down_kc)
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
                     **moe.layouts(8, cfg.down_rows, kc))  # fmt: skip
-        jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8))
+        jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8, 0))
     ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90
     out = []
-    for name, fn, consts, warps, outputs in jobs:
+    for name, fn, consts, warps, outputs, maxnreg in jobs:  # maxnreg: the launch's register cap (0: none)
         sig, attrs = _sig(fn, consts)
         src = GluonASTSource(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
             log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                                  capture_output=True, text=True, check=True).stderr  # fmt: skip
         out.append({"name": name, "shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log,
-                    "max_shared": 6 * warps * outputs})  # fmt: skip
+                    "max_shared": 6 * warps * outputs, "maxnreg": maxnreg})  # fmt: skip
     return out
 
 
@@ -99,11 +103,12 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 16
+    assert len(kernels) == 17
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]
         assert k["shared"] <= k["max_shared"], (k["name"], k["shared"])  # only the cross-warp sum
-        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", k["ptxas"]), (k["name"], k["ptxas"])
+        spilled = re.search(r"\b(\d+) bytes spill stores, (\d+) bytes spill loads", k["ptxas"])
+        assert spilled and max(map(int, spilled.groups())) <= (4 if k["maxnreg"] else 0), (k["name"], k["ptxas"])
         if re.match(r"dense M=[1-4] ", k["name"]):  # x on its spans only: predicated 16-byte loads
             assert re.search(r"@%p\d+ ld\.global\.v4\.b32", k["ptx"]), k["name"]

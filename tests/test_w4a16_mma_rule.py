@@ -35,29 +35,55 @@ def test_rule_takes_the_measured_wins_only() -> None:
     assert mma.takes(1, 7168, 16384, True) and not mma.takes(1, 7168, 16384, False)
     assert mma.takes(1, 24576, 4096, False) and mma.takes(1, 24576, 1536, False)
     assert not mma.takes(1, 4096, 12288, False)
-    assert mma.takes(3, 5120, 2048, True) and not mma.takes(2, 5120, 2048, True)  # small: 3-8 rows
+    assert mma.takes(3, 5120, 2048, True) and not mma.takes(1, 5120, 2048, True)  # small: 2-8 rows
     assert (
         mma.takes(8, 2048, 4096, True) and not mma.takes(9, 2048, 4096, True) and not mma.takes(17, 24576, 4096, True)
     )
-    assert mma.takes(16, 6144, 4096, False) and not mma.takes(2, 4096, 7168, True)  # medium: 3-16 rows
+    assert mma.takes(16, 6144, 4096, False) and not mma.takes(1, 4096, 7168, True)  # medium: 2-16 rows
     assert mma.takes(12, 24576, 1536, True) and mma.takes(16, 24576, 1536, False)  # shallow K too, since _warp_sum
 
 
+def test_two_rows_come_here_with_the_register_caps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At two rows the capped 16-row forms beat the GEMV on small and medium weights (register_cap's figures);
+    without the caps they did not, and the GEMV takes them."""
+    assert all(mma.takes(2, n, k, zero) for n, k in LINEARS.values() for zero in (False, True))
+    monkeypatch.setattr(mma, "REGISTER_CAPS", False)
+    assert not mma.takes(2, 5120, 2048, True) and not mma.takes(2, 4096, 7168, False)
+    assert mma.takes(2, 24576, 4096, False)  # large weights took two rows before the caps
+
+
+def test_register_caps_keep_the_programs_an_sm_and_turn_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cap is within the register file for its warps (65536 a multiprocessor) and is the measured one for
+    its form (register_cap's docstring); REGISTER_CAPS False leaves every config uncapped."""
+    cfgs = [mma.default_config(m, n, k) for n, k in LINEARS.values() for m in range(1, 17)]
+    assert all(c.maxnreg == 0 or c.maxnreg * 32 * c.warps <= 65536 for c in cfgs)
+    assert {c.maxnreg for c in cfgs} == {0, 128, 168, 255}
+    assert mma.default_config(1, 24576, 4096).maxnreg == 168  # 32 rows, 4 warps, chunks of 256
+    assert mma.default_config(1, 4096, 12288).maxnreg == 128 == mma.default_config(4, 7168, 16384).maxnreg
+    assert mma.default_config(8, 4096, 12288).maxnreg == 128  # 32 rows, 8 warps, chunks of 256
+    assert mma.default_config(4, 4096, 4096).maxnreg == 255 == mma.default_config(16, 6144, 4096).maxnreg  # split
+    assert mma.default_config(1, 5120, 2048).maxnreg == 128 and mma.default_config(12, 5120, 2048).maxnreg == 0
+    assert mma.default_config(1, 7168, 16384).maxnreg == 0 and mma.default_config(4, 24576, 1536).maxnreg == 0
+    monkeypatch.setattr(mma, "REGISTER_CAPS", False)
+    assert all(mma.default_config(m, n, k).maxnreg == 0 for n, k in LINEARS.values() for m in range(1, 17))
+
+
 def test_rule_uses_64_rows_where_they_measured_faster() -> None:
-    assert mma.default_config(8, 24576, 4096).rows == 64 and mma.default_config(16, 7168, 16384).rows == 64
-    assert mma.default_config(2, 24576, 4096).rows != 64 and mma.default_config(16, 4096, 12288).rows != 64
+    assert mma.form(8, 24576, 4096).rows == 64 and mma.form(16, 7168, 16384).rows == 64
+    assert mma.form(2, 24576, 4096).rows != 64 and mma.form(16, 4096, 12288).rows != 64
     # 1-4 rows (H200, span-masked x): wide weights at 3-4 rows or with K < 4096; not deep or narrow ones
-    assert mma.default_config(4, 24576, 4096).rows == 64 and mma.default_config(3, 36864, 7168).rows == 64
-    assert all(mma.default_config(m, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128) for m in (1, 2, 3, 4))
-    assert mma.default_config(1, 7168, 16384) == mma.MmaLinearConfig(32, 4, 512) == mma.default_config(2, 7168, 16384)
-    assert mma.default_config(4, 7168, 16384) == mma.MmaLinearConfig(32, 8, 128)
-    assert mma.default_config(1, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
-    assert mma.default_config(4, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
-    assert mma.default_config(5, 4096, 12288) == mma.MmaLinearConfig(32, 8, 256)  # 5-8 rows: the H100's rule
+    assert mma.form(4, 24576, 4096).rows == 64 and mma.form(3, 36864, 7168).rows == 64
+    assert all(mma.form(m, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128) for m in (1, 2, 3, 4))
+    assert mma.form(1, 7168, 16384) == mma.MmaLinearConfig(32, 4, 512) == mma.form(2, 7168, 16384)
+    assert mma.form(4, 7168, 16384) == mma.MmaLinearConfig(32, 8, 128)
+    assert mma.form(1, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
+    assert mma.form(4, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
+    assert mma.form(5, 4096, 12288) == mma.MmaLinearConfig(32, 8, 256)  # 5-8 rows: the H100's rule
+    assert mma.form(1, 24576, 4096) == mma.MmaLinearConfig(32, 4, 256)  # wide weights at 1-2 rows
     # 9-16 rows: wide weights too (4 warps where K < 4096), and 16 warps on narrow, deep ones
-    assert mma.default_config(12, 24576, 4096) == mma.MmaLinearConfig(64, 8, 128)
-    assert mma.default_config(16, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128)
-    assert mma.default_config(16, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
+    assert mma.form(12, 24576, 4096) == mma.MmaLinearConfig(64, 8, 128)
+    assert mma.form(16, 24576, 1536) == mma.MmaLinearConfig(64, 4, 128)
+    assert mma.form(16, 4096, 12288) == mma.MmaLinearConfig(32, 16, 128)
 
 
 def test_medium_weights_split_k_in_one_wave() -> None:

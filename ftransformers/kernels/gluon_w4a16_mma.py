@@ -59,6 +59,9 @@ PADDED_WARP_SUM = True
 # masked load, no memory request elsewhere) instead of the whole chunk and zeroing S - 1 of S spans after it.
 # False restores the full loads (for an A/B)
 SPAN_MASKED_X = True
+# Each form's register cap (`register_cap`, the launch option maxnreg) and, at two rows, every weight here
+# (`takes`). False: ptxas's own register counts and the GEMV at two rows on weights under LARGE (for an A/B)
+REGISTER_CAPS = True
 
 
 def tokens_and_spans(m: int) -> tuple[int, int]:
@@ -259,6 +262,7 @@ class MmaLinearConfig:
     warps: int = 8
     kc: int = 256
     split: int = 0
+    maxnreg: int = 0  # registers a thread ptxas may use (a launch option); 0: its own choice
 
     def tile(self) -> int:
         """Rows of W a program takes."""
@@ -288,6 +292,45 @@ WAVE = 132
 
 
 def default_config(m: int, n: int, k: int) -> MmaLinearConfig:
+    """The form `form` picks for M rows of x and an [N, K] weight, with its `register_cap`."""
+    cfg = form(m, n, k)
+    return replace(cfg, maxnreg=register_cap(m, cfg))
+
+
+def register_cap(m: int, cfg: MmaLinearConfig) -> int:
+    """Registers a thread ptxas may use for this form at M rows (0: its own choice). Left to itself ptxas
+    gives most forms far fewer registers than still fit their programs an SM; with the cap it uses them for
+    loads in flight. From the H200 (benchmarks/results/w4a16_mma_caps{,_small,_mid}_s42_h200.*: every default
+    config at 1-16 rows on ten weights, int4 g128, capped at 0 / 96 / 128 / 168 / 255, in one process; each
+    kernel's registers, spills and programs an SM as that device's ptxas built it), us against uncapped:
+    - 168 on 32 rows, 4 warps, chunks of 256 (141 registers uncapped; three programs an SM either way):
+      Qwen3-8B gate_up 17.5 / 18.0 against 18.5 / 18.4 at 1 / 2 rows;
+    - 128 on the other 32-row forms of 8 or 16 warps (100-105 registers uncapped, the same programs an SM at
+      128, ptxas spilling 0-2 bytes there): Qwen3-8B down 11.0 / 11.0 / 11.3 / 11.5 against 12.0 / 12.1 / 12.5
+      / 12.5 at 1-4 rows, 14.3 against 15.8-15.9 at 6-8; DeepSeek-V3 o 27.2-27.3 against 27.9-28.0 at 3-4 rows,
+      27.8 / 28.5 against 28.5 / 29.0 at 6 / 8 (168 took 32-34 there, one program an SM);
+    - 255 on the split forms (ptxas takes 148-206 and one program an SM): Qwen3-8B o 6.8-7.9 against
+      7.8-8.6 at 3-8 rows, 9.4 / 10.4 against 10.1 / 11.0 at 12 / 16; DeepSeek-V3 shared gate_up 9.7-10.9
+      against 11.5-12.1, 12.6 / 13.5 against 13.6 / 14.8; Qwen3-8B qkv 12.3 / 13.6 against 13.6 / 14.9;
+    - 128 on the 16-row forms at 1-8 rows (61-71 registers uncapped, 92-102 capped): Qwen3-30B-A3B o 4.1-5.0
+      against 5.2-5.7, qkv 4.5-4.8 against 5.1-5.3 at 1-4 rows (5.9 against 5.7 at 8), DeepSeek-V3 shared down
+      4.9 / 5.1 against 5.6 / 5.7 at 1 / 2 rows, Qwen3-8B o 6.9 against 8.2, qkv 8.0 / 8.1 against 9.1 / 9.2
+      at 1 / 2 rows (9.5 / 9.8 against 9.3 / 9.4 at 3 / 4, the cap's worst);
+    - none where ptxas already takes what fits (64 rows a warp: 168 at 1-8 rows, 247 at 9-16; the deep
+      one- and two-row form, 220-226) or where the caps measured no better or worse (16-row forms at 9-16
+      rows: Qwen3-30B-A3B qkv 7.9 against 9.7 at 168, DeepSeek-V3 shared down 12.8 against 9.8)."""
+    if not REGISTER_CAPS:
+        return 0
+    if cfg.split:
+        return 255
+    if cfg.rows == 16:
+        return 128 if m <= 8 else 0
+    if cfg.rows == 32 and cfg.warps == 4:
+        return 168 if cfg.kc == 256 else 0
+    return 128 if cfg.rows == 32 else 0
+
+
+def form(m: int, n: int, k: int) -> MmaLinearConfig:
     """Large weights at 1-4 rows (x loaded on its spans only, SPAN_MASKED_X), from the H200 sweep
     (benchmarks/results/w4a16_mma_spanmask_s41_h200.{json,log}, int4 g128 asym at 1, 2 and 4 rows), us:
     - wide weights (N / 64 >= 256) at 3-4 rows, or with K < 4096 at any: 64 rows a warp, 4 warps, chunks of 128
@@ -367,9 +410,16 @@ def takes(m: int, n: int, k: int, has_zero: bool) -> bool:
     11.6 / 11.9 / 12.4, DeepSeek-V3 shared gate_up 12.8 / 12.5 / 14.7 against 17.3 / 17.3 / 17.8); not at 2
     rows, where neither form wins on all four medium weights. Small weights at 3-8 rows (5-8 rows pad x to the
     same 8 columns as 4: Qwen3-30B-A3B qkv 6.0 / 6.2 against 7.6 at 5 / 8 rows, o 6.1 / 6.0 against 7.3,
-    DeepSeek-V3 shared down 6.8 / 7.0 against 10.2 / 10.4)."""
+    DeepSeek-V3 shared down 6.8 / 7.0 against 10.2 / 10.4). At two rows every weight, with the register caps
+    (`register_cap`; benchmarks/results/w4a16_mma_caps{,_small}_s42_h200.*, against the GEMV in one process):
+    Qwen3-30B-A3B qkv 4.8 / 4.4 us (asymmetric / symmetric) against 5.8 / 5.6, o 4.1 / 4.1 against 4.8 / 4.4,
+    DeepSeek-V3 shared down 5.1 / 5.8 against 7.5 / 7.3, Qwen3-8B qkv 8.1 against 10.0, o 7.0 against 7.2,
+    DeepSeek-V3 shared gate_up 11.2 against 12.5 (asymmetric); at one row the GEMV stays as fast or faster
+    (Qwen3-30B-A3B qkv 4.3 against 4.6, Qwen3-8B o 5.9 against 6.9)."""
     if n * k >= LARGE:
         return 2 <= m <= MAX_ROWS or (m == 1 and (has_zero or wide_weight(n)))
+    if m == 2 and REGISTER_CAPS:
+        return True
     if n * k >= MEDIUM:
         return 3 <= m <= MAX_ROWS
     return 3 <= m <= 8
@@ -428,7 +478,7 @@ def w4a16_mma(
         cnt if cnt is not None else qweight, magic, offset, m, n,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         **constexprs(m, k, group, zeros is not None, bias is not None, cfg), num_warps=cfg.warps,
-        **pdl_launch(x.device),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl_launch(x.device),
     )  # fmt: skip
     return y
 
