@@ -59,6 +59,7 @@ READ_BEFORE_WAIT = {
     "_token_down_kernel": "with PRELOAD the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",
     "_w8_row_kernel": "its rows of the (constant) 8-bit weight and their scales (and bias)",
+    "_w4a16_mma_kernel": "with PRELOAD the first chunk of its (constant) words",
     "_moe_token_down_kernel": "with PRELOAD the routing (ids: read by its predecessor, the pair gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) 16-bit rows",
     "_token_down_w8_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after that "
@@ -92,6 +93,7 @@ STEP_DATA_BEFORE_WAIT: dict[str, str | tuple[str, ...]] = {
 READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
     "gl.load", "gl.program_id",
+    "word_offsets",  # gluon_moe_w4_mma's index tensors of a chunk's words: aranges and expand_dims only
 }
 
 
@@ -311,24 +313,29 @@ def _qw(n: int, k: int, zeros: bool, fmt: str = "int4") -> object:
     return QuantizedWeight(fmt, torch.zeros(n, k // 8, dtype=torch.int32), torch.ones(n, k // 128), n, k, 128, zeros=z)
 
 
-def test_which_4bit_gemvs_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_which_4bit_linears_read_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     # The rule that makes the kernel before a 4-bit projection trigger early: the one-row GEMV with its first
-    # tile preloaded, where PDL is on; not the mma path's rows, the codes kernel's, a stack of experts or no PDL.
+    # tile preloaded and the mma kernel with its first chunk of words preloaded, where PDL is on; not the codes
+    # kernel's rows, a stack of experts, x permuted first or no PDL.
+    import dataclasses
+
+    from ftransformers.kernels import gluon_w4a16_mma as mma
     from ftransformers.kernels import triton_w4a16 as w4
 
     qkv, big_asym = _qw(5120, 2048, zeros=True), _qw(7168, 16384, zeros=True)
-    assert not w4.gemv_reads_ahead(qkv, 1)  # on the CPU: no PDL
+    assert not w4.w4a16_reads_ahead(qkv, 1)  # on the CPU: no PDL
     monkeypatch.setattr(w4, "pdl_launch", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    assert w4.gemv_reads_ahead(qkv, 1) and w4.gemv_reads_ahead(qkv, 2)
-    assert not w4.gemv_reads_ahead(qkv, 3)  # the codes kernel
-    assert not w4.gemv_reads_ahead(qkv, 64)
-    assert not w4.gemv_reads_ahead(big_asym, 1)  # the mma path takes one row of large weights with zeros
-    assert w4.gemv_reads_ahead(_qw(7168, 16384, zeros=False), 1)
-    import dataclasses
-
-    assert not w4.gemv_reads_ahead(dataclasses.replace(qkv, perm=torch.arange(2048)), 1)  # act order: x is permuted first
+    assert w4.w4a16_reads_ahead(qkv, 1)  # the GEMV
+    assert w4.w4a16_reads_ahead(qkv, 2) and w4.w4a16_reads_ahead(qkv, 8)  # the mma kernel
+    assert not w4.w4a16_reads_ahead(qkv, 9) and not w4.w4a16_reads_ahead(qkv, 64)  # the codes kernel
+    assert w4.w4a16_reads_ahead(big_asym, 1) and w4.w4a16_reads_ahead(big_asym, 16)  # the mma kernel
+    assert w4.w4a16_reads_ahead(_qw(7168, 16384, zeros=False), 1)  # the GEMV
+    assert not w4.w4a16_reads_ahead(dataclasses.replace(qkv, perm=torch.arange(2048)), 1)  # x is permuted first
+    monkeypatch.setattr(mma, "PRELOAD_WORDS", False)
+    assert not w4.w4a16_reads_ahead(qkv, 2) and not w4.w4a16_reads_ahead(big_asym, 1)
+    assert w4.w4a16_reads_ahead(qkv, 1)
     monkeypatch.setattr(w4, "PRELOAD_FIRST_TILE", False)
-    assert not w4.gemv_reads_ahead(qkv, 1)
+    assert not w4.w4a16_reads_ahead(qkv, 1)
 
 
 def test_decoder_layer_asks_its_norm_and_attention_for_an_early_trigger(monkeypatch: pytest.MonkeyPatch) -> None:

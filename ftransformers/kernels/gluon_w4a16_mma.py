@@ -62,6 +62,10 @@ SPAN_MASKED_X = True
 # Each form's register cap (`register_cap`, the launch option maxnreg) and, at two rows, every weight here
 # (`takes`). False: ptxas's own register counts and the GEMV at two rows on weights under LARGE (for an A/B)
 REGISTER_CAPS = True
+# The first chunk's words are loaded before the PDL wait (they are constant), and `triton_w4a16.w4a16_reads_ahead`
+# says so for the rows taken here, so the RMSNorm or attention stage 2 before the product triggers early (pdl.py).
+# False: loaded after the wait, no early trigger (for an A/B)
+PRELOAD_WORDS = True
 
 
 def tokens_and_spans(m: int) -> tuple[int, int]:
@@ -160,11 +164,10 @@ def _w4a16_mma_kernel(
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
     PADDED_SUM: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
+    x_l: gl.constexpr, MASK_X: gl.constexpr = False, PRELOAD: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # SPLIT 0: y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
     # SPLIT >= 1: warp w's rows [n0 + w ROWS, n0 + (w + 1) ROWS) over K [k0, k0 + KS), k0 = program_id(1) KS
-    pdl_enter(USE_PDL)
     RW: gl.constexpr = KC // 32
     KS: gl.constexpr = CHUNKS * KC
     NCOL: gl.constexpr = TOK * S
@@ -182,6 +185,11 @@ def _w4a16_mma_kernel(
     # words [W, ROWS, 4, RW]: row n0 + w WROWS + row, word (k0 + w WK) / 8 + RW t + r of the chunk
     ww, wrow, word = word_offsets(w_l, W, ROWS, RW)
     q_ptrs = q_ptr + (n0 + ww * WROWS + wrow).to(gl.int64) * stride_qn + k0 // 8 + ww * (WK // 8) + word
+    if PRELOAD:  # the first chunk's words are constant: requested before the wait (kernels/pdl.py)
+        q = gl.load(q_ptrs)
+    pdl_enter(USE_PDL)
+    if not PRELOAD:
+        q = gl.load(q_ptrs)
 
     # x [W, NCOL, KC]: row min(c // S, M - 1) (padding columns repeat the last row; never stored)
     x2: gl.constexpr = gl.SliceLayout(2, x_l)
@@ -207,7 +215,6 @@ def _w4a16_mma_kernel(
 
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
-    q = gl.load(q_ptrs)
     x = _load_x(x_ptrs, x_mask, ZEROED)
     for c in range(CHUNKS):
         q_c, x_c = q, x
@@ -490,4 +497,5 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     kc = chunk_k(ks, group, spans, cfg.kc)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
                 ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM, MASK_X=SPAN_MASKED_X,
+                PRELOAD=PRELOAD_WORDS,
                 **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip

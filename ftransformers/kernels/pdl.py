@@ -27,7 +27,10 @@ has completed. So a kernel may trigger early only if no kernel that can follow i
 anything a kernel of the step writes (tests/test_pdl.py, EARLY_TRIGGER, lists them with their successors).
 It pays only where the next kernel has constant data to read ahead of its wait: the decoder layer's input RMSNorm
 before a 4-bit qkv GEMV and decode attention's stage 2 before a 4-bit o GEMV, whose first weight tile then
-streams in while the norm, or stage 1, still runs (LinearBase.reads_ahead_of_wait decides). H100, session 27,
+streams in while the norm, or stage 1, still runs (LinearBase.reads_ahead_of_wait decides); the same before the
+dense int4 mma kernel, which reads its first chunk of words ahead (gluon_w4a16_mma.PRELOAD_WORDS; H200, session
+42, benchmarks/results/ab_preload_*_s42_h200.*: Qwen3-8B W4A16 B=1 / 4 2.165 / 2.531 against 2.174 / 2.566 ms,
+Qwen3-30B-A3B B=2 2.275 against 2.313, B=4 level). H100, session 27,
 benchmarks/results/ab_early*_h100.*: Qwen3-30B-A3B W4A16 B=1 1.803 against 1.845 ms, B=2 2.569 against 2.625;
 the same early triggers before bf16 GEMVs, which read nothing ahead, cost 3.206 -> 3.263 ms, and early triggers
 in the GEMVs, stage 1, the token MoE's down kernel or every norm were neutral or slower. The 8-bit row kernel

@@ -398,17 +398,20 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
             "num_warps": warps, "num_stages": stages}  # fmt: skip
 
 
-def gemv_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
-    """Whether w4a16_linear on `rows` rows of the 2-D weight qw runs the GEMV with its first K tile read ahead of
-    the PDL wait (PRELOAD_FIRST_TILE): then the kernel before it gains by triggering early (pdl.py, "Early
-    trigger"), as the tile streams in while that kernel still waits. Not for the mma path's rows, nor behind
-    GPTQ act order's permutation of x (a torch op, launched without PDL, then comes between)."""
-    if not PRELOAD_FIRST_TILE or qw.qweight.dim() != 2 or qw.perm is not None or not 1 <= rows <= GEMV_MAX_M:
-        return False
-    if not pdl_launch(qw.qweight.device):
+def w4a16_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
+    """Whether w4a16_linear on `rows` rows of the 2-D weight qw reads constant words ahead of the PDL wait: the
+    GEMV its first K tile (PRELOAD_FIRST_TILE), the mma kernel its first chunk (gluon_w4a16_mma.PRELOAD_WORDS).
+    Then the kernel before it gains by triggering early (pdl.py, "Early trigger"), as the words stream in while
+    that kernel still waits. Not behind GPTQ act order's permutation of x (a torch op, launched without PDL,
+    then comes between)."""
+    if qw.qweight.dim() != 2 or qw.perm is not None or not pdl_launch(qw.qweight.device):
         return False
     n, k, zeros = qw.out_features, qw.in_features, qw.zeros is not None
     if qw.fmt == "int4" and mma_path.takes(rows, n, k, zeros):
+        cfg = mma_path.default_config(rows, n, k)
+        if mma_path.fits(rows, n, k, qw.group_size, cfg):
+            return mma_path.PRELOAD_WORDS
+    if not PRELOAD_FIRST_TILE or not 1 <= rows <= GEMV_MAX_M:
         return False
     return w4a16_config(rows, n, k, qw.fmt, qw.group_size).get("GEMV") == 1
 

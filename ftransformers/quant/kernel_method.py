@@ -67,9 +67,9 @@ def quant_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
         return triton_w8_row.reads_ahead(qw, rows)
     if qw.fmt not in FOUR_BIT_FORMATS:
         return False
-    from ftransformers.kernels.triton_w4a16 import gemv_reads_ahead
+    from ftransformers.kernels.triton_w4a16 import w4a16_reads_ahead
 
-    return gemv_reads_ahead(qw, rows)
+    return w4a16_reads_ahead(qw, rows)
 
 
 def spec_tensor(spec: TensorSpec, n: int, k: int, shards: list[Shard], lead: tuple[int, ...],
