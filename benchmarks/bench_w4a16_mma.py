@@ -185,13 +185,12 @@ def main() -> None:
                     finally:
                         setattr(mma, ab_name, kept)
                     row["mma_ab"] = {"toggle": args.ab, "ms": t_ab}
-                t_caps: dict[int, float | str] = {}
-                built_caps: dict[int, dict[str, Any] | None] = {}
+                by_cap: dict[int, tuple[float | str, dict[str, Any] | None]] = {}  # cap: (ms, its kernel)
                 if caps and not isinstance(t_mma, str):
                     for c in capped(cfg, caps):
-                        t_caps[c.maxnreg], built_caps[c.maxnreg] = built(
+                        by_cap[c.maxnreg] = built(
                             lambda c=c, x=x, qws=qws: checked(x, qws, lambda x, qw: run_mma(x, qw, c)))  # fmt: skip
-                    row["mma_caps"] = {str(r): {"ms": t, "kernel": built_caps[r]} for r, t in t_caps.items()}
+                    row["mma_caps"] = {str(r): {"ms": t, "kernel": k} for r, (t, k) in by_cap.items()}
                 for key, t in (("mma", t_mma), ("before", t_before)):
                     if not isinstance(t, str):
                         row[f"{key}_pct_copy"] = 100 * nbytes / t / 1e6 / bw
@@ -203,7 +202,7 @@ def main() -> None:
                       f"before {pct(nbytes, t_before, bw)} {speed:6s} bf16 gemv {pct(b16, peers[m][0], bw)}  "
                       f"cublas {pct(b16, peers[m][1], bw)}"
                       + (f"  mma with {args.ab} {pct(nbytes, t_ab, bw)}" if t_ab is not None else "")
-                      + "".join(f"  cap {r} {pct(nbytes, t, bw)}{kinfo(built_caps[r])}" for r, t in t_caps.items()),
+                      + "".join(f"  cap {r} {pct(nbytes, t, bw)}{kinfo(k)}" for r, (t, k) in by_cap.items()),
                       flush=True)  # fmt: skip
                 Path(args.out).write_text(json.dumps(out, indent=1))
             if v != "int4-asym":

@@ -406,14 +406,21 @@ def w4a16_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
     then comes between)."""
     if qw.qweight.dim() != 2 or qw.perm is not None or not pdl_launch(qw.qweight.device):
         return False
-    n, k, zeros = qw.out_features, qw.in_features, qw.zeros is not None
-    if qw.fmt == "int4" and mma_path.takes(rows, n, k, zeros):
-        cfg = mma_path.default_config(rows, n, k)
-        if mma_path.fits(rows, n, k, qw.group_size, cfg):
-            return mma_path.PRELOAD_WORDS
+    if mma_rows_config(qw, rows) is not None:
+        return mma_path.PRELOAD_WORDS
     if not PRELOAD_FIRST_TILE or not 1 <= rows <= GEMV_MAX_M:
         return False
-    return w4a16_config(rows, n, k, qw.fmt, qw.group_size).get("GEMV") == 1
+    return w4a16_config(rows, qw.out_features, qw.in_features, qw.fmt, qw.group_size).get("GEMV") == 1
+
+
+def mma_rows_config(qw: QuantizedWeight, rows: int) -> mma_path.MmaLinearConfig | None:
+    """The dense int4 mma kernel's config where w4a16_linear (with no config given) runs `rows` rows of qw there:
+    int4, taken by its `takes` rule and fitting its default config's shape; else None. (The kernel also needs a
+    CUDA device and 16-bit x, `mma_path.supported`.)"""
+    if qw.fmt != "int4" or not mma_path.takes(rows, qw.out_features, qw.in_features, qw.zeros is not None):
+        return None
+    cfg = mma_path.default_config(rows, qw.out_features, qw.in_features)
+    return cfg if mma_path.fits(rows, qw.out_features, qw.in_features, qw.group_size, cfg) else None
 
 
 def gemv_scale_zero(qw: QuantizedWeight) -> torch.Tensor | None:
@@ -477,11 +484,10 @@ def w4a16_linear(
     N = qw.out_features
     if M == 0:
         return x.new_empty(*lead, N)
-    if config is None and qw.fmt == "int4" and mma_path.takes(M, N, K, qw.zeros is not None):
-        cfg_mma = mma_path.default_config(M, N, K)
-        if mma_path.supported(x, qw.qweight, qw.group_size, cfg_mma):
-            y = mma_path.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_mma)
-            return y.reshape(*lead, N)
+    cfg_mma = mma_rows_config(qw, M) if config is None else None
+    if cfg_mma is not None and mma_path.supported(x, qw.qweight, qw.group_size, cfg_mma):
+        y = mma_path.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_mma)
+        return y.reshape(*lead, N)
     cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size, x.dtype != torch.float32))
     if cfg.get("CODES"):
         if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"]):
