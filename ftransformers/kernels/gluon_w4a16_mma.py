@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, mma_capable, word_offsets
 from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
-from ftransformers.kernels.launch import cached_launch
+from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
 
@@ -485,7 +485,7 @@ def w4a16_mma(
         cnt if cnt is not None else qweight, magic, offset, m, n,
         x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         **constexprs(m, k, group, zeros is not None, bias is not None, cfg), num_warps=cfg.warps,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl_launch(x.device),
+        **maxnreg_option(cfg.maxnreg), **pdl_launch(x.device),
     )  # fmt: skip
     return y
 

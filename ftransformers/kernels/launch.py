@@ -56,6 +56,11 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def maxnreg_option(cap: int) -> dict[str, int]:
+    """The launch option capping the registers a thread ptxas may use (`**maxnreg_option(cap)`); none for 0."""
+    return {"maxnreg": cap} if cap else {}
+
+
 class _CachedRun:
     """Replaces `fn.run` (an instance attribute over JITFunction.run; `fn[grid](...)` calls it)."""
 

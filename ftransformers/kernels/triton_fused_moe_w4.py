@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma_path
 from ftransformers.kernels import triton_moe_w4_gemv as token_path
-from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
+from ftransformers.kernels.launch import cached_launch, cdiv, maxnreg_option, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
@@ -350,10 +350,6 @@ def _block_k(want: int, k: int, group: int) -> int:
     return max(group, min(want, next_pow2(k)))
 
 
-def _maxnreg(cap: int) -> dict[str, int]:
-    return {"maxnreg": cap} if cap else {}
-
-
 def _pair_path(hidden, w13, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
     return pair_down(pair_gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
 
@@ -370,7 +366,7 @@ def pair_gate_up(hidden, w13, ids, cfg: W4PairConfig) -> torch.Tensor:
         FMT=FMT_ID[w13.fmt], HAS_ZERO=w13.zeros is not None, X_F16=hidden.dtype == torch.float16,
         ACT_BF16=hidden.dtype == torch.bfloat16, EVEN=d % bk == 0 and inter % cfg.up_n == 0,
         GROUP=w13.group_size, TOP_K=top_k, BLOCK_N=cfg.up_n, BLOCK_K=bk, K_TILES=cdiv(d, bk),
-        num_warps=cfg.up_warps, num_stages=cfg.stages, **_maxnreg(cfg.up_maxnreg),
+        num_warps=cfg.up_warps, num_stages=cfg.stages, **maxnreg_option(cfg.up_maxnreg),
         **pdl_launch(x.device),
     )  # fmt: skip
     return act
@@ -391,7 +387,7 @@ def pair_down(act, hidden, w2, weights, ids, cfg: W4PairConfig) -> torch.Tensor:
         inter // 8, *weight_args(w2)[5:], out.stride(0), FMT=FMT_ID[w2.fmt], HAS_ZERO=w2.zeros is not None,
         EVEN=inter % bk == 0 and d % cfg.down_n == 0, GROUP=w2.group_size, TOP_K=top_k, SPLIT=split,
         BLOCK_N=cfg.down_n, BLOCK_K=bk, K_TILES=cdiv(inter, bk), num_warps=cfg.down_warps,
-        num_stages=cfg.stages, **_maxnreg(cfg.down_maxnreg),
+        num_stages=cfg.stages, **maxnreg_option(cfg.down_maxnreg),
         **pdl_launch(act.device),
     )  # fmt: skip
     return out
