@@ -41,15 +41,17 @@ def points(summary: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 
 def timing_errors(s: dict[str, Any], conc: tuple[int, ...], numbers: tuple[int, ...]) -> list[str]:
-    """Each reported figure that misses the programmed value by more than 5%."""
+    """Each reported figure that misses the programmed value by more than 5%. Per-request figures are compared by
+    their median: one request stalled ~120 ms by the shared 2-core box moves a 3-request mean of a 0.5 s TTFT by 8%
+    (CI saw 0.54), while a systematic error moves the median too. test_bench_metrics checks the means' arithmetic."""
     bad = []
     for c, n in zip(conc, numbers):
         p = points(s)[c]
         assert (p["successes"], p["failures"], p["short_outputs"]) == (n, 0, 0)
         assert p["total_output_tokens"] == n * OUT
         waves = -(-n // c)  # closed loop: n requests in waves of c, each wave one latency long
-        expected = {("ttft_s", "mean"): TTFT, ("tpot_ms", "mean"): GAP * 1000, ("tps", "mean"): 1 / GAP,
-                    ("itl_ms", "p50"): GAP * 1000, ("latency_s", "mean"): LATENCY,
+        expected = {("ttft_s", "p50"): TTFT, ("tpot_ms", "p50"): GAP * 1000, ("tps", "p50"): 1 / GAP,
+                    ("itl_ms", "p50"): GAP * 1000, ("latency_s", "p50"): LATENCY,
                     ("output_throughput", None): n * OUT / (waves * LATENCY)}
         for (metric, which), want in expected.items():
             got = p[metric] if which is None else p[metric][which]
@@ -62,7 +64,7 @@ def timing_errors(s: dict[str, Any], conc: tuple[int, ...], numbers: tuple[int, 
 def test_timing_matches_programmed(fake: FakeServer, tmp_path: Path, api: str) -> None:
     fake.configure(ttft=TTFT, gap=GAP)
     conc = (1, 8) if api == "openai-chat" else (4,)
-    numbers = (3, 16) if api == "openai-chat" else (8,)
+    numbers = (5, 16) if api == "openai-chat" else (8,)
     flags = ("--api", api, "--input-length", "32", "--output-length", str(OUT), "--parallel", *map(str, conc),
              "--number", *map(str, numbers))
     rc, s = run(fake, tmp_path / "a", *flags)
