@@ -99,10 +99,11 @@ def test_failures_and_short_outputs_counted(fake: FakeServer, tmp_path: Path) ->
 
 
 def test_find_max_concurrency(fake: FakeServer, tmp_path: Path) -> None:
-    # each token gap grows 10.5 ms per request in flight: TPS ~ 95 / concurrency, so 6 holds 15 tok/s, 7 not
+    # each token gap grows 10.5 ms per request in flight: TPS ~ 95 / concurrency, so 6 holds 14.5 tok/s (15.9,
+    # 9% above: room for a client stalled by the shared box, which only lowers TPS), 7 not (13.6, 6% below)
     fake.configure(ttft=0.02, gap=0.0, gap_per_inflight=0.0105)
     rc, s = run(fake, tmp_path, "--input-length", "16", "--output-length", "8", "--find-max-concurrency",
-                "--min-tps", "15")
+                "--min-tps", "14.5")
     assert rc == 0
     (res,) = s["max_concurrency"]
     assert res["max_concurrency"] == 6, res["probes"]
