@@ -1,6 +1,7 @@
 """`ftransformers bench` against a server with programmed timing (tests/bench_fake_server.py): the reported
-TTFT, TPOT, TPS, latency and throughput match what was programmed within 5%, at concurrency 1 and 8; injected
-failures and short outputs are counted as such; the search, soak, dataset and prefix check run."""
+TTFT, TPOT, TPS and latency (per-request medians) and throughput match what was programmed within 5%, at
+concurrency 1 and 8; injected failures and short outputs are counted as such; the search, soak, dataset and
+prefix check run."""
 
 from __future__ import annotations
 
