@@ -44,11 +44,6 @@ def _sig(fn, consts: dict) -> tuple[dict, dict]:  # every parameter in order: it
 
 
 def _compile() -> list[dict]:  # in this process: per kernel, its name, shared bytes, PTX, ptxas -v log
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from ftransformers.kernels import gluon_moe_w4_mma as moe
     from ftransformers.kernels import gluon_w4a16_mma as lin
 
@@ -76,31 +71,46 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
                     **moe.layouts(8, cfg.down_rows, kc))  # fmt: skip
         jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8, 0))
-    ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90
     out = []
     for name, fn, consts, warps, outputs, maxnreg in jobs:  # maxnreg: the launch's register cap (0: none)
-        sig, attrs = _sig(fn, consts)
-        src = GluonASTSource(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
-        options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
-            log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                                 capture_output=True, text=True, check=True).stderr  # fmt: skip
-        out.append({"name": name, "shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log,
+        out.append({"name": name, **compile_for_hopper(fn, consts, warps, maxnreg),
                     "max_shared": 6 * warps * outputs, "maxnreg": maxnreg})  # fmt: skip
     return out
 
 
-@pytest.fixture(scope="module")
-def kernels() -> list[dict]:
+def compile_for_hopper(fn, consts: dict, warps: int, maxnreg: int = 0) -> dict:
+    """A Gluon kernel compiled for sm_90 with PDL on, in this process: its shared bytes, PTX and the ptxas -v log
+    of the ptxas Triton itself runs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, attrs = _sig(fn, consts)
+    src = GluonASTSource(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr  # fmt: skip
+    return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log}
+
+
+def compiled_in_child(module: str) -> list[dict]:
+    """`module._compile()` (a test module beside this one) run in a child process without Triton's interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += "from test_gluon_mma_compile import _compile; print(json.dumps(_compile()))"
+    code += f"from {module} import _compile; print(json.dumps(_compile()))"
     cmd = [sys.executable, "-c", code]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def kernels() -> list[dict]:
+    return compiled_in_child("test_gluon_mma_compile")
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
