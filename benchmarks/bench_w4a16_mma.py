@@ -10,7 +10,9 @@ int4-asym weights at those row counts (`--sweep-split`: only those whose warps s
 times each row's default config again with a module toggle of gluon_w4a16_mma set (e.g. SPAN_MASKED_X=0);
 `--caps R,..` times it again with each register cap R (the launch's `maxnreg`; 0: ptxas's own choice) that
 fits its warps in the register file, and prints each capped kernel's registers, spills and programs an SM as
-this device's ptxas built it.
+this device's ptxas built it. `--wgmma T:KC:S,..` also times the wgmma prototype (kernels/gluon_w4a16_wgmma.py)
+with T 64-row tiles a program, chunks of at most KC and K split S ways (0: wg.default_config's split), at every row
+count where it fits (Hopper).
 Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]
@@ -36,15 +38,27 @@ from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, run_poo
 from ceilings import copy_bandwidth
 
 from ftransformers.kernels import gluon_w4a16_mma as mma
+from ftransformers.kernels import gluon_w4a16_wgmma as wg
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
 from ftransformers.kernels.triton_gemv import gemv
 from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
 
-Job = tuple[str, int, int, int, mma.MmaLinearConfig | None]
+Job = tuple[str, int, int, int, mma.MmaLinearConfig | wg.WgmmaLinearConfig | None]
 
 
 def run_mma(x: torch.Tensor, qw: QuantizedWeight, cfg: mma.MmaLinearConfig | None) -> torch.Tensor:
     return mma.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, None, cfg)
+
+
+def run_wgmma(x: torch.Tensor, qw: QuantizedWeight, cfg: wg.WgmmaLinearConfig) -> torch.Tensor:
+    return wg.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, None, cfg)
+
+
+def resolved(cfg: wg.WgmmaLinearConfig, m: int, qw: QuantizedWeight) -> wg.WgmmaLinearConfig:
+    """cfg, its split 0 replaced by wg.default_config's for these tiles and chunk."""
+    if cfg.split:
+        return cfg
+    return wg.default_config(m, qw.out_features, qw.in_features, qw.group_size, cfg.tiles, cfg.kc)
 
 
 def before(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -58,7 +72,10 @@ def _compile_job(job: Job) -> str:
         gen = torch.Generator(device=DEV).manual_seed(0)
         qw = make_weight(variant, n, k, gen)
         x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
-        if mma.supported(x, qw.qweight, qw.group_size, cfg or mma.default_config(m, n, k)):
+        if isinstance(cfg, wg.WgmmaLinearConfig):
+            if wg.supported(x, qw.qweight, qw.group_size, resolved(cfg, m, qw)):
+                run_wgmma(x, qw, resolved(cfg, m, qw))
+        elif mma.supported(x, qw.qweight, qw.group_size, cfg or mma.default_config(m, n, k)):
             run_mma(x, qw, cfg)
         if cfg is None:
             before(x, qw)
@@ -87,6 +104,10 @@ def cname(c: mma.MmaLinearConfig) -> str:
     return f"r{c.rows} w{c.warps} kc{c.kc}" + (f" s{c.split}" if c.split else "")
 
 
+def wname(c: wg.WgmmaLinearConfig) -> str:
+    return f"t{c.tiles} kc{c.kc} s{c.split}"
+
+
 def kinfo(k: dict[str, Any] | None) -> str:
     return f" [{k['regs']}r {k['spills']}s {k['programs_per_sm']}/SM]" if k else ""
 
@@ -96,12 +117,12 @@ def capped(cfg: mma.MmaLinearConfig, caps: list[int]) -> list[mma.MmaLinearConfi
     return [replace(cfg, maxnreg=c) for c in caps if c != cfg.maxnreg and c * 32 * cfg.warps <= 65536]
 
 
-def built(run: Any) -> tuple[Any, dict[str, Any] | None]:
+def built(run: Any, kernel: Any = mma._w4a16_mma_kernel) -> tuple[Any, dict[str, Any] | None]:
     """run()'s result, and the registers, spills and programs an SM of the one kernel it compiled (None if it
     compiled none or several)."""
-    seen = set(compiled(mma._w4a16_mma_kernel))
+    seen = set(compiled(kernel))
     result = run()
-    new = [k for key, k in compiled(mma._w4a16_mma_kernel).items() if key not in seen]
+    new = [k for key, k in compiled(kernel).items() if key not in seen]
     return result, occupancy(new[0], 0) if len(new) == 1 else None
 
 
@@ -127,6 +148,9 @@ def main() -> None:
     )
     p.add_argument("--caps", default="", metavar="R,..",
                    help="also time each row's default config with each register cap R (0: none) that fits")
+    p.add_argument("--wgmma", default="", metavar="T:KC:S,..",
+                   help="also time the wgmma prototype with T 64-row tiles a program, chunks of KC, K split S ways "
+                   "(0: its default_config's split)")
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
     if args.ab_warp_sum:
@@ -143,6 +167,8 @@ def main() -> None:
     caps = [int(c) for c in args.caps.split(",") if c]
     jobs += [(v, *SHAPES[s], m, c) for s in shapes for v in variants for m in rows
              for c in capped(mma.default_config(m, *SHAPES[s]), caps)]  # fmt: skip
+    wgmma = [wg.WgmmaLinearConfig(*map(int, c.split(":"))) for c in args.wgmma.split(",") if c]
+    jobs += [(v, *SHAPES[s], m, c) for s in shapes for v in variants for m in rows for c in wgmma]
     sweep = [c for c in mma.SWEEP if c.split or not args.sweep_split]
     jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in sweep]
     run_pool(_compile_job, jobs, args.workers)
@@ -191,6 +217,13 @@ def main() -> None:
                         by_cap[c.maxnreg] = built(
                             lambda c=c, x=x, qws=qws: checked(x, qws, lambda x, qw: run_mma(x, qw, c)))  # fmt: skip
                     row["mma_caps"] = {str(r): {"ms": t, "kernel": k} for r, (t, k) in by_cap.items()}
+                by_wgmma: dict[str, tuple[float | str, dict[str, Any] | None]] = {}  # config: (ms, its kernel)
+                for c in (resolved(c, m, probe) for c in wgmma):
+                    if wg.supported(x, probe.qweight, probe.group_size, c):
+                        by_wgmma[wname(c)] = built(lambda c=c, x=x, qws=qws: checked(
+                            x, qws, lambda x, qw: run_wgmma(x, qw, c)), wg._w4a16_wgmma_kernel)  # fmt: skip
+                if by_wgmma:
+                    row["wgmma"] = {name: {"ms": t, "kernel": k} for name, (t, k) in by_wgmma.items()}
                 for key, t in (("mma", t_mma), ("before", t_before)):
                     if not isinstance(t, str):
                         row[f"{key}_pct_copy"] = 100 * nbytes / t / 1e6 / bw
@@ -202,7 +235,8 @@ def main() -> None:
                       f"before {pct(nbytes, t_before, bw)} {speed:6s} bf16 gemv {pct(b16, peers[m][0], bw)}  "
                       f"cublas {pct(b16, peers[m][1], bw)}"
                       + (f"  mma with {args.ab} {pct(nbytes, t_ab, bw)}" if t_ab is not None else "")
-                      + "".join(f"  cap {r} {pct(nbytes, t, bw)}{kinfo(k)}" for r, (t, k) in by_cap.items()),
+                      + "".join(f"  cap {r} {pct(nbytes, t, bw)}{kinfo(k)}" for r, (t, k) in by_cap.items())
+                      + "".join(f"  wgmma {w} {pct(nbytes, t, bw)}{kinfo(k)}" for w, (t, k) in by_wgmma.items()),
                       flush=True)  # fmt: skip
                 Path(args.out).write_text(json.dumps(out, indent=1))
             if v != "int4-asym":

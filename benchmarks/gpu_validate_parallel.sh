@@ -46,6 +46,9 @@ fi
 if [[ " $groups " == *" w4a16 "* ]]; then  # the dense 4-bit linear alone (in kernels too): for a change to its routing
   shards w4a16 8 tests/test_triton_w4a16.py
 fi
+if [[ " $groups " == *" wgmma "* ]]; then  # the int4 wgmma prototype (Hopper; not in the engine, not a default group)
+  shards wgmma 8 tests/test_gluon_w4a16_wgmma.py tests/test_gluon_wgmma_compile.py
+fi
 if [[ " $groups " == *" parity "* ]]; then
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 t parity_bf16_default tests/test_engine_parity.py
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 FT_TEST_DISABLE_CUDA_GRAPH=1 t parity_bf16_graph_off tests/test_engine_parity.py

@@ -1,0 +1,281 @@
+"""int4 weight x 16-bit activation products at 1-16 rows on Hopper's wgmma, the weights as register operands:
+y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_formats.py.
+
+A PROTOTYPE, NOT YET RUN ON A GPU: written in a session without device time, checked only by the offline sm_90
+compile (tests/test_gluon_wgmma_compile.py). `w4a16_linear` does not call it; tests/test_gluon_w4a16_wgmma.py
+(CUDA, compute capability 9.x) checks it against quant_linear_ref, and benchmarks/bench_w4a16_mma.py
+`--wgmma` times it beside the mma.sync kernel. Why it exists: kernels/gluon_w4a16_mma.py keeps x as mma.sync B
+operands in registers, loaded by every warp (at 9-16 rows as many bytes from L2 as the weight's, and at 16 rows
+64 registers a thread of x), and its 64-row forms run one 8-warp program an SM at 247 registers: 29-44% of copy
+bandwidth at 16 rows on the H200 (docs/performance.md, session 42). The Triton codes kernel
+(triton_w4a16_codes) puts the weights on wgmma's M but through shared memory, a round trip and barriers each
+tile. Here:
+
+- The product is y^T = W x^T: a program's BM = 64 x TILES rows of W are wgmma's M (one warpgroup, 4 warps,
+  warp w holding rows 16 w + 64 j), x^T its N = NP columns (8 at 1-8 rows, 16 at 9-16; padding columns repeat
+  the last row of x and are never stored).
+- x is read once a program: its K share [NP, KS] goes to shared memory at the start, in logical K order, with
+  each chunk's column sums beside it, so the loop has no barrier and no load of x.
+- The weights go from global memory to registers and, through gluon_moe_w4_mma's LOP3 (`_pair`: offset + code,
+  exact in 16 bits), straight into wgmma's A register fragment. K is permuted inside a chunk of KC (a power of
+  two dividing the group, 32-128) so that a thread's RW = KC / 32 words of a row are adjacent in memory:
+  logical k = h + 2t + 8i + 32r holds memory element e = i + 4h + 8(RW t + r) (lane t = lane % 4, word r of
+  the thread's run, nibble pair i of the word, half h of the pair). x is stored in the same logical order.
+- A chunk lies inside one quantization group, so its accumulator leaves through
+  scale * (acc - (offset + zero) * colsum), as in the mma.sync kernels.
+- Splits of K: SPLIT programs per row tile publish float32 partials [SPLIT, M, N]; the last one out (an acq_rel
+  ticket, kernels/tickets.py's protocol) adds them in split order and stores y.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
+from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _capability, _pair
+from ftransformers.kernels.gluon_w4a16_mma import _store_y
+from ftransformers.kernels.launch import cached_launch
+from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.tickets import split_scratch
+
+MAX_ROWS = 16
+# shared memory a program may take for x and its column sums (`shared_bytes`): 2 programs an SM at 80 KB (228 KB)
+MAX_X_BYTES = 80 * 1024
+
+
+@dataclass(frozen=True)
+class WgmmaLinearConfig:
+    """TILES 64-row tiles of W a program (one warpgroup), chunks of at most KC, SPLIT programs along K."""
+
+    tiles: int = 2
+    kc: int = 128
+    split: int = 1
+
+    def rows(self) -> int:
+        return 64 * self.tiles
+
+
+# programs the split aims for (two an SM on the H100's and H200's 132), and the shared memory for x it leaves a
+# program (so that several run on an SM)
+AIM_PROGRAMS = 264
+AIM_X_BYTES = 32 * 1024
+MIN_SHARE = 512  # K a program takes at least (float32 partials of a split cost split x M x N x 8 bytes of traffic)
+
+
+def default_config(m: int, n: int, k: int, group: int, tiles: int = 2, kc: int = 128) -> WgmmaLinearConfig:
+    """A starting point for the benchmark, not a measured rule: TILES (1 where it does not divide N) and KC as
+    given, and K split in the fewest powers of two (K shares of at least MIN_SHARE) that give AIM_PROGRAMS programs
+    with x's share within AIM_X_BYTES; else the largest split that `fits` (the result may not fit: callers check)."""
+    if n % (64 * tiles):
+        tiles = 1
+    best = WgmmaLinearConfig(tiles, kc, 1)
+    split = 1
+    while k % split == 0 and k // split >= MIN_SHARE:
+        cfg = WgmmaLinearConfig(tiles, kc, split)
+        if fits(m, n, k, group, cfg):
+            best = cfg
+            ks = k // split
+            x_bytes = shared_bytes(columns(m), ks, chunk(ks, group, kc))
+            if n // cfg.rows() * split >= AIM_PROGRAMS and x_bytes <= AIM_X_BYTES:
+                break
+        split *= 2
+    return best
+
+
+def columns(m: int) -> int:
+    """wgmma's N for M rows of x: 8 up to 8 rows, else 16."""
+    return 8 if m <= 8 else 16
+
+
+def chunk(ks: int, group: int, most: int) -> int:
+    """The largest chunk KC <= most (a power of two >= 32) dividing both K's share ks and the group; 0 if none."""
+    kc = most
+    while kc >= 32:
+        if ks % kc == 0 and group % kc == 0:
+            return kc
+        kc //= 2
+    return 0
+
+
+def fits(m: int, n: int, k: int, group: int, cfg: WgmmaLinearConfig) -> bool:
+    """The shape part of `supported`: 1 <= M <= 16, N a multiple of a program's rows, K split evenly into whole
+    chunks, and x's share within MAX_X_BYTES."""
+    if not 1 <= m <= MAX_ROWS or n % cfg.rows() or cfg.split < 1 or k % cfg.split:
+        return False
+    ks = k // cfg.split
+    kc = chunk(ks, group, cfg.kc)
+    return kc > 0 and shared_bytes(columns(m), ks, kc) <= MAX_X_BYTES
+
+
+def shared_bytes(np_: int, ks: int, kc: int) -> int:
+    """A program's shared memory: x's K share (16-bit, NP columns) and each chunk's float32 column sums."""
+    return np_ * ks * 2 + np_ * (ks // kc) * 4
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WgmmaLinearConfig) -> bool:
+    """Whether the kernel takes x [M, K] @ W^T for this int4 qweight [N, K // 8]: a Hopper GPU (compute
+    capability 9.x, wgmma), bf16 / fp16 x, and `fits`."""
+    if x.device.type != "cuda" or x.dtype not in MAGIC or _capability(x.device.index or 0)[0] != 9:
+        return False
+    return fits(x.shape[0], qweight.shape[0], x.shape[1], group, cfg)
+
+
+def layouts(tiles: int, kc: int, np_: int) -> dict:
+    """The accumulator's wgmma layout [BM, NP], A's register fragment [BM, KC] and the words' layout [BM, 4 (t),
+    RW (r)] that decodes into it with no data movement (module docstring)."""
+    rw = kc // 32
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, np_, 16])
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range(rw.bit_length() - 1)] + [[8, 0, 0]]
+        + [[64 << i, 0, 0] for i in range(tiles.bit_length() - 1)],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]],
+        block_bases=[],
+        shape=[64 * tiles, 4, rw],
+    )  # fmt: skip
+    return {"mma": mma, "a_l": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2), "w_l": words}
+
+
+@gluon.jit
+def _a_fragment(q, magic, DT: gl.constexpr, a_l: gl.constexpr, BM: gl.constexpr, RW: gl.constexpr):
+    # q [BM, 4 (t), RW (r)] words -> [BM, 32 RW] DT A operand, logical k = h + 2t + 8i + 32r
+    q2 = gl.join(q, q)
+    # the magic through an opaque mov (as gluon_moe_w4_mma._a_tile: one register, not the constant bank)
+    m2 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q2 * 0 + magic], dtype=gl.int32, is_pure=True, pack=1)
+    c = gl.join(gl.join(_pair(q2, m2, 0, DT), _pair(q2, m2, 1, DT)),
+                gl.join(_pair(q2, m2, 2, DT), _pair(q2, m2, 3, DT)))  # [BM, t, r, h, i bit 0, i bit 1]
+    c = gl.permute(c, (0, 2, 5, 4, 1, 3))  # [BM, r, i bit 1, i bit 0, t, h]
+    return gl.convert_layout(gl.reshape(c, [BM, 32 * RW]), a_l, assert_trivial=True)
+
+
+@gluon.jit
+def _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr):
+    # xs [CHUNKS, NP, KC] <- x[min(col, M - 1), k0 + c KC + e] at logical k (module docstring); sums [CHUNKS, NP]
+    # <- each chunk's column sums (float32)
+    RW: gl.constexpr = KC // 32
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte runs of memory order
+    col = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(1, ld)), 1)
+    e = gl.expand_dims(gl.arange(0, KC, layout=gl.SliceLayout(0, ld)), 0)
+    ptrs = x_ptr + gl.minimum(col, M - 1).to(gl.int64) * stride_xm + k0 + e
+    for c in range(CHUNKS):
+        x = gl.load(ptrs + c * KC)  # [NP, KC], memory element e = 8 (RW t + r) + 4h + i
+        sums.index(c).store(gl.sum(x.to(gl.float32), axis=1))
+        x6 = gl.reshape(x, [NP, 4, RW, 2, 4])  # [col, t, r, h, i]
+        xs.index(c).store(gl.reshape(gl.permute(x6, (0, 2, 4, 1, 3)), [NP, KC]))  # [col, r, i, t, h]
+
+
+@cached_launch
+@gluon.jit
+def _w4a16_wgmma_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
+    stride_xm, stride_qn, stride_sn, stride_ym,
+    HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+    w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
+    RW: gl.constexpr = KC // 32
+    BM: gl.constexpr = 64 * TILES
+    KS: gl.constexpr = CHUNKS * KC
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    n0 = gl.program_id(0) * BM
+    k0 = gl.program_id(1) * KS
+
+    # words [BM, 4, RW]: row n0 + row, word k0 / 8 + RW t + r of each chunk; the first chunk's before the wait
+    l2: gl.constexpr = gl.SliceLayout(2, w_l)
+    wrow = gl.expand_dims(gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, l2)), 1), 2)
+    wt = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, l2)), 0), 2)
+    wr = gl.expand_dims(gl.expand_dims(gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, w_l))), 0), 0)
+    q_ptrs = q_ptr + (n0 + wrow).to(gl.int64) * stride_qn + k0 // 8 + wt * RW + wr
+    q = gl.load(q_ptrs)
+    pdl_enter(USE_PDL)
+
+    xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NP, KC], DT)
+    xs = gl.allocate_shared_memory(DT, [CHUNKS, NP, KC], xs_l)
+    sums = gl.allocate_shared_memory(gl.float32, [CHUNKS, NP], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP, KC, CHUNKS)
+    fence_async_shared()  # generic-proxy stores, before the wgmmas read them
+    _cta_barrier()  # every warp's share of x and the sums
+
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    s_rows = gl.expand_dims((n0 + rows).to(gl.int64) * stride_sn, 1)  # [BM, 1]
+    tot = gl.zeros([BM, NP], gl.float32, mma)
+    for c in range(CHUNKS):
+        q_c = q
+        if CHUNKS > 1:  # the next chunk's words are requested before this chunk's product
+            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+        a = _a_fragment(q_c, magic, DT, a_l, BM, RW)
+        acc = warpgroup_mma(a, xs.index(c).permute((1, 0)), gl.zeros([BM, NP], gl.float32, mma), use_acc=False,
+                            is_async=True)  # fmt: skip
+        g = (k0 + c * KC) // GROUP
+        scale = gl.load(s_ptr + s_rows + g).to(gl.float32)
+        if HAS_ZERO:
+            zz = gl.load(z_ptr + s_rows + g).to(gl.float32) + offset
+        else:
+            zz = offset + 8.0
+        colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
+        acc, a = warpgroup_mma_wait(0, deps=[acc, a])  # A's registers stay live until the wgmma has read them
+        tot += scale * (acc - zz * colsum)
+
+    n_idx = gl.expand_dims(n0 + rows, 1)  # [BM, 1]
+    toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
+    if SPLIT == 1:
+        _store_y(tot, y_ptr, bias_ptr, n_idx, toks, M, stride_ym, HAS_BIAS)
+    else:
+        # partials [SPLIT, M, N] float32; the last of the tile's SPLIT programs adds them in split order
+        part = part_ptr + toks.to(gl.int64) * N + n_idx
+        gl.store(part + gl.program_id(1) * M * N, tot, mask=toks < M)
+        _cta_barrier()  # every warp's partial is stored before the release ticket
+        if gl.atomic_add(cnt_ptr + gl.program_id(0), 1, sem="acq_rel") == SPLIT - 1:
+            gl.store(cnt_ptr + gl.program_id(0), 0)
+            total = gl.load(part, mask=toks < M, other=0.0, cache_modifier=".cg")
+            for sp in gl.static_range(1, SPLIT):
+                total += gl.load(part + sp * M * N, mask=toks < M, other=0.0, cache_modifier=".cg")
+            _store_y(total, y_ptr, bias_ptr, n_idx, toks, M, stride_ym, HAS_BIAS)
+
+
+def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: WgmmaLinearConfig) -> dict:
+    """The kernel's compile-time arguments for M rows of x, K, the group and cfg (shapes that `fits`)."""
+    ks = k // cfg.split
+    kc = chunk(ks, group, cfg.kc)
+    np_ = columns(m)
+    return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, NP=np_, TILES=cfg.tiles,
+                SPLIT=cfg.split, **layouts(cfg.tiles, kc, np_))  # fmt: skip
+
+
+def w4a16_wgmma(
+    x: torch.Tensor,  # [M, K] bf16 / fp16, unit stride along K, 1 <= M <= 16
+    qweight: torch.Tensor,  # int32 [N, K // 8]
+    scales: torch.Tensor,  # [N, K // G]
+    zeros: torch.Tensor | None,  # uint8 [N, K // G] or None (zero 8)
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+    cfg: WgmmaLinearConfig | None = None,
+) -> torch.Tensor:  # [M, N] x.dtype
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = cfg or WgmmaLinearConfig()
+    assert supported(x, qweight, group, cfg) and x.stride(1) == 1, (tuple(x.shape), group, cfg)
+    assert qweight.stride(1) == 1 and scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
+    magic, offset = MAGIC[x.dtype]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles = n // cfg.rows()
+    cnt, part, split = None, None, cfg.split
+    if split > 1:  # unsplit where no ticket counters can be had (a capture before the pool exists)
+        split, cnt, part = split_scratch(x.device, "w4a16_wgmma", tiles, split, m, n)
+        if split != cfg.split and not fits(m, n, k, group, WgmmaLinearConfig(cfg.tiles, cfg.kc, split)):
+            raise RuntimeError(f"w4a16_wgmma: no split-K scratch here and K {k} unsplit does not fit {cfg}")
+    consts = constexprs(m, k, group, zeros is not None, bias is not None, WgmmaLinearConfig(cfg.tiles, cfg.kc, split))
+    z = zeros if zeros is not None else scales  # stands in when absent (never read)
+    _w4a16_wgmma_kernel[(tiles, split)](
+        x, qweight, scales, z, bias if bias is not None else scales, y, part if part is not None else y,
+        cnt if cnt is not None else qweight, magic, offset, m, n,
+        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        **consts, num_warps=4, **pdl_launch(x.device),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,58 @@
+"""The int4 wgmma prototype (kernels/gluon_w4a16_wgmma.py) compiles for Hopper on any machine, offline to sm_90
+PTX and cubin, in a child process (the test session runs Triton's interpreter). Its GPU results are checked in
+tests/test_gluon_w4a16_wgmma.py on a Hopper GPU.
+
+What each compiled kernel must show: m64nNk16 wgmmas (N = 8 at 1-8 rows of x, 16 at 9-16) with float32
+accumulators whose A operand is four registers (the weights decoded by the inline LOP3, lut 0xEA, never staged
+in shared memory) and whose B is a shared-memory descriptor; shared memory exactly x's K share and its column
+sums (`shared_bytes`); ptxas spilling nothing; the first chunk's words loaded ahead of the PDL wait, nothing
+stored there. The layout of the words is checked at trace time: it must decode into wgmma's A fragment with no
+data movement (`_a_fragment`'s convert_layout asserts it), or the kernel does not compile.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon._runtime")
+
+from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
+
+# (rows of x, N, K, group, tiles, chunk, split): 16 and 8 columns; chunks of 128, 64 and 32 (one word a thread)
+JOBS = [(16, 4096, 4096, 128, 2, 128, 2), (4, 5120, 2048, 128, 1, 128, 1), (11, 4096, 12288, 64, 2, 128, 8),
+        (1, 2048, 2048, 32, 1, 128, 4)]  # fmt: skip
+
+
+def _compile() -> list[dict]:  # in this process, per job: its name, shared bytes and their bound, PTX, ptxas log
+    from ftransformers.kernels import gluon_w4a16_wgmma as wg
+
+    out = []
+    for m, n, k, group, tiles, kc, split in JOBS:
+        cfg = wg.WgmmaLinearConfig(tiles, kc, split)
+        assert wg.fits(m, n, k, group, cfg), (m, n, k, group, cfg)
+        consts = wg.constexprs(m, k, group, True, True, cfg)
+        res = compile_for_hopper(wg._w4a16_wgmma_kernel, consts, 4)
+        out.append({"name": f"M={m} {n}x{k} g{group} {cfg}", "np": consts["NP"], **res,
+                    "shared_bytes": wg.shared_bytes(consts["NP"], k // split, consts["KC"])})  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernels() -> list[dict]:
+    return compiled_in_child("test_gluon_wgmma_compile")
+
+
+def test_wgmma_prototype_compiles_for_hopper(kernels: list[dict]) -> None:
+    assert len(kernels) == len(JOBS)
+    for k in kernels:
+        a_in_registers = (rf"wgmma\.mma_async\.sync\.aligned\.m64n{k['np']}k16\.f32\.bf16\.bf16 "
+                          r"\{[^}]*\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+")  # fmt: skip
+        assert re.search(a_in_registers, k["ptx"]), k["name"]
+        assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]
+        assert k["shared"] == k["shared_bytes"], (k["name"], k["shared"], k["shared_bytes"])
+        spilled = re.search(r"\b(\d+) bytes spill stores, (\d+) bytes spill loads", k["ptxas"])
+        assert spilled and spilled.groups() == ("0", "0"), (k["name"], k["ptxas"])
+        ahead = k["ptx"][: k["ptx"].index("griddepcontrol.wait")]
+        assert "ld.global" in ahead and "st.global" not in ahead and "st.shared" not in ahead, k["name"]
