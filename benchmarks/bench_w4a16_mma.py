@@ -10,9 +10,9 @@ int4-asym weights at those row counts (`--sweep-split`: only those whose warps s
 times each row's default config again with a module toggle of gluon_w4a16_mma set (e.g. SPAN_MASKED_X=0);
 `--caps R,..` times it again with each register cap R (the launch's `maxnreg`; 0: ptxas's own choice) that
 fits its warps in the register file, and prints each capped kernel's registers, spills and programs an SM as
-this device's ptxas built it. `--wgmma T:KC:S,..` also times the wgmma prototype (kernels/gluon_w4a16_wgmma.py)
-with T 64-row tiles a program, chunks of at most KC and K split S ways (0: wg.default_config's split), at every row
-count where it fits (Hopper).
+this device's ptxas built it. `--wgmma T:KC:S,..` also times the wgmma prototype
+(kernels/gluon_w4a16_wgmma.py) with T 64-row tiles a program, chunks of at most KC and K split S ways (0:
+wg.default_config's split), at every row count where it fits (Hopper).
 Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]

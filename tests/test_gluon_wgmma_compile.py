@@ -5,8 +5,9 @@ tests/test_gluon_w4a16_wgmma.py on a Hopper GPU.
 What each compiled kernel must show: m64nNk16 wgmmas (N = 8 at 1-8 rows of x, 16 at 9-16) with float32
 accumulators whose A operand is four registers (the weights decoded by the inline LOP3, lut 0xEA, never staged
 in shared memory) and whose B is a shared-memory descriptor; shared memory exactly x's K share and its column
-sums (`shared_bytes`); ptxas spilling nothing; the first chunk's words loaded ahead of the PDL wait, nothing
-stored there. The layout of the words is checked at trace time: it must decode into wgmma's A fragment with no
+sums (`shared_bytes`); ptxas spilling nothing and not serializing the wgmmas (its C751x advisories: a register
+of an in-flight wgmma written or read by other instructions); the first chunk's words loaded ahead of the PDL
+wait, nothing stored there. The layout of the words is checked at trace time: it must decode into wgmma's A fragment with no
 data movement (`_a_fragment`'s convert_layout asserts it), or the kernel does not compile.
 """
 
@@ -20,9 +21,10 @@ pytest.importorskip("triton.experimental.gluon._runtime")
 
 from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
 
-# (rows of x, N, K, group, tiles, chunk, split): 16 and 8 columns; chunks of 128, 64 and 32 (one word a thread)
+# (rows of x, N, K, group, tiles, chunk, split): 16 and 8 columns; chunks of 128, 64 and 32 (one word a thread); 1,
+# 2 and 4 tiles a program
 JOBS = [(16, 4096, 4096, 128, 2, 128, 2), (4, 5120, 2048, 128, 1, 128, 1), (11, 4096, 12288, 64, 2, 128, 8),
-        (1, 2048, 2048, 32, 1, 128, 4)]  # fmt: skip
+        (1, 2048, 2048, 32, 1, 128, 4), (8, 4096, 4096, 128, 4, 64, 4)]  # fmt: skip
 
 
 def _compile() -> list[dict]:  # in this process, per job: its name, shared bytes and their bound, PTX, ptxas log
@@ -54,5 +56,6 @@ def test_wgmma_prototype_compiles_for_hopper(kernels: list[dict]) -> None:
         assert k["shared"] == k["shared_bytes"], (k["name"], k["shared"], k["shared_bytes"])
         spilled = re.search(r"\b(\d+) bytes spill stores, (\d+) bytes spill loads", k["ptxas"])
         assert spilled and spilled.groups() == ("0", "0"), (k["name"], k["ptxas"])
+        assert "instructions are serialized" not in k["ptxas"], (k["name"], k["ptxas"])  # ptxas's C7510-C7520
         ahead = k["ptx"][: k["ptx"].index("griddepcontrol.wait")]
         assert "ld.global" in ahead and "st.global" not in ahead and "st.shared" not in ahead, k["name"]

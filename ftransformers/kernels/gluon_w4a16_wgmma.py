@@ -25,11 +25,16 @@ tile. Here:
   scale * (acc - (offset + zero) * colsum), as in the mma.sync kernels.
 - Splits of K: SPLIT programs per row tile publish float32 partials [SPLIT, M, N]; the last one out (an acq_rel
   ticket, kernels/tickets.py's protocol) adds them in split order and stores y.
+
+Offline (sm_90 from this repository's CPU Triton 3.9 and its ptxas; the device's Triton 3.6 may differ): 16 rows,
+2 tiles, chunks of 128: 127 registers, 16-byte word loads, 16 m64n16k16 wgmmas a chunk, no spills; 1 tile 79
+registers; 4 tiles with chunks of 64, 220. Overlapping a chunk's wgmmas with the next chunk's decode (two
+accumulators by turns) made ptxas serialize every wgmma (C7513), so the loop waits for each chunk's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.experimental import gluon
@@ -169,6 +174,20 @@ def _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP: gl.constexpr, KC: gl.constex
         xs.index(c).store(gl.reshape(gl.permute(x6, (0, 2, 4, 1, 3)), [NP, KC]))  # [col, r, i, t, h]
 
 
+@gluon.jit
+def _scaled(tot, acc, k, c, s_ptr, z_ptr, s_rows, sums, offset, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr,
+            mma: gl.constexpr):  # fmt: skip
+    # tot [BM, NP] + scale * (acc - (offset + zero) * colsum) for chunk c, which starts at element k of a row
+    g = k // GROUP
+    scale = gl.load(s_ptr + s_rows + g).to(gl.float32)
+    if HAS_ZERO:
+        zz = gl.load(z_ptr + s_rows + g).to(gl.float32) + offset
+    else:
+        zz = offset + 8.0
+    colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
+    return tot + scale * (acc - zz * colsum)
+
+
 @cached_launch
 @gluon.jit
 def _w4a16_wgmma_kernel(
@@ -205,22 +224,18 @@ def _w4a16_wgmma_kernel(
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
     s_rows = gl.expand_dims((n0 + rows).to(gl.int64) * stride_sn, 1)  # [BM, 1]
     tot = gl.zeros([BM, NP], gl.float32, mma)
+    zero = gl.zeros([BM, NP], gl.float32, mma)  # the accumulator each chunk's first wgmma ignores (use_acc=False)
+    # one chunk's wgmmas at a time: A for the next chunk cannot be decoded while they run (ptxas serializes every
+    # wgmma where a non-wgmma instruction defines wgmma input registers inside a wgmma pipeline stage, its C7513
+    # advisory, which two accumulators by turns met offline); other programs on the SM overlap them
     for c in range(CHUNKS):
         q_c = q
         if CHUNKS > 1:  # the next chunk's words are requested before this chunk's product
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
         a = _a_fragment(q_c, magic, DT, a_l, BM, RW)
-        acc = warpgroup_mma(a, xs.index(c).permute((1, 0)), gl.zeros([BM, NP], gl.float32, mma), use_acc=False,
-                            is_async=True)  # fmt: skip
-        g = (k0 + c * KC) // GROUP
-        scale = gl.load(s_ptr + s_rows + g).to(gl.float32)
-        if HAS_ZERO:
-            zz = gl.load(z_ptr + s_rows + g).to(gl.float32) + offset
-        else:
-            zz = offset + 8.0
-        colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
+        acc = warpgroup_mma(a, xs.index(c).permute((1, 0)), zero, use_acc=False, is_async=True)
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])  # A's registers stay live until the wgmma has read them
-        tot += scale * (acc - zz * colsum)
+        tot = _scaled(tot, acc, k0 + c * KC, c, s_ptr, z_ptr, s_rows, sums, offset, GROUP, HAS_ZERO, mma)
 
     n_idx = gl.expand_dims(n0 + rows, 1)  # [BM, 1]
     toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
@@ -268,9 +283,9 @@ def w4a16_wgmma(
     cnt, part, split = None, None, cfg.split
     if split > 1:  # unsplit where no ticket counters can be had (a capture before the pool exists)
         split, cnt, part = split_scratch(x.device, "w4a16_wgmma", tiles, split, m, n)
-        if split != cfg.split and not fits(m, n, k, group, WgmmaLinearConfig(cfg.tiles, cfg.kc, split)):
+        if split != cfg.split and not fits(m, n, k, group, replace(cfg, split=split)):
             raise RuntimeError(f"w4a16_wgmma: no split-K scratch here and K {k} unsplit does not fit {cfg}")
-    consts = constexprs(m, k, group, zeros is not None, bias is not None, WgmmaLinearConfig(cfg.tiles, cfg.kc, split))
+    consts = constexprs(m, k, group, zeros is not None, bias is not None, replace(cfg, split=split))
     z = zeros if zeros is not None else scales  # stands in when absent (never read)
     _w4a16_wgmma_kernel[(tiles, split)](
         x, qweight, scales, z, bias if bias is not None else scales, y, part if part is not None else y,
