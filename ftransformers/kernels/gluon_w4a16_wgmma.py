@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _capability, _pair
-from ftransformers.kernels.gluon_w4a16_mma import _store_y
+from ftransformers.kernels.gluon_w4a16_mma import _split_store_y
 from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
@@ -239,19 +239,7 @@ def _w4a16_wgmma_kernel(
 
     n_idx = gl.expand_dims(n0 + rows, 1)  # [BM, 1]
     toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
-    if SPLIT == 1:
-        _store_y(tot, y_ptr, bias_ptr, n_idx, toks, M, stride_ym, HAS_BIAS)
-    else:
-        # partials [SPLIT, M, N] float32; the last of the tile's SPLIT programs adds them in split order
-        part = part_ptr + toks.to(gl.int64) * N + n_idx
-        gl.store(part + gl.program_id(1) * M * N, tot, mask=toks < M)
-        _cta_barrier()  # every warp's partial is stored before the release ticket
-        if gl.atomic_add(cnt_ptr + gl.program_id(0), 1, sem="acq_rel") == SPLIT - 1:
-            gl.store(cnt_ptr + gl.program_id(0), 0)
-            total = gl.load(part, mask=toks < M, other=0.0, cache_modifier=".cg")
-            for sp in gl.static_range(1, SPLIT):
-                total += gl.load(part + sp * M * N, mask=toks < M, other=0.0, cache_modifier=".cg")
-            _store_y(total, y_ptr, bias_ptr, n_idx, toks, M, stride_ym, HAS_BIAS)
+    _split_store_y(tot, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, toks, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: WgmmaLinearConfig) -> dict:
