@@ -262,7 +262,7 @@ def w4a16_wgmma(
 ) -> torch.Tensor:  # [M, N] x.dtype
     m, k = x.shape
     n = qweight.shape[0]
-    cfg = cfg or WgmmaLinearConfig()
+    cfg = cfg or default_config(m, n, k, group)
     assert supported(x, qweight, group, cfg) and x.stride(1) == 1, (tuple(x.shape), group, cfg)
     assert qweight.stride(1) == 1 and scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
     magic, offset = MAGIC[x.dtype]
