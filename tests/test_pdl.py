@@ -60,6 +60,7 @@ READ_BEFORE_WAIT = {
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",
     "_w8_row_kernel": "its rows of the (constant) 8-bit weight and their scales (and bias)",
     "_w4a16_mma_kernel": "with PRELOAD the first chunk of its (constant) words",
+    "_w4a16_wgmma_kernel": "the first chunk of its (constant) words",
     "_moe_token_down_kernel": "with PRELOAD the routing (ids: read by its predecessor, the pair gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) 16-bit rows",
     "_token_down_w8_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after that "
@@ -94,6 +95,7 @@ READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
     "gl.load", "gl.program_id",
     "word_offsets",  # gluon_moe_w4_mma's index tensors of a chunk's words: aranges and expand_dims only
+    "chunk_words",  # gluon_w4a16_wgmma's, the same
 }
 
 

@@ -147,6 +147,16 @@ def layouts(tiles: int, kc: int, np_: int) -> dict:
 
 
 @gluon.jit
+def chunk_words(w_l: gl.constexpr, BM: gl.constexpr, RW: gl.constexpr):
+    # index tensors of a chunk's words [BM, 4 (t), RW (r)] in w_l: row [BM, 1, 1], memory word RW t + r [1, 4, RW]
+    l2: gl.constexpr = gl.SliceLayout(2, w_l)
+    wrow = gl.expand_dims(gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, l2)), 1), 2)
+    wt = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, l2)), 0), 2)
+    wr = gl.expand_dims(gl.expand_dims(gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, w_l))), 0), 0)
+    return wrow, wt * RW + wr
+
+
+@gluon.jit
 def _a_fragment(q, magic, DT: gl.constexpr, a_l: gl.constexpr, BM: gl.constexpr, RW: gl.constexpr):
     # q [BM, 4 (t), RW (r)] words -> [BM, 32 RW] DT A operand, logical k = h + 2t + 8i + 32r
     q2 = gl.join(q, q)
@@ -206,11 +216,8 @@ def _w4a16_wgmma_kernel(
     k0 = gl.program_id(1) * KS
 
     # words [BM, 4, RW]: row n0 + row, word k0 / 8 + RW t + r of each chunk; the first chunk's before the wait
-    l2: gl.constexpr = gl.SliceLayout(2, w_l)
-    wrow = gl.expand_dims(gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, l2)), 1), 2)
-    wt = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, l2)), 0), 2)
-    wr = gl.expand_dims(gl.expand_dims(gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, w_l))), 0), 0)
-    q_ptrs = q_ptr + (n0 + wrow).to(gl.int64) * stride_qn + k0 // 8 + wt * RW + wr
+    wrow, word = chunk_words(w_l, BM, RW)
+    q_ptrs = q_ptr + (n0 + wrow).to(gl.int64) * stride_qn + k0 // 8 + word
     q = gl.load(q_ptrs)
     pdl_enter(USE_PDL)
 
