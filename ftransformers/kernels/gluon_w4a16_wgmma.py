@@ -12,8 +12,8 @@ bandwidth at 16 rows on the H200 (docs/performance.md, session 42). The Triton c
 tile. Here:
 
 - The product is y^T = W x^T: a program's BM = 64 x TILES rows of W are wgmma's M (one warpgroup, 4 warps,
-  warp w holding rows 16 w + 64 j), x^T its N = NP columns (8 at 1-8 rows, 16 at 9-16; padding columns repeat
-  the last row of x and are never stored).
+  warp w holding rows 16 w to 16 w + 15 of each 64-row tile), x^T its N = NP columns (8 at 1-8 rows, 16 at 9-16;
+  padding columns repeat the last row of x and are never stored).
 - x is read once a program: its K share [NP, KS] goes to shared memory at the start, in logical K order, with
   each chunk's column sums beside it, so the loop has no barrier and no load of x.
 - The weights go from global memory to registers and, through gluon_moe_w4_mma's LOP3 (`_pair`: offset + code,
