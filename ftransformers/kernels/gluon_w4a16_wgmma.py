@@ -34,6 +34,7 @@ accumulators by turns) made ptxas serialize every wgmma (C7513), so the loop wai
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,6 +70,8 @@ class WgmmaLinearConfig:
 # program (so that several run on an SM)
 AIM_PROGRAMS = 264
 AIM_X_BYTES = 32 * 1024
+# x's chunks whose loads _stage_x puts in flight together (at most; the largest divisor of the chunks)
+STAGE_CHUNKS = 4
 MIN_SHARE = 512  # K a program takes at least (float32 partials of a split cost split x M x N x 8 bytes of traffic)
 
 
@@ -169,19 +172,24 @@ def _a_fragment(q, magic, DT: gl.constexpr, a_l: gl.constexpr, BM: gl.constexpr,
 
 
 @gluon.jit
-def _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr):
+def _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+             GROUPED: gl.constexpr):  # fmt: skip
     # xs [CHUNKS, NP, KC] <- x[min(col, M - 1), k0 + c KC + e] at logical k (module docstring); sums [CHUNKS, NP]
-    # <- each chunk's column sums (float32)
+    # <- each chunk's column sums (float32). GROUPED chunks a step, unrolled so that their loads are in flight
+    # together (one at a time put a round trip to L2 per chunk before the first wgmma; all at once, ptxas hoisted
+    # them and took 167 registers for the kernel against 127)
     RW: gl.constexpr = KC // 32
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte runs of memory order
     col = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(1, ld)), 1)
     e = gl.expand_dims(gl.arange(0, KC, layout=gl.SliceLayout(0, ld)), 0)
     ptrs = x_ptr + gl.minimum(col, M - 1).to(gl.int64) * stride_xm + k0 + e
-    for c in range(CHUNKS):
-        x = gl.load(ptrs + c * KC)  # [NP, KC], memory element e = 8 (RW t + r) + 4h + i
-        sums.index(c).store(gl.sum(x.to(gl.float32), axis=1))
-        x6 = gl.reshape(x, [NP, 4, RW, 2, 4])  # [col, t, r, h, i]
-        xs.index(c).store(gl.reshape(gl.permute(x6, (0, 2, 4, 1, 3)), [NP, KC]))  # [col, r, i, t, h]
+    for c0 in range(0, CHUNKS, GROUPED):
+        for j in gl.static_range(GROUPED):
+            c = c0 + j
+            x = gl.load(ptrs + c * KC)  # [NP, KC], memory element e = 8 (RW t + r) + 4h + i
+            sums.index(c).store(gl.sum(x.to(gl.float32), axis=1))
+            x6 = gl.reshape(x, [NP, 4, RW, 2, 4])  # [col, t, r, h, i]
+            xs.index(c).store(gl.reshape(gl.permute(x6, (0, 2, 4, 1, 3)), [NP, KC]))  # [col, r, i, t, h]
 
 
 @gluon.jit
@@ -204,8 +212,8 @@ def _w4a16_wgmma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
     stride_xm, stride_qn, stride_sn, stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
-    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
-    w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, GROUPED: gl.constexpr, mma: gl.constexpr,
+    a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
     RW: gl.constexpr = KC // 32
@@ -224,7 +232,7 @@ def _w4a16_wgmma_kernel(
     xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NP, KC], DT)
     xs = gl.allocate_shared_memory(DT, [CHUNKS, NP, KC], xs_l)
     sums = gl.allocate_shared_memory(gl.float32, [CHUNKS, NP], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP, KC, CHUNKS)
+    _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP, KC, CHUNKS, GROUPED)
     fence_async_shared()  # generic-proxy stores, before the wgmmas read them
     _cta_barrier()  # every warp's share of x and the sums
 
@@ -254,8 +262,9 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     ks = k // cfg.split
     kc = chunk(ks, group, cfg.kc)
     np_ = columns(m)
-    return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, NP=np_, TILES=cfg.tiles,
-                SPLIT=cfg.split, **layouts(cfg.tiles, kc, np_))  # fmt: skip
+    chunks = ks // kc
+    return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
+                SPLIT=cfg.split, GROUPED=math.gcd(chunks, STAGE_CHUNKS), **layouts(cfg.tiles, kc, np_))  # fmt: skip
 
 
 def w4a16_wgmma(
