@@ -28,7 +28,7 @@ TOL = 1e-2
 WEIGHTS = [(128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16),
            (32, False, torch.float16), (256, True, torch.float32)]  # fmt: skip
 CONFIGS = [wg.WgmmaLinearConfig(1, 128, 1), wg.WgmmaLinearConfig(2, 128, 2), wg.WgmmaLinearConfig(2, 64, 4),
-           wg.WgmmaLinearConfig(4, 64, 2)]  # fmt: skip
+           wg.WgmmaLinearConfig(4, 64, 2), wg.WgmmaLinearConfig(2, 128, 2, scales_ahead=True)]  # fmt: skip
 
 
 def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros: bool, sdt: torch.dtype,

@@ -7,8 +7,8 @@ accumulators whose A operand is four registers (the weights decoded by the inlin
 in shared memory) and whose B is a shared-memory descriptor; shared memory exactly x's K share and its column
 sums (`shared_bytes`); ptxas spilling nothing and not serializing the wgmmas (its C751x advisories: a register
 of an in-flight wgmma written or read by other instructions); the first chunk's words loaded ahead of the PDL
-wait, nothing stored there. The layout of the words is checked at trace time: it must decode into wgmma's A fragment with no
-data movement (`_a_fragment`'s convert_layout asserts it), or the kernel does not compile.
+wait, nothing stored there. The layout of the words is checked at trace time: it must decode into wgmma's A
+fragment with no data movement (`_a_fragment`'s convert_layout asserts it), or the kernel does not compile.
 """
 
 from __future__ import annotations
@@ -21,22 +21,24 @@ pytest.importorskip("triton.experimental.gluon._runtime")
 
 from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
 
-# (rows of x, N, K, group, tiles, chunk, split): 16 and 8 columns; chunks of 128, 64 and 32 (one word a thread); 1,
-# 2 and 4 tiles a program
-JOBS = [(16, 4096, 4096, 128, 2, 128, 2), (4, 5120, 2048, 128, 1, 128, 1), (11, 4096, 12288, 64, 2, 128, 8),
-        (1, 2048, 2048, 32, 1, 128, 4), (8, 4096, 4096, 128, 4, 64, 4)]  # fmt: skip
+# (rows of x, N, K, group, tiles, chunk, split, scales ahead, zeros and bias): 16 and 8 columns; chunks of 128, 64
+# and 32 (one word a thread); 1, 2 and 4 tiles a program; scales after their chunk's wgmmas and a chunk ahead; with
+# and without zero points and bias
+JOBS = [(16, 4096, 4096, 128, 2, 128, 2, False, True), (4, 5120, 2048, 128, 1, 128, 1, False, True),
+        (11, 4096, 12288, 64, 2, 128, 8, False, True), (1, 2048, 2048, 32, 1, 128, 4, False, False),
+        (8, 4096, 4096, 128, 4, 64, 4, False, True), (16, 4096, 4096, 128, 2, 128, 2, True, False)]  # fmt: skip
 
 
 def _compile() -> list[dict]:  # in this process, per job: its name, shared bytes and their bound, PTX, ptxas log
     from ftransformers.kernels import gluon_w4a16_wgmma as wg
 
     out = []
-    for m, n, k, group, tiles, kc, split in JOBS:
-        cfg = wg.WgmmaLinearConfig(tiles, kc, split)
+    for m, n, k, group, tiles, kc, split, ahead, zeros in JOBS:
+        cfg = wg.WgmmaLinearConfig(tiles, kc, split, ahead)
         assert wg.fits(m, n, k, group, cfg), (m, n, k, group, cfg)
-        consts = wg.constexprs(m, k, group, True, True, cfg)
+        consts = wg.constexprs(m, k, group, zeros, zeros, cfg)
         res = compile_for_hopper(wg._w4a16_wgmma_kernel, consts, 4)
-        out.append({"name": f"M={m} {n}x{k} g{group} {cfg}", "np": consts["NP"], **res,
+        out.append({"name": f"M={m} {n}x{k} g{group} {cfg} zeros {zeros}", "np": consts["NP"], **res,
                     "shared_bytes": wg.shared_bytes(consts["NP"], k // split, consts["KC"])})  # fmt: skip
     return out
 

@@ -56,11 +56,16 @@ MAX_X_BYTES = 80 * 1024
 
 @dataclass(frozen=True)
 class WgmmaLinearConfig:
-    """TILES 64-row tiles of W a program (one warpgroup), chunks of at most KC, SPLIT programs along K."""
+    """TILES 64-row tiles of W a program (one warpgroup), chunks of at most KC, SPLIT programs along K, and whether
+    the scales and zeros are loaded a chunk ahead."""
 
     tiles: int = 2
     kc: int = 128
     split: int = 1
+    # a chunk's scales and zeros loaded one chunk ahead, with its words. Off: after its wgmmas (a row's scales of
+    # consecutive chunks share cache lines, so only the first is a DRAM round trip); on took 167 registers against
+    # 127 at 16 rows, 2 tiles (offline ptxas)
+    scales_ahead: bool = False
 
     def rows(self) -> int:
         return 64 * self.tiles
@@ -193,17 +198,15 @@ def _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP: gl.constexpr, KC: gl.constex
 
 
 @gluon.jit
-def _scaled(tot, acc, k, c, s_ptr, z_ptr, s_rows, sums, offset, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr,
-            mma: gl.constexpr):  # fmt: skip
-    # tot [BM, NP] + scale * (acc - (offset + zero) * colsum) for chunk c, which starts at element k of a row
+def _group_scale(s_ptr, z_ptr, s_rows, k, offset, GROUP: gl.constexpr, HAS_ZERO: gl.constexpr):
+    # [BM, 1] float32 scale and offset + zero of the group holding element k of each row
     g = k // GROUP
     scale = gl.load(s_ptr + s_rows + g).to(gl.float32)
     if HAS_ZERO:
         zz = gl.load(z_ptr + s_rows + g).to(gl.float32) + offset
     else:
-        zz = offset + 8.0
-    colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
-    return tot + scale * (acc - zz * colsum)
+        zz = gl.full(scale.shape, 8.0, gl.float32, scale.type.layout) + offset
+    return scale, zz
 
 
 @cached_launch
@@ -212,8 +215,8 @@ def _w4a16_wgmma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
     stride_xm, stride_qn, stride_sn, stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
-    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, GROUPED: gl.constexpr, mma: gl.constexpr,
-    a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, GROUPED: gl.constexpr, SCALES_AHEAD: gl.constexpr,
+    mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
     RW: gl.constexpr = KC // 32
@@ -243,14 +246,21 @@ def _w4a16_wgmma_kernel(
     # one chunk's wgmmas at a time: A for the next chunk cannot be decoded while they run (ptxas serializes every
     # wgmma where a non-wgmma instruction defines wgmma input registers inside a wgmma pipeline stage, its C7513
     # advisory, which two accumulators by turns met offline); other programs on the SM overlap them
+    scale, zz = _group_scale(s_ptr, z_ptr, s_rows, k0, offset, GROUP, HAS_ZERO)
     for c in range(CHUNKS):
-        q_c = q
+        q_c, scale_c, zz_c = q, scale, zz
+        nxt = gl.minimum(c + 1, CHUNKS - 1)
         if CHUNKS > 1:  # the next chunk's words are requested before this chunk's product
-            q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
+            q = gl.load(q_ptrs + nxt * (KC // 8))
+        if SCALES_AHEAD:  # and its scales and zeros
+            scale, zz = _group_scale(s_ptr, z_ptr, s_rows, k0 + nxt * KC, offset, GROUP, HAS_ZERO)
         a = _a_fragment(q_c, magic, DT, a_l, BM, RW)
         acc = warpgroup_mma(a, xs.index(c).permute((1, 0)), zero, use_acc=False, is_async=True)
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])  # A's registers stay live until the wgmma has read them
-        tot = _scaled(tot, acc, k0 + c * KC, c, s_ptr, z_ptr, s_rows, sums, offset, GROUP, HAS_ZERO, mma)
+        if not SCALES_AHEAD:  # this chunk's, after its wgmmas (ptxas may still issue them earlier)
+            scale_c, zz_c = _group_scale(s_ptr, z_ptr, s_rows, k0 + c * KC, offset, GROUP, HAS_ZERO)
+        colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
+        tot += scale_c * (acc - zz_c * colsum)
 
     n_idx = gl.expand_dims(n0 + rows, 1)  # [BM, 1]
     toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
@@ -264,7 +274,7 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     np_ = columns(m)
     chunks = ks // kc
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
-                SPLIT=cfg.split, GROUPED=math.gcd(chunks, STAGE_CHUNKS), **layouts(cfg.tiles, kc, np_))  # fmt: skip
+                SPLIT=cfg.split, GROUPED=math.gcd(chunks, STAGE_CHUNKS), SCALES_AHEAD=cfg.scales_ahead, **layouts(cfg.tiles, kc, np_))  # fmt: skip
 
 
 def w4a16_wgmma(
