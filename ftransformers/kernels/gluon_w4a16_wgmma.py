@@ -274,7 +274,8 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     np_ = columns(m)
     chunks = ks // kc
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
-                SPLIT=cfg.split, GROUPED=math.gcd(chunks, STAGE_CHUNKS), SCALES_AHEAD=cfg.scales_ahead, **layouts(cfg.tiles, kc, np_))  # fmt: skip
+                SPLIT=cfg.split, GROUPED=math.gcd(chunks, STAGE_CHUNKS), SCALES_AHEAD=cfg.scales_ahead,
+                **layouts(cfg.tiles, kc, np_))  # fmt: skip
 
 
 def w4a16_wgmma(
