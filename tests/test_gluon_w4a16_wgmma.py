@@ -83,3 +83,20 @@ def test_supported_rejects_what_it_cannot_run() -> None:
     assert not wg.supported(x, q, 12, cfg)  # no chunk of 32-128 inside a group of 12
     wide = torch.randn(16, 65536, device="cuda", dtype=torch.bfloat16)
     assert not wg.supported(wide, torch.zeros(1024, 65536 // 8, dtype=torch.int32, device="cuda"), 128, cfg)
+
+
+def test_w4a16_linear_takes_it_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ENGINE_MIN_ROWS set, w4a16_linear runs 9-16 rows of an int4 weight here, with bias."""
+    from ftransformers.kernels.triton_w4a16 import w4a16_linear
+
+    monkeypatch.setattr(wg, "ENGINE_MIN_ROWS", 9)
+    calls: list[int] = []
+    kernel = wg.w4a16_wgmma
+    monkeypatch.setattr(wg, "w4a16_wgmma", lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw))
+    gen = torch.Generator().manual_seed(9)
+    qw = random_weight("int4", 4096, 4096, gen, group=128, zeros=True, scale_dtype=torch.float16)
+    b = torch.randn(4096, generator=gen).to("cuda", torch.bfloat16)
+    for m in (8, 12):
+        x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
+        assert rel_err(w4a16_linear(x, qw, b), quant_linear_ref(x, qw, b)) <= TOL
+    assert calls == [12]

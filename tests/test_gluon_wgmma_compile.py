@@ -61,3 +61,17 @@ def test_wgmma_prototype_compiles_for_hopper(kernels: list[dict]) -> None:
         assert "instructions are serialized" not in k["ptxas"], (k["name"], k["ptxas"])  # ptxas's C7510-C7520
         ahead = k["ptx"][: k["ptx"].index("griddepcontrol.wait")]
         assert "ld.global" in ahead and "st.global" not in ahead and "st.shared" not in ahead, k["name"]
+
+
+def test_the_engine_takes_it_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """w4a16_linear's opt-in: no rows while ENGINE_MIN_ROWS is 0 (the default: the kernel is unmeasured), then
+    ENGINE_MIN_ROWS to 16 rows on a config that fits, and no shape it cannot take."""
+    from ftransformers.kernels import gluon_w4a16_wgmma as wg
+
+    assert wg.ENGINE_MIN_ROWS == 0
+    assert all(wg.engine_config(m, 4096, 4096, 128) is None for m in range(1, 17))
+    monkeypatch.setattr(wg, "ENGINE_MIN_ROWS", 9)
+    taken = {m: wg.engine_config(m, 4096, 12288, 128) for m in range(1, 18)}  # Qwen3-8B down
+    assert [m for m, cfg in taken.items() if cfg is not None] == list(range(9, 17))
+    assert all(wg.fits(m, 4096, 12288, 128, cfg) for m, cfg in taken.items() if cfg is not None)
+    assert wg.engine_config(16, 4096 + 32, 4096, 128) is None  # N not a multiple of 64 rows

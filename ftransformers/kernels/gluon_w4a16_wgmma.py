@@ -2,7 +2,8 @@
 y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_formats.py.
 
 A PROTOTYPE, NOT YET RUN ON A GPU: written in a session without device time, checked only by the offline sm_90
-compile (tests/test_gluon_wgmma_compile.py). `w4a16_linear` does not call it; tests/test_gluon_w4a16_wgmma.py
+compile (tests/test_gluon_wgmma_compile.py). `w4a16_linear` calls it only where ENGINE_MIN_ROWS (0 by default)
+turns it on; tests/test_gluon_w4a16_wgmma.py
 (CUDA, compute capability 9.x) checks it against quant_linear_ref, and benchmarks/bench_w4a16_mma.py
 `--wgmma` times it beside the mma.sync kernel. Why it exists: kernels/gluon_w4a16_mma.py keeps x as mma.sync B
 operands in registers, loaded by every warp (at 9-16 rows as many bytes from L2 as the weight's, and at 16 rows
@@ -50,6 +51,10 @@ from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
 
 MAX_ROWS = 16
+# w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 16 rows here, on `engine_config`,
+# where that fits; 0: never, the default while the kernel is unmeasured. For a whole-step A/B:
+# benchmarks/ab_decode.py --variants "base,set=gluon_w4a16_wgmma.ENGINE_MIN_ROWS=9"
+ENGINE_MIN_ROWS = 0
 # shared memory a program may take for x and its column sums (`shared_bytes`): 2 programs an SM at 80 KB (228 KB)
 MAX_X_BYTES = 80 * 1024
 
@@ -98,6 +103,15 @@ def default_config(m: int, n: int, k: int, group: int, tiles: int = 2, kc: int =
                 break
         split *= 2
     return best
+
+
+def engine_config(m: int, n: int, k: int, group: int) -> WgmmaLinearConfig | None:
+    """The config w4a16_linear runs M rows of an int4 [N, K] weight with here (`default_config`), or None: rows
+    outside ENGINE_MIN_ROWS..16 (all while it is 0), or a shape that config does not fit."""
+    if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= MAX_ROWS:
+        return None
+    cfg = default_config(m, n, k, group)
+    return cfg if fits(m, n, k, group, cfg) else None
 
 
 def columns(m: int) -> int:

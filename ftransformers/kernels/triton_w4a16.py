@@ -2,7 +2,8 @@
 and "nvfp4" layouts of kernels/quant_formats.py, dequantizing W in registers (no 16-bit copy of W).
 
 int4 with 16-bit x at decode sizes goes first to kernels/gluon_w4a16_mma.py (mma.sync, the weights
-decoded straight into operand registers) where its `takes` says it measured faster; elsewhere three
+decoded straight into operand registers) where its `takes` says it measured faster (and, only where its
+ENGINE_MIN_ROWS asks, to the unmeasured wgmma prototype kernels/gluon_w4a16_wgmma.py before that); elsewhere three
 kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
 - `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights; two words a thread): CUDA cores. Tensors are
@@ -46,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import gluon_w4a16_mma as mma_path
+from ftransformers.kernels import gluon_w4a16_wgmma as wgmma_path
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
@@ -484,6 +486,10 @@ def w4a16_linear(
     N = qw.out_features
     if M == 0:
         return x.new_empty(*lead, N)
+    cfg_wg = wgmma_path.engine_config(M, N, K, qw.group_size) if config is None and qw.fmt == "int4" else None
+    if cfg_wg is not None and wgmma_path.supported(x, qw.qweight, qw.group_size, cfg_wg):  # opt-in (its module)
+        y = wgmma_path.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_wg)
+        return y.reshape(*lead, N)
     cfg_mma = mma_rows_config(qw, M) if config is None else None
     if cfg_mma is not None and mma_path.supported(x, qw.qweight, qw.group_size, cfg_mma):
         y = mma_path.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_mma)
