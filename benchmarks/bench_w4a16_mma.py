@@ -75,8 +75,9 @@ def _compile_job(job: Job) -> str:
         qw = make_weight(variant, n, k, gen)
         x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
         if isinstance(cfg, wg.WgmmaLinearConfig):
-            if wg.supported(x, qw.qweight, qw.group_size, resolved(cfg, m, qw)):
-                run_wgmma(x, qw, resolved(cfg, m, qw))
+            cfg = resolved(cfg, m, qw)
+            if wg.supported(x, qw.qweight, qw.group_size, cfg):
+                run_wgmma(x, qw, cfg)
         elif mma.supported(x, qw.qweight, qw.group_size, cfg or mma.default_config(m, n, k)):
             run_mma(x, qw, cfg)
         if cfg is None:

@@ -478,24 +478,32 @@ def w4a16_mma(
     m, k = x.shape
     n = qweight.shape[0]
     cfg = cfg or default_config(m, n, k)
-    assert supported(x, qweight, group, cfg) and x.stride(1) == 1, (tuple(x.shape), group, cfg)
-    assert qweight.stride(1) == 1 and scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
-    magic, offset = MAGIC[x.dtype]
+    assert supported(x, qweight, group, cfg), (tuple(x.shape), group, cfg)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = n // cfg.tile()
     cnt, part = None, None
     if cfg.split > 1:  # unsplit where no ticket counters can be had (a capture before the pool exists)
         split, cnt, part = split_scratch(x.device, "w4a16_mma", tiles, cfg.split, m, n)
         cfg = replace(cfg, split=split)
-    z = zeros if zeros is not None else scales  # stands in when absent (never read)
     _w4a16_mma_kernel[(tiles, max(1, cfg.split))](
-        x, qweight, scales, z, bias if bias is not None else scales, y, part if part is not None else y,
-        cnt if cnt is not None else qweight, magic, offset, m, n,
-        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        *kernel_args(x, qweight, scales, zeros, bias, y, part, cnt),
         **constexprs(m, k, group, zeros is not None, bias is not None, cfg), num_warps=cfg.warps,
         **maxnreg_option(cfg.maxnreg), **pdl_launch(x.device),
     )  # fmt: skip
     return y
+
+
+def kernel_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                bias: torch.Tensor | None, y: torch.Tensor, part: torch.Tensor | None,
+                cnt: torch.Tensor | None) -> tuple:  # fmt: skip
+    """The positional arguments of the dense int4 kernels here and in gluon_w4a16_wgmma (x_ptr .. stride_ym), for
+    unit-stride rows; absent tensors stand in as others (never read)."""
+    assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1
+    assert zeros is None or zeros.stride(1) == 1
+    magic, offset = MAGIC[x.dtype]
+    return (x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+            part if part is not None else y, cnt if cnt is not None else qweight, magic, offset, x.shape[0],
+            qweight.shape[0], x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0))  # fmt: skip
 
 
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: MmaLinearConfig) -> dict:

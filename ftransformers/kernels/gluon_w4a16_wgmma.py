@@ -3,9 +3,8 @@ y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_fo
 
 A PROTOTYPE, NOT YET RUN ON A GPU: written in a session without device time, checked only by the offline sm_90
 compile (tests/test_gluon_wgmma_compile.py). `w4a16_linear` calls it only where ENGINE_MIN_ROWS (0 by default)
-turns it on; tests/test_gluon_w4a16_wgmma.py
-(CUDA, compute capability 9.x) checks it against quant_linear_ref, and benchmarks/bench_w4a16_mma.py
-`--wgmma` times it beside the mma.sync kernel. Why it exists: kernels/gluon_w4a16_mma.py keeps x as mma.sync B
+turns it on; tests/test_gluon_w4a16_wgmma.py (compute capability 9.x) checks it against quant_linear_ref, and
+benchmarks/bench_w4a16_mma.py `--wgmma` times it beside the mma.sync kernel. Why it exists: kernels/gluon_w4a16_mma.py keeps x as mma.sync B
 operands in registers, loaded by every warp (at 9-16 rows as many bytes from L2 as the weight's, and at 16 rows
 64 registers a thread of x), and its 64-row forms run one 8-warp program an SM at 247 registers: 29-44% of copy
 bandwidth at 16 rows on the H200 (docs/performance.md, session 42). The Triton codes kernel
@@ -45,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _capability, _pair
-from ftransformers.kernels.gluon_w4a16_mma import _split_store_y
+from ftransformers.kernels.gluon_w4a16_mma import _split_store_y, kernel_args
 from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
@@ -304,9 +303,7 @@ def w4a16_wgmma(
     m, k = x.shape
     n = qweight.shape[0]
     cfg = cfg or default_config(m, n, k, group)
-    assert supported(x, qweight, group, cfg) and x.stride(1) == 1, (tuple(x.shape), group, cfg)
-    assert qweight.stride(1) == 1 and scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
-    magic, offset = MAGIC[x.dtype]
+    assert supported(x, qweight, group, cfg), (tuple(x.shape), group, cfg)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     tiles = n // cfg.rows()
     cnt, part, split = None, None, cfg.split
@@ -315,11 +312,7 @@ def w4a16_wgmma(
         if split != cfg.split and not fits(m, n, k, group, replace(cfg, split=split)):
             raise RuntimeError(f"w4a16_wgmma: no split-K scratch here and K {k} unsplit does not fit {cfg}")
     consts = constexprs(m, k, group, zeros is not None, bias is not None, replace(cfg, split=split))
-    z = zeros if zeros is not None else scales  # stands in when absent (never read)
     _w4a16_wgmma_kernel[(tiles, split)](
-        x, qweight, scales, z, bias if bias is not None else scales, y, part if part is not None else y,
-        cnt if cnt is not None else qweight, magic, offset, m, n,
-        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        **consts, num_warps=4, **pdl_launch(x.device),
+        *kernel_args(x, qweight, scales, zeros, bias, y, part, cnt), **consts, num_warps=4, **pdl_launch(x.device),
     )  # fmt: skip
     return y
