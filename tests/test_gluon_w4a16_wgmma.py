@@ -1,5 +1,5 @@
-"""The dense int4 product on wgmma with the weights as register operands (kernels/gluon_w4a16_wgmma.py, a
-prototype) vs quant_linear_ref, fresh random inputs.
+"""The dense int4 product on wgmma with the weights as register operands (kernels/gluon_w4a16_wgmma.py, which
+w4a16_linear takes at 9-16 rows) vs quant_linear_ref, fresh random inputs.
 
 Hopper only (compute capability 9.x; Gluon kernels do not run in Triton's interpreter). Int4 with group 32,
 64, 128 and 256, zeros absent and present, float16 / bfloat16 / float32 scales; x bf16 and fp16 with 1-16
@@ -10,6 +10,8 @@ rounding.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,8 +29,10 @@ TOL = 1e-2
 # (group, zeros, scale dtype)
 WEIGHTS = [(128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16),
            (32, False, torch.float16), (256, True, torch.float32)]  # fmt: skip
+# the last two: words two chunks ahead over 16 chunks, three ahead over 2 (the reads past the last chunk clamp)
 CONFIGS = [wg.WgmmaLinearConfig(1, 128, 1), wg.WgmmaLinearConfig(2, 128, 2), wg.WgmmaLinearConfig(2, 64, 4),
-           wg.WgmmaLinearConfig(4, 64, 2), wg.WgmmaLinearConfig(2, 128, 2, scales_ahead=True)]  # fmt: skip
+           wg.WgmmaLinearConfig(4, 64, 2), wg.WgmmaLinearConfig(2, 128, 2, scales_ahead=True),
+           wg.WgmmaLinearConfig(1, 128, 1, words_ahead=2), wg.WgmmaLinearConfig(2, 128, 8, words_ahead=3)]  # fmt: skip
 
 
 def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros: bool, sdt: torch.dtype,
@@ -81,15 +85,15 @@ def test_supported_rejects_what_it_cannot_run() -> None:
     assert not wg.supported(torch.randn(17, 2048, device="cuda", dtype=torch.bfloat16), q, 128, cfg)  # > 16 rows
     assert not wg.supported(x, q[:1000], 128, cfg)  # N not a multiple of a program's rows
     assert not wg.supported(x, q, 12, cfg)  # no chunk of 32-128 inside a group of 12
+    assert not wg.supported(x, q, 128, replace(cfg, words_ahead=4))  # at most 3 chunks of words ahead
     wide = torch.randn(16, 65536, device="cuda", dtype=torch.bfloat16)
     assert not wg.supported(wide, torch.zeros(1024, 65536 // 8, dtype=torch.int32, device="cuda"), 128, cfg)
 
 
-def test_w4a16_linear_takes_it_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ENGINE_MIN_ROWS set, w4a16_linear runs 9-16 rows of an int4 weight here, with bias."""
+def test_w4a16_linear_takes_it_at_9_to_16_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """w4a16_linear runs 9-16 rows of a Qwen3-8B o weight here (engine_config's rule), with bias; 8 rows not."""
     from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
-    monkeypatch.setattr(wg, "ENGINE_MIN_ROWS", 9)
     calls: list[int] = []
     kernel = wg.w4a16_wgmma
     monkeypatch.setattr(wg, "w4a16_wgmma", lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw))

@@ -1,10 +1,11 @@
 """int4 weight x 16-bit activation products at 1-16 rows on Hopper's wgmma, the weights as register operands:
 y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_formats.py.
 
-A PROTOTYPE, NOT YET RUN ON A GPU: written in a session without device time, checked only by the offline sm_90
-compile (tests/test_gluon_wgmma_compile.py). `w4a16_linear` calls it only where ENGINE_MIN_ROWS (0 by default)
-turns it on; tests/test_gluon_w4a16_wgmma.py (compute capability 9.x) checks it against quant_linear_ref, and
-benchmarks/bench_w4a16_mma.py `--wgmma` times it beside the mma.sync kernel. Why it exists: kernels/gluon_w4a16_mma.py keeps x as mma.sync B
+`w4a16_linear` sends int4 products of 9-16 rows here for the weights of `engine_config`'s bounds (K <= 4096, N x K
+<= 40 Mi elements), where the H200 measured it faster than the mma.sync kernel (session 44; docs/performance.md);
+tests/test_gluon_w4a16_wgmma.py (compute capability 9.x) checks it against quant_linear_ref,
+tests/test_gluon_wgmma_compile.py its offline sm_90 build, and benchmarks/bench_w4a16_mma.py `--wgmma` times it
+beside the mma.sync kernel. Why it exists: kernels/gluon_w4a16_mma.py keeps x as mma.sync B
 operands in registers, loaded by every warp (at 9-16 rows as many bytes from L2 as the weight's, and at 16 rows
 64 registers a thread of x), and its 64-row forms run one 8-warp program an SM at 247 registers: 29-44% of copy
 bandwidth at 16 rows on the H200 (docs/performance.md, session 42). The Triton codes kernel
@@ -26,10 +27,13 @@ tile. Here:
 - Splits of K: SPLIT programs per row tile publish float32 partials [SPLIT, M, N]; the last one out (an acq_rel
   ticket, kernels/tickets.py's protocol) adds them in split order and stores y.
 
-Offline (sm_90 from this repository's CPU Triton 3.9 and its ptxas; the device's Triton 3.6 may differ): 16 rows,
-2 tiles, chunks of 128: 127 registers, 16-byte word loads, 16 m64n16k16 wgmmas a chunk, no spills; 1 tile 79
-registers; 4 tiles with chunks of 64, 220. Overlapping a chunk's wgmmas with the next chunk's decode (two
-accumulators by turns) made ptxas serialize every wgmma (C7513), so the loop waits for each chunk's.
+Built (the H200's Triton 3.6 and ptxas, as offline with Triton 3.9): 16 rows, 2 tiles, chunks of 128: 127
+registers, 16-byte word loads, 16 m64n16k16 wgmmas a chunk, no spills; 1 tile 79 registers. Overlapping a chunk's
+wgmmas with the next chunk's decode (two accumulators by turns) made ptxas serialize every wgmma (C7513), so the
+loop waits for each chunk's. Measured on the H200 (session 44), it stays far from the copy floor: 16-44% at 12-16
+rows, 41% at best on Qwen3-8B gate_up at one row (the mma.sync kernel 74%). Words 2 or 3 chunks ahead
+(`words_ahead`) gave no consistent gain: the median shape's time 0.96-1.01x of one ahead, the best 0.84x, the worst
+1.42x (Qwen3-8B down on 2 tiles, where 167 registers against 127 cost programs an SM).
 """
 
 from __future__ import annotations
@@ -50,18 +54,24 @@ from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
 
 MAX_ROWS = 16
-# w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 16 rows here, on `engine_config`,
-# where that fits; 0: never, the default while the kernel is unmeasured. For a whole-step A/B:
-# benchmarks/ab_decode.py --variants "base,set=gluon_w4a16_wgmma.ENGINE_MIN_ROWS=9"
-ENGINE_MIN_ROWS = 0
+# w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 16 rows here (0: never), on
+# `engine_config`, for weights of K <= ENGINE_MAX_K and N x K <= ENGINE_MAX_NK elements, on ENGINE_TILES 64-row
+# tiles a program. H200, session 44 (bench_w4a16_mma.py --wgmma, 12 and 16 rows): 1 tile took 0.71-0.87x the
+# mma.sync kernel's time on Qwen3 qkv and o, DeepSeek-V3 q_b and shared down (K <= 4096, N x K <= 37.7 Mi) and
+# 1.0-1.5x on the larger weights (K 4096 x N 24576, K >= 7168). In whole decode steps at B = 16 (ab_decode.py,
+# 4 rounds): Qwen3-8B W4A16 3.902 -> 3.798 ms, Qwen3-30B-A3B 7.913 -> 7.787; every shape here, 4.184 ms on the 8B
+ENGINE_MIN_ROWS = 9
+ENGINE_MAX_K = 4096
+ENGINE_MAX_NK = 40 << 20
+ENGINE_TILES = 1
 # shared memory a program may take for x and its column sums (`shared_bytes`): 2 programs an SM at 80 KB (228 KB)
 MAX_X_BYTES = 80 * 1024
 
 
 @dataclass(frozen=True)
 class WgmmaLinearConfig:
-    """TILES 64-row tiles of W a program (one warpgroup), chunks of at most KC, SPLIT programs along K, and whether
-    the scales and zeros are loaded a chunk ahead."""
+    """TILES 64-row tiles of W a program (one warpgroup), chunks of at most KC, SPLIT programs along K, whether
+    the scales and zeros are loaded a chunk ahead, and how many chunks of words are in flight ahead."""
 
     tiles: int = 2
     kc: int = 128
@@ -70,6 +80,8 @@ class WgmmaLinearConfig:
     # consecutive chunks share cache lines, so only the first is a DRAM round trip); on took 167 registers against
     # 127 at 16 rows, 2 tiles (offline ptxas)
     scales_ahead: bool = False
+    # chunks of words requested ahead of the one being multiplied (1-3): each costs a thread RW x TILES registers
+    words_ahead: int = 1
 
     def rows(self) -> int:
         return 64 * self.tiles
@@ -105,11 +117,15 @@ def default_config(m: int, n: int, k: int, group: int, tiles: int = 2, kc: int =
 
 
 def engine_config(m: int, n: int, k: int, group: int) -> WgmmaLinearConfig | None:
-    """The config w4a16_linear runs M rows of an int4 [N, K] weight with here (`default_config`), or None: rows
-    outside ENGINE_MIN_ROWS..16 (all while it is 0), or a shape that config does not fit."""
-    if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= MAX_ROWS:
+    """The config w4a16_linear runs M rows of an int4 [N, K] weight with here (`default_config` with ENGINE_TILES
+    tiles), or None: rows outside ENGINE_MIN_ROWS..16 (all while it is 0), K over ENGINE_MAX_K or N x K over
+    ENGINE_MAX_NK, groups that do not hold chunks of 128 (the measured ones: chunks of 64 were slower), or a shape
+    that config does not fit."""
+    if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= MAX_ROWS or k > ENGINE_MAX_K or n * k > ENGINE_MAX_NK:
         return None
-    cfg = default_config(m, n, k, group)
+    if group % 128:
+        return None
+    cfg = default_config(m, n, k, group, ENGINE_TILES)
     return cfg if fits(m, n, k, group, cfg) else None
 
 
@@ -131,7 +147,7 @@ def chunk(ks: int, group: int, most: int) -> int:
 def fits(m: int, n: int, k: int, group: int, cfg: WgmmaLinearConfig) -> bool:
     """The shape part of `supported`: 1 <= M <= 16, N a multiple of a program's rows, K split evenly into whole
     chunks, and x's share within MAX_X_BYTES."""
-    if not 1 <= m <= MAX_ROWS or n % cfg.rows() or cfg.split < 1 or k % cfg.split:
+    if not 1 <= m <= MAX_ROWS or n % cfg.rows() or cfg.split < 1 or k % cfg.split or not 1 <= cfg.words_ahead <= 3:
         return False
     ks = k // cfg.split
     kc = chunk(ks, group, cfg.kc)
@@ -229,7 +245,7 @@ def _w4a16_wgmma_kernel(
     stride_xm, stride_qn, stride_sn, stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, GROUPED: gl.constexpr, SCALES_AHEAD: gl.constexpr,
-    mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    AHEAD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
     RW: gl.constexpr = KC // 32
@@ -239,10 +255,17 @@ def _w4a16_wgmma_kernel(
     n0 = gl.program_id(0) * BM
     k0 = gl.program_id(1) * KS
 
-    # words [BM, 4, RW]: row n0 + row, word k0 / 8 + RW t + r of each chunk; the first chunk's before the wait
+    # words [BM, 4, RW]: row n0 + row, word k0 / 8 + RW t + r of each chunk; the first AHEAD chunks' before the
+    # wait (q, q1, q2: chunks c, c + 1, c + 2 of the loop; indices past the last chunk reload it, from L2)
     wrow, word = chunk_words(w_l, BM, RW)
     q_ptrs = q_ptr + (n0 + wrow).to(gl.int64) * stride_qn + k0 // 8 + word
     q = gl.load(q_ptrs)
+    C1: gl.constexpr = 1 if CHUNKS > 1 else 0
+    C2: gl.constexpr = 2 if CHUNKS > 2 else CHUNKS - 1
+    if AHEAD >= 2:
+        q1 = gl.load(q_ptrs + C1 * (KC // 8))
+    if AHEAD >= 3:
+        q2 = gl.load(q_ptrs + C2 * (KC // 8))
     pdl_enter(USE_PDL)
 
     xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NP, KC], DT)
@@ -263,8 +286,14 @@ def _w4a16_wgmma_kernel(
     for c in range(CHUNKS):
         q_c, scale_c, zz_c = q, scale, zz
         nxt = gl.minimum(c + 1, CHUNKS - 1)
-        if CHUNKS > 1:  # the next chunk's words are requested before this chunk's product
-            q = gl.load(q_ptrs + nxt * (KC // 8))
+        if CHUNKS > 1:  # chunk c + AHEAD's words are requested before this chunk's product
+            far = gl.minimum(c + AHEAD, CHUNKS - 1) * (KC // 8)
+            if AHEAD == 1:
+                q = gl.load(q_ptrs + far)
+            elif AHEAD == 2:
+                q, q1 = q1, gl.load(q_ptrs + far)
+            else:
+                q, q1, q2 = q1, q2, gl.load(q_ptrs + far)
         if SCALES_AHEAD:  # and its scales and zeros
             scale, zz = _group_scale(s_ptr, z_ptr, s_rows, k0 + nxt * KC, offset, GROUP, HAS_ZERO)
         a = _a_fragment(q_c, magic, DT, a_l, BM, RW)
@@ -288,7 +317,7 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     chunks = ks // kc
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
                 SPLIT=cfg.split, GROUPED=math.gcd(chunks, STAGE_CHUNKS), SCALES_AHEAD=cfg.scales_ahead,
-                **layouts(cfg.tiles, kc, np_))  # fmt: skip
+                AHEAD=cfg.words_ahead, **layouts(cfg.tiles, kc, np_))  # fmt: skip
 
 
 def w4a16_wgmma(

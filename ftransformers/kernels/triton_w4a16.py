@@ -2,8 +2,8 @@
 and "nvfp4" layouts of kernels/quant_formats.py, dequantizing W in registers (no 16-bit copy of W).
 
 int4 with 16-bit x at decode sizes goes first to kernels/gluon_w4a16_mma.py (mma.sync, the weights
-decoded straight into operand registers) where its `takes` says it measured faster (and, only where its
-ENGINE_MIN_ROWS asks, to the unmeasured wgmma prototype kernels/gluon_w4a16_wgmma.py before that); elsewhere three
+decoded straight into operand registers) where its `takes` says it measured faster (and before that, at 9-16 rows
+on the weights of its `engine_config`, to the wgmma kernel kernels/gluon_w4a16_wgmma.py); elsewhere three
 kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
 - `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights; two words a thread): CUDA cores. Tensors are
@@ -487,7 +487,7 @@ def w4a16_linear(
     if M == 0:
         return x.new_empty(*lead, N)
     cfg_wg = wgmma_path.engine_config(M, N, K, qw.group_size) if config is None and qw.fmt == "int4" else None
-    if cfg_wg is not None and wgmma_path.supported(x, qw.qweight, qw.group_size, cfg_wg):  # opt-in (its module)
+    if cfg_wg is not None and wgmma_path.supported(x, qw.qweight, qw.group_size, cfg_wg):  # 9-16 rows (its module)
         y = wgmma_path.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_wg)
         return y.reshape(*lead, N)
     cfg_mma = mma_rows_config(qw, M) if config is None else None
