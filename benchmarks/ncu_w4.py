@@ -2,10 +2,10 @@
 int4 product (kernels/gluon_w4a16_mma.py) and of the int4 MoE pair path at one token goes, by hardware
 counters (the issue 5 targets they miss). Dummy weights of the benches' shapes; the first calls compile.
 
-    ncu --clock-control none --kernel-name regex:'w4a16_mma|_pair_' --launch-skip 4 --launch-count 2 \
+    ncu --clock-control none --kernel-name regex:'w4a16_mma|w4a16_wgmma|_pair_' --launch-skip 4 --launch-count 2 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy \
-        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1"
+        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1", "wgmma:qwen3-8b qkv:16"
 
 (`--clock-control none` leaves the GPU's clocks as they are; benchmarks/results/ncu_w4_*_h100.txt.)
 """
@@ -25,6 +25,7 @@ from bench_w4a16 import SHAPES as DENSE_SHAPES
 from bench_w4a16 import make_weight
 
 from ftransformers.kernels import gluon_w4a16_mma as mma
+from ftransformers.kernels import gluon_w4a16_wgmma as wg
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 
 CALLS = 6
@@ -32,7 +33,11 @@ CALLS = 6
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True, help="dense:<bench_w4a16 shape>:<rows> or moe:<bench_moe_w4 shape>:<T>")
+    p.add_argument(
+        "--case",
+        required=True,
+        help="dense:<bench_w4a16 shape>:<rows>, wgmma:<the same>:<rows> or moe:<bench_moe_w4 shape>:<T>",
+    )
     kind, shape, rows = p.parse_args().case.split(":")
     m = int(rows)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -43,6 +48,14 @@ def main() -> None:
         print(f"dense {shape} M={m}: {mma.default_config(m, n, k)}", flush=True)
         for _ in range(CALLS):
             mma.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size)
+    elif kind == "wgmma":  # the wgmma kernel on its engine tiles (kernels/gluon_w4a16_wgmma.py)
+        n, k = DENSE_SHAPES[shape]
+        qw = make_weight("int4-asym", n, k, gen)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cfg = wg.default_config(m, n, k, qw.group_size, wg.ENGINE_TILES)
+        print(f"wgmma {shape} M={m}: {cfg}", flush=True)
+        for _ in range(CALLS):
+            wg.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, None, cfg)
     elif kind == "moe":
         d, inter, e, top_k = MOE_SHAPES[shape]
         w13 = random_qw("int4", 128, True, e, 2 * inter, d)
@@ -51,7 +64,7 @@ def main() -> None:
         for tw, ti in routes:
             w4.fused_moe_w4(torch.randn(m, d, device="cuda", dtype=torch.bfloat16), w13, w2, tw, ti)
     else:
-        raise SystemExit(f"ncu_w4: unknown case kind {kind!r} (dense or moe)")
+        raise SystemExit(f"ncu_w4: unknown case kind {kind!r} (dense, wgmma or moe)")
     torch.cuda.synchronize()
 
 
