@@ -10,10 +10,10 @@ int4-asym weights at those row counts (`--sweep-split`: only those whose warps s
 times each row's default config again with a module toggle of gluon_w4a16_mma set (e.g. SPAN_MASKED_X=0);
 `--caps R,..` times it again with each register cap R (the launch's `maxnreg`; 0: ptxas's own choice) that
 fits its warps in the register file, and prints each capped kernel's registers, spills and programs an SM as
-this device's ptxas built it. `--wgmma T:KC:S[:A[:D[:R]]],..` also times the wgmma kernel
+this device's ptxas built it. `--wgmma T:KC:S[:A[:D]],..` also times the wgmma kernel
 (kernels/gluon_w4a16_wgmma.py) with T 64-row tiles a program, chunks of at most KC, K split S ways (0:
-wg.default_config's split), A = 1 for scales loaded a chunk ahead, D chunks of words requested ahead (1-3,
-default 1) and R row tiles a program (default 1), at every row count where it fits (Hopper).
+wg.default_config's split), A = 1 for scales loaded a chunk ahead and D chunks of words requested ahead (1-3,
+default 1), at every row count where it fits (Hopper).
 Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_mma.py --out $OUT/w4a16_mma_h100.json [--sweep 1,4,8,16]
@@ -60,7 +60,7 @@ def resolved(cfg: wg.WgmmaLinearConfig, m: int, qw: QuantizedWeight) -> wg.Wgmma
     if cfg.split:
         return cfg
     auto = wg.default_config(m, qw.out_features, qw.in_features, qw.group_size, cfg.tiles, cfg.kc)
-    return replace(auto, scales_ahead=cfg.scales_ahead, words_ahead=cfg.words_ahead, row_tiles=cfg.row_tiles)
+    return replace(auto, scales_ahead=cfg.scales_ahead, words_ahead=cfg.words_ahead)
 
 
 def before(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -108,16 +108,14 @@ def cname(c: mma.MmaLinearConfig) -> str:
 
 
 def wgmma_config(spec: str) -> wg.WgmmaLinearConfig:
-    """T:KC:S[:A[:D[:R]]] -> tiles T, chunk KC, split S, scales ahead A (0 / 1), D chunks of words ahead, R row
-    tiles a program."""
-    f = [int(v) for v in spec.split(":")] + [0, 1, 1][len(spec.split(":")) - 3 :]
-    return wg.WgmmaLinearConfig(f[0], f[1], f[2], bool(f[3]), f[4], f[5])
+    """T:KC:S[:A[:D]] -> tiles T, chunk KC, split S, scales ahead A (0 / 1), D chunks of words ahead."""
+    f = [int(v) for v in spec.split(":")]
+    return wg.WgmmaLinearConfig(f[0], f[1], f[2], bool(f[3]) if len(f) > 3 else False, f[4] if len(f) > 4 else 1)
 
 
 def wname(c: wg.WgmmaLinearConfig) -> str:
     return (f"t{c.tiles} kc{c.kc} s{c.split}" + (" scales-ahead" if c.scales_ahead else "")
-            + (f" w+{c.words_ahead}" if c.words_ahead != 1 else "")
-            + (f" rt{c.row_tiles}" if c.row_tiles != 1 else ""))  # fmt: skip
+            + (f" w+{c.words_ahead}" if c.words_ahead != 1 else ""))  # fmt: skip
 
 
 def kinfo(k: dict[str, Any] | None) -> str:
@@ -160,10 +158,9 @@ def main() -> None:
     )
     p.add_argument("--caps", default="", metavar="R,..",
                    help="also time each row's default config with each register cap R (0: none) that fits")
-    p.add_argument("--wgmma", default="", metavar="T:KC:S[:A[:D[:R]]],..",
+    p.add_argument("--wgmma", default="", metavar="T:KC:S[:A[:D]],..",
                    help="also time the wgmma kernel with T 64-row tiles a program, chunks of KC, K split S ways "
-                   "(0: its default_config's split), A = 1: scales loaded a chunk ahead, D chunks of words ahead (1), "
-                   "R row tiles a program (1)")
+                   "(0: its default_config's split), A = 1: scales loaded a chunk ahead, D chunks of words ahead (1)")
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
     if args.ab_warp_sum:

@@ -29,13 +29,10 @@ TOL = 1e-2
 # (group, zeros, scale dtype)
 WEIGHTS = [(128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16),
            (32, False, torch.float16), (256, True, torch.float32)]  # fmt: skip
-# then: words two chunks ahead over 16 chunks, three ahead over 2 (the reads past the last chunk clamp); 4 row
-# tiles a program; 2, with words across the row tiles and scales ahead
+# the last two: words two chunks ahead over 16 chunks, three ahead over 2 (the reads past the last chunk clamp)
 CONFIGS = [wg.WgmmaLinearConfig(1, 128, 1), wg.WgmmaLinearConfig(2, 128, 2), wg.WgmmaLinearConfig(2, 64, 4),
            wg.WgmmaLinearConfig(4, 64, 2), wg.WgmmaLinearConfig(2, 128, 2, scales_ahead=True),
-           wg.WgmmaLinearConfig(1, 128, 1, words_ahead=2), wg.WgmmaLinearConfig(2, 128, 8, words_ahead=3),
-           wg.WgmmaLinearConfig(1, 128, 2, row_tiles=4),
-           wg.WgmmaLinearConfig(2, 128, 8, scales_ahead=True, words_ahead=2, row_tiles=2)]  # fmt: skip
+           wg.WgmmaLinearConfig(1, 128, 1, words_ahead=2), wg.WgmmaLinearConfig(2, 128, 8, words_ahead=3)]  # fmt: skip
 
 
 def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros: bool, sdt: torch.dtype,
@@ -72,10 +69,10 @@ def test_split_k_sum_is_deterministic_and_resets() -> None:
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(16, 8192, generator=gen).to("cuda", torch.bfloat16)
     qw = random_weight("int4", 2048, 8192, gen, group=128, zeros=True, scale_dtype=torch.float16)
-    for cfg in (wg.WgmmaLinearConfig(2, 128, 8), wg.WgmmaLinearConfig(1, 128, 8, row_tiles=4)):
-        ys = [wg.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, 128, None, cfg) for _ in range(3)]
-        assert rel_err(ys[0], quant_linear_ref(x, qw)) <= TOL, cfg
-        assert all(torch.equal(ys[0], y) for y in ys[1:]), cfg
+    cfg = wg.WgmmaLinearConfig(2, 128, 8)
+    ys = [wg.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, 128, None, cfg) for _ in range(3)]
+    assert rel_err(ys[0], quant_linear_ref(x, qw)) <= TOL
+    assert all(torch.equal(ys[0], y) for y in ys[1:])
 
 
 def test_supported_rejects_what_it_cannot_run() -> None:
@@ -89,7 +86,6 @@ def test_supported_rejects_what_it_cannot_run() -> None:
     assert not wg.supported(x, q[:1000], 128, cfg)  # N not a multiple of a program's rows
     assert not wg.supported(x, q, 12, cfg)  # no chunk of 32-128 inside a group of 12
     assert not wg.supported(x, q, 128, replace(cfg, words_ahead=4))  # at most 3 chunks of words ahead
-    assert not wg.supported(x, q, 128, replace(cfg, row_tiles=16))  # 1024 rows: not a multiple of 16 x 128
     wide = torch.randn(16, 65536, device="cuda", dtype=torch.bfloat16)
     assert not wg.supported(wide, torch.zeros(1024, 65536 // 8, dtype=torch.int32, device="cuda"), 128, cfg)
 

@@ -22,30 +22,26 @@ pytest.importorskip("triton.experimental.gluon._runtime")
 
 from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
 
-# (rows of x, N, K, group, tiles, chunk, split, scales ahead, words ahead, row tiles, zeros and bias): 16 and 8
-# columns; chunks of 128, 64 and 32 (one word a thread); 1, 2 and 4 tiles a program; scales after their chunk's
-# wgmmas and a chunk ahead; words 1-3 chunks ahead; 1, 2 and 4 row tiles a program; with and without zero points
-# and bias
-JOBS = [(16, 4096, 4096, 128, 2, 128, 2, False, 1, 1, True), (4, 5120, 2048, 128, 1, 128, 1, False, 2, 1, True),
-        (11, 4096, 12288, 64, 2, 128, 8, False, 3, 1, True), (1, 2048, 2048, 32, 1, 128, 4, False, 1, 1, False),
-        (8, 4096, 4096, 128, 4, 64, 4, False, 1, 1, True), (16, 4096, 4096, 128, 2, 128, 2, True, 1, 1, False),
-        (16, 24576, 4096, 128, 2, 128, 8, False, 3, 1, True), (16, 6144, 4096, 128, 1, 128, 4, False, 1, 4, True),
-        (9, 24576, 4096, 128, 2, 128, 8, True, 2, 2, True)]  # fmt: skip
+# (rows of x, N, K, group, tiles, chunk, split, scales ahead, words ahead, zeros and bias): 16 and 8 columns; chunks
+# of 128, 64 and 32 (one word a thread); 1, 2 and 4 tiles a program; scales after their chunk's wgmmas and a chunk
+# ahead; words 1-3 chunks ahead; with and without zero points and bias
+JOBS = [(16, 4096, 4096, 128, 2, 128, 2, False, 1, True), (4, 5120, 2048, 128, 1, 128, 1, False, 2, True),
+        (11, 4096, 12288, 64, 2, 128, 8, False, 3, True), (1, 2048, 2048, 32, 1, 128, 4, False, 1, False),
+        (8, 4096, 4096, 128, 4, 64, 4, False, 1, True), (16, 4096, 4096, 128, 2, 128, 2, True, 1, False),
+        (16, 24576, 4096, 128, 2, 128, 8, False, 3, True)]  # fmt: skip
 
 
 def _compile() -> list[dict]:  # in this process, per job: its name, shared bytes and their bound, PTX, ptxas log
     from ftransformers.kernels import gluon_w4a16_wgmma as wg
 
     out = []
-    for m, n, k, group, tiles, kc, split, ahead, words, rt, zeros in JOBS:
-        cfg = wg.WgmmaLinearConfig(tiles, kc, split, ahead, words, rt)
+    for m, n, k, group, tiles, kc, split, ahead, words, zeros in JOBS:
+        cfg = wg.WgmmaLinearConfig(tiles, kc, split, ahead, words)
         assert wg.fits(m, n, k, group, cfg), (m, n, k, group, cfg)
         consts = wg.constexprs(m, k, group, zeros, zeros, cfg)
         res = compile_for_hopper(wg._w4a16_wgmma_kernel, consts, 4)
         out.append({"name": f"M={m} {n}x{k} g{group} {cfg} zeros {zeros}", "np": consts["NP"], **res,
-                    # and 4 bytes where a loop of row tiles holds the split ticket (its value goes to every thread
-                    # through shared memory)
-                    "shared_bytes": wg.shared_bytes(consts["NP"], k // split, consts["KC"]) + 4 * (split > 1 and rt > 1),
+                    "shared_bytes": wg.shared_bytes(consts["NP"], k // split, consts["KC"]),
                     "first_loads": 2 * tiles * words})  # a thread: a run of words in 2 rows a tile  # fmt: skip
     return out
 

@@ -157,19 +157,19 @@ def _store_y(y, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS: gl.constexp
 
 
 @gluon.jit
-def _split_store_y(y, y_ptr, bias_ptr, part_ptr, cnt_ptr, tile, n_idx, tok, M, N, stride_ym, HAS_BIAS: gl.constexpr,
+def _split_store_y(y, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, tok, M, N, stride_ym, HAS_BIAS: gl.constexpr,
                    SPLIT: gl.constexpr):  # fmt: skip
     # y [.., TOK] float32, this program's share of K at rows n_idx: stored (SPLIT 1), or published as a partial
-    # [SPLIT, M, N] float32 at program_id(1), the last of row tile `tile`'s SPLIT programs adding them in split
-    # order (deterministic) and resetting its ticket counter
+    # [SPLIT, M, N] float32 at program_id(1), the last of row tile program_id(0)'s SPLIT programs adding them in
+    # split order (deterministic) and resetting its ticket counter
     if SPLIT == 1:
         _store_y(y, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS)
     else:
         part = part_ptr + tok.to(gl.int64) * N + n_idx
         gl.store(part + gl.program_id(1) * M * N, y, mask=tok < M)
         _cta_barrier()  # every warp's partial is stored before the release ticket
-        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            gl.store(cnt_ptr + tile, 0)
+        if gl.atomic_add(cnt_ptr + gl.program_id(0), 1, sem="acq_rel") == SPLIT - 1:
+            gl.store(cnt_ptr + gl.program_id(0), 0)
             total = gl.load(part, mask=tok < M, other=0.0, cache_modifier=".cg")
             for sp in gl.static_range(1, SPLIT):
                 total += gl.load(part + sp * M * N, mask=tok < M, other=0.0, cache_modifier=".cg")
@@ -264,8 +264,7 @@ def _w4a16_mma_kernel(
         yr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, y3))), 0), 2)
         toks = gl.expand_dims(gl.expand_dims(gl.arange(0, TOK, layout=gl.SliceLayout(0, gl.SliceLayout(0, y3))), 0), 0)
         n_idx = n0 + yw * ROWS + yr  # [W, ROWS, 1]
-        _split_store_y(y, y_ptr, bias_ptr, part_ptr, cnt_ptr, gl.program_id(0), n_idx, toks, M, N, stride_ym, HAS_BIAS,
-                       SPLIT)  # fmt: skip
+        _split_store_y(y, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, toks, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,8 @@ MAX_X_BYTES = 80 * 1024
 
 @dataclass(frozen=True)
 class WgmmaLinearConfig:
-    """TILES 64-row tiles of W at a time (one warpgroup), chunks of at most KC, SPLIT programs along K, whether
-    the scales and zeros are loaded a chunk ahead, how many chunks of words are in flight ahead, and how many row
-    tiles a program takes in turn."""
+    """TILES 64-row tiles of W a program (one warpgroup), chunks of at most KC, SPLIT programs along K, whether
+    the scales and zeros are loaded a chunk ahead, and how many chunks of words are in flight ahead."""
 
     tiles: int = 2
     kc: int = 128
@@ -85,10 +84,8 @@ class WgmmaLinearConfig:
     scales_ahead: bool = False
     # chunks of words requested ahead of the one being multiplied (1-3): each costs a thread RW x TILES registers
     words_ahead: int = 1
-    # row tiles (of 64 x TILES rows) a program takes one after another, on the x it staged once
-    row_tiles: int = 1
 
-    def rows(self) -> int:  # rows of W a program's wgmmas take at a time (a row tile)
+    def rows(self) -> int:
         return 64 * self.tiles
 
 
@@ -154,9 +151,7 @@ def chunk(ks: int, group: int, most: int) -> int:
 def fits(m: int, n: int, k: int, group: int, cfg: WgmmaLinearConfig) -> bool:
     """The shape part of `supported`: 1 <= M <= 16, N a multiple of a program's rows, K split evenly into whole
     chunks, and x's share within MAX_X_BYTES."""
-    if not 1 <= m <= MAX_ROWS or n % (cfg.rows() * cfg.row_tiles) or cfg.split < 1 or k % cfg.split:
-        return False
-    if not 1 <= cfg.words_ahead <= 3 or cfg.row_tiles < 1:
+    if not 1 <= m <= MAX_ROWS or n % cfg.rows() or cfg.split < 1 or k % cfg.split or not 1 <= cfg.words_ahead <= 3:
         return False
     ks = k // cfg.split
     kc = chunk(ks, group, cfg.kc)
@@ -254,28 +249,27 @@ def _w4a16_wgmma_kernel(
     stride_xm, stride_qn, stride_sn, stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, GROUPED: gl.constexpr, SCALES_AHEAD: gl.constexpr,
-    AHEAD: gl.constexpr, RT: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    AHEAD: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
     RW: gl.constexpr = KC // 32
     BM: gl.constexpr = 64 * TILES
     KS: gl.constexpr = CHUNKS * KC
     DT: gl.constexpr = x_ptr.dtype.element_ty
-    FLAT: gl.constexpr = RT * CHUNKS  # (row tile, chunk) steps of the program, row tile major
-    n0 = gl.program_id(0) * (BM * RT)
+    n0 = gl.program_id(0) * BM
     k0 = gl.program_id(1) * KS
 
-    # words [BM, 4, RW]: row n0 + row, word k0 / 8 + RW t + r of each chunk; the first AHEAD steps' before the
-    # wait (q, q1, q2: steps i, i + 1, i + 2 of the loop; indices past the last step reload it, from L2)
+    # words [BM, 4, RW]: row n0 + row, word k0 / 8 + RW t + r of each chunk; the first AHEAD chunks' before the
+    # wait (q, q1, q2: chunks c, c + 1, c + 2 of the loop; indices past the last chunk reload it, from L2)
     wrow, word = chunk_words(w_l, BM, RW)
     q_ptrs = q_ptr + (n0 + wrow).to(gl.int64) * stride_qn + k0 // 8 + word
     q = gl.load(q_ptrs)
-    C1: gl.constexpr = 1 if FLAT > 1 else 0
-    C2: gl.constexpr = 2 if FLAT > 2 else FLAT - 1
+    C1: gl.constexpr = 1 if CHUNKS > 1 else 0
+    C2: gl.constexpr = 2 if CHUNKS > 2 else CHUNKS - 1
     if AHEAD >= 2:
-        q1 = gl.load(q_ptrs + (C1 // CHUNKS) * BM * stride_qn + (C1 % CHUNKS) * (KC // 8))
+        q1 = gl.load(q_ptrs + C1 * (KC // 8))
     if AHEAD >= 3:
-        q2 = gl.load(q_ptrs + (C2 // CHUNKS) * BM * stride_qn + (C2 % CHUNKS) * (KC // 8))
+        q2 = gl.load(q_ptrs + C2 * (KC // 8))
     pdl_enter(USE_PDL)
 
     xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NP, KC], DT)
@@ -286,43 +280,37 @@ def _w4a16_wgmma_kernel(
     _cta_barrier()  # every warp's share of x and the sums
 
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-    toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
+    s_rows = gl.expand_dims((n0 + rows).to(gl.int64) * stride_sn, 1)  # [BM, 1]
+    tot = gl.zeros([BM, NP], gl.float32, mma)
     zero = gl.zeros([BM, NP], gl.float32, mma)  # the accumulator each chunk's first wgmma ignores (use_acc=False)
     # one chunk's wgmmas at a time: A for the next chunk cannot be decoded while they run (ptxas serializes every
     # wgmma where a non-wgmma instruction defines wgmma input registers inside a wgmma pipeline stage, its C7513
-    # advisory, which two accumulators by turns met offline); other programs on the SM overlap them. RT row tiles
-    # a program reuse its x (staged once); the words run on across them
-    for j in range(RT):
-        n_idx = gl.expand_dims(n0 + j * BM + rows, 1)  # [BM, 1]
-        s_rows = n_idx.to(gl.int64) * stride_sn
-        tot = gl.zeros([BM, NP], gl.float32, mma)
-        scale, zz = _group_scale(s_ptr, z_ptr, s_rows, k0, offset, GROUP, HAS_ZERO)
-        for c in range(CHUNKS):
-            q_c, scale_c, zz_c = q, scale, zz
-            if FLAT > 1:  # step i + AHEAD's words are requested before this chunk's product
-                f = gl.minimum(j * CHUNKS + c + AHEAD, FLAT - 1)
-                if RT == 1:
-                    far = f * (KC // 8)
-                else:
-                    far = (f // CHUNKS) * BM * stride_qn + (f % CHUNKS) * (KC // 8)
-                if AHEAD == 1:
-                    q = gl.load(q_ptrs + far)
-                elif AHEAD == 2:
-                    q, q1 = q1, gl.load(q_ptrs + far)
-                else:
-                    q, q1, q2 = q1, q2, gl.load(q_ptrs + far)
-            if SCALES_AHEAD:  # and the next chunk's scales and zeros, within the row tile
-                nxt = gl.minimum(c + 1, CHUNKS - 1)
-                scale, zz = _group_scale(s_ptr, z_ptr, s_rows, k0 + nxt * KC, offset, GROUP, HAS_ZERO)
-            a = _a_fragment(q_c, magic, DT, a_l, BM, RW)
-            acc = warpgroup_mma(a, xs.index(c).permute((1, 0)), zero, use_acc=False, is_async=True)
-            acc, a = warpgroup_mma_wait(0, deps=[acc, a])  # A's registers stay live until the wgmma has read them
-            if not SCALES_AHEAD:  # this chunk's, after its wgmmas (ptxas may still issue them earlier)
-                scale_c, zz_c = _group_scale(s_ptr, z_ptr, s_rows, k0 + c * KC, offset, GROUP, HAS_ZERO)
-            colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
-            tot += scale_c * (acc - zz_c * colsum)
-        _split_store_y(tot, y_ptr, bias_ptr, part_ptr, cnt_ptr, gl.program_id(0) * RT + j, n_idx, toks, M, N,
-                       stride_ym, HAS_BIAS, SPLIT)  # fmt: skip
+    # advisory, which two accumulators by turns met offline); other programs on the SM overlap them
+    scale, zz = _group_scale(s_ptr, z_ptr, s_rows, k0, offset, GROUP, HAS_ZERO)
+    for c in range(CHUNKS):
+        q_c, scale_c, zz_c = q, scale, zz
+        nxt = gl.minimum(c + 1, CHUNKS - 1)
+        if CHUNKS > 1:  # chunk c + AHEAD's words are requested before this chunk's product
+            far = gl.minimum(c + AHEAD, CHUNKS - 1) * (KC // 8)
+            if AHEAD == 1:
+                q = gl.load(q_ptrs + far)
+            elif AHEAD == 2:
+                q, q1 = q1, gl.load(q_ptrs + far)
+            else:
+                q, q1, q2 = q1, q2, gl.load(q_ptrs + far)
+        if SCALES_AHEAD:  # and its scales and zeros
+            scale, zz = _group_scale(s_ptr, z_ptr, s_rows, k0 + nxt * KC, offset, GROUP, HAS_ZERO)
+        a = _a_fragment(q_c, magic, DT, a_l, BM, RW)
+        acc = warpgroup_mma(a, xs.index(c).permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc, a = warpgroup_mma_wait(0, deps=[acc, a])  # A's registers stay live until the wgmma has read them
+        if not SCALES_AHEAD:  # this chunk's, after its wgmmas (ptxas may still issue them earlier)
+            scale_c, zz_c = _group_scale(s_ptr, z_ptr, s_rows, k0 + c * KC, offset, GROUP, HAS_ZERO)
+        colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
+        tot += scale_c * (acc - zz_c * colsum)
+
+    n_idx = gl.expand_dims(n0 + rows, 1)  # [BM, 1]
+    toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
+    _split_store_y(tot, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, toks, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: WgmmaLinearConfig) -> dict:
@@ -333,7 +321,7 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     chunks = ks // kc
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
                 SPLIT=cfg.split, GROUPED=math.gcd(chunks, STAGE_CHUNKS), SCALES_AHEAD=cfg.scales_ahead,
-                AHEAD=cfg.words_ahead, RT=cfg.row_tiles, **layouts(cfg.tiles, kc, np_))  # fmt: skip
+                AHEAD=cfg.words_ahead, **layouts(cfg.tiles, kc, np_))  # fmt: skip
 
 
 def w4a16_wgmma(
@@ -357,7 +345,7 @@ def w4a16_wgmma(
         if split != cfg.split and not fits(m, n, k, group, replace(cfg, split=split)):
             raise RuntimeError(f"w4a16_wgmma: no split-K scratch here and K {k} unsplit does not fit {cfg}")
     consts = constexprs(m, k, group, zeros is not None, bias is not None, replace(cfg, split=split))
-    _w4a16_wgmma_kernel[(tiles // cfg.row_tiles, split)](
+    _w4a16_wgmma_kernel[(tiles, split)](
         *kernel_args(x, qweight, scales, zeros, bias, y, part, cnt), **consts, num_warps=4, **pdl_launch(x.device),
     )  # fmt: skip
     return y
