@@ -1,8 +1,8 @@
 """int4 weight x 16-bit activation products at 1-16 rows on Hopper's wgmma, the weights as register operands:
 y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_formats.py.
 
-`w4a16_linear` sends int4 products of 9-16 rows here for the weights of `engine_config`'s bounds (K <= 4096,
-N >= 4096, N x K <= 40 Mi elements), where the H200 measured it faster than the mma.sync kernel (session 44; docs/performance.md);
+`w4a16_linear` sends int4 products of 9-16 rows here for the weights of `engine_config`'s bounds (K <= 4096, N x K
+<= 40 Mi elements), where the H200 measured it faster than the mma.sync kernel (session 44; docs/performance.md);
 tests/test_gluon_w4a16_wgmma.py (compute capability 9.x) checks it against quant_linear_ref,
 tests/test_gluon_wgmma_compile.py its offline sm_90 build, and benchmarks/bench_w4a16_mma.py `--wgmma` times it
 beside the mma.sync kernel. Why it exists: kernels/gluon_w4a16_mma.py keeps x as mma.sync B
@@ -55,15 +55,13 @@ from ftransformers.kernels.tickets import split_scratch
 
 MAX_ROWS = 16
 # w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 16 rows here (0: never), on
-# `engine_config`, for weights of K <= ENGINE_MAX_K, N >= ENGINE_MIN_N and N x K <= ENGINE_MAX_NK elements, on
-# ENGINE_TILES 64-row tiles a program. H200, session 44 (bench_w4a16_mma.py --wgmma, 9-16 rows, three runs): 1
-# tile took 0.71-0.95x the mma.sync kernel's time on Qwen3-30B-A3B qkv, Qwen3-8B qkv and o, DeepSeek-V3 q_b and
-# shared down; 0.99-1.05x on Qwen3-30B-A3B o (N 2048); 1.1-1.6x on the larger weights (K 4096 x N 24576,
-# K >= 7168). In whole decode steps at B = 16 (ab_decode.py, 4 rounds, with 30B-A3B o still taken): Qwen3-8B W4A16
-# 3.930 -> 3.813 ms, Qwen3-30B-A3B 7.974 -> 7.813; every shape here, 4.184 against 3.902 ms on the 8B
+# `engine_config`, for weights of K <= ENGINE_MAX_K and N x K <= ENGINE_MAX_NK elements, on ENGINE_TILES 64-row
+# tiles a program. H200, session 44 (bench_w4a16_mma.py --wgmma, 12 and 16 rows): 1 tile took 0.71-0.87x the
+# mma.sync kernel's time on Qwen3 qkv and o, DeepSeek-V3 q_b and shared down (K <= 4096, N x K <= 37.7 Mi) and
+# 1.0-1.5x on the larger weights (K 4096 x N 24576, K >= 7168). In whole decode steps at B = 16 (ab_decode.py,
+# 4 rounds): Qwen3-8B W4A16 3.902 -> 3.798 ms, Qwen3-30B-A3B 7.913 -> 7.787; every shape here, 4.184 ms on the 8B
 ENGINE_MIN_ROWS = 9
 ENGINE_MAX_K = 4096
-ENGINE_MIN_N = 4096
 ENGINE_MAX_NK = 40 << 20
 ENGINE_TILES = 1
 # shared memory a program may take for x and its column sums (`shared_bytes`): 2 programs an SM at 80 KB (228 KB)
@@ -120,12 +118,10 @@ def default_config(m: int, n: int, k: int, group: int, tiles: int = 2, kc: int =
 
 def engine_config(m: int, n: int, k: int, group: int) -> WgmmaLinearConfig | None:
     """The config w4a16_linear runs M rows of an int4 [N, K] weight with here (`default_config` with ENGINE_TILES
-    tiles), or None: rows outside ENGINE_MIN_ROWS..16 (all while it is 0), K over ENGINE_MAX_K, N under
-    ENGINE_MIN_N, N x K over ENGINE_MAX_NK, groups that do not hold chunks of 128 (the measured ones: chunks of 64
-    were slower), or a shape that config does not fit."""
-    if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= MAX_ROWS:
-        return None
-    if k > ENGINE_MAX_K or n < ENGINE_MIN_N or n * k > ENGINE_MAX_NK:
+    tiles), or None: rows outside ENGINE_MIN_ROWS..16 (all while it is 0), K over ENGINE_MAX_K or N x K over
+    ENGINE_MAX_NK, groups that do not hold chunks of 128 (the measured ones: chunks of 64 were slower), or a shape
+    that config does not fit."""
+    if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= MAX_ROWS or k > ENGINE_MAX_K or n * k > ENGINE_MAX_NK:
         return None
     if group % 128:
         return None
