@@ -56,10 +56,12 @@ from ftransformers.kernels.tickets import split_scratch
 MAX_ROWS = 16
 # w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 16 rows here (0: never), on
 # `engine_config`, for weights of K <= ENGINE_MAX_K and N x K <= ENGINE_MAX_NK elements, on ENGINE_TILES 64-row
-# tiles a program. H200, session 44 (bench_w4a16_mma.py --wgmma, 12 and 16 rows): 1 tile took 0.71-0.87x the
-# mma.sync kernel's time on Qwen3 qkv and o, DeepSeek-V3 q_b and shared down (K <= 4096, N x K <= 37.7 Mi) and
-# 1.0-1.5x on the larger weights (K 4096 x N 24576, K >= 7168). In whole decode steps at B = 16 (ab_decode.py,
-# 4 rounds): Qwen3-8B W4A16 3.902 -> 3.798 ms, Qwen3-30B-A3B 7.913 -> 7.787; every shape here, 4.184 ms on the 8B
+# tiles a program. H200, session 44 (bench_w4a16_mma.py --wgmma, 9-16 rows, three runs), 1 tile against the
+# mma.sync kernel: 0.71-0.95x the time on Qwen3-30B-A3B qkv, Qwen3-8B qkv and o, DeepSeek-V3 q_b and shared down;
+# 0.99-1.05x on Qwen3-30B-A3B o; 1.1-1.6x on the larger weights (K 4096 x N 24576, K >= 7168). In whole decode
+# steps at B = 16 (ab_decode.py, 4 rounds, graph replay, route on against ENGINE_MIN_ROWS 0 in one process):
+# Qwen3-8B W4A16 3.813 against 3.930 ms (another process: 3.798 against 3.902, and 4.184 with every shape sent
+# here); Qwen3-30B-A3B 7.790 against 7.935, and 7.862 with its o projection left on the mma.sync kernel
 ENGINE_MIN_ROWS = 9
 ENGINE_MAX_K = 4096
 ENGINE_MAX_NK = 40 << 20
