@@ -29,10 +29,13 @@ TOL = 1e-2
 # (group, zeros, scale dtype)
 WEIGHTS = [(128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16),
            (32, False, torch.float16), (256, True, torch.float32)]  # fmt: skip
-# the last two: words two chunks ahead over 16 chunks, three ahead over 2 (the reads past the last chunk clamp)
+# then: words two chunks ahead over 16 chunks, three ahead over 2 (the reads past the last chunk clamp); one tile
+# with scales ahead and words two chunks ahead over 8 chunks, three over 2
 CONFIGS = [wg.WgmmaLinearConfig(1, 128, 1), wg.WgmmaLinearConfig(2, 128, 2), wg.WgmmaLinearConfig(2, 64, 4),
            wg.WgmmaLinearConfig(4, 64, 2), wg.WgmmaLinearConfig(2, 128, 2, scales_ahead=True),
-           wg.WgmmaLinearConfig(1, 128, 1, words_ahead=2), wg.WgmmaLinearConfig(2, 128, 8, words_ahead=3)]  # fmt: skip
+           wg.WgmmaLinearConfig(1, 128, 1, words_ahead=2), wg.WgmmaLinearConfig(2, 128, 8, words_ahead=3),
+           wg.WgmmaLinearConfig(1, 128, 2, scales_ahead=True, words_ahead=2),
+           wg.WgmmaLinearConfig(1, 128, 8, scales_ahead=True, words_ahead=3)]  # fmt: skip
 
 
 def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros: bool, sdt: torch.dtype,
