@@ -107,3 +107,32 @@ def test_w4a16_linear_takes_it_at_9_to_16_rows(monkeypatch: pytest.MonkeyPatch) 
         x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
         assert rel_err(w4a16_linear(x, qw, b), quant_linear_ref(x, qw, b)) <= TOL
     assert calls == [12]
+
+
+def test_a_capture_without_ticket_counters_takes_the_mma_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a CUDA-graph capture before the wgmma family's ticket counters exist (none can be allocated there),
+    w4a16_linear does not take the split wgmma kernel, whose K 4096 unsplit does not fit (`runs_now`): the
+    mma.sync kernel runs instead, and the graph replays to the reference."""
+    from ftransformers.kernels import gluon_w4a16_mma as mma
+    from ftransformers.kernels import tickets
+    from ftransformers.kernels.triton_w4a16 import mma_rows_config, w4a16_linear
+
+    monkeypatch.setattr(tickets, "_POOLS", {key: v for key, v in tickets._POOLS.items() if key[0] != "w4a16_wgmma"})
+    calls: list[int] = []
+    kernel = wg.w4a16_wgmma
+    monkeypatch.setattr(wg, "w4a16_wgmma", lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw))
+    gen = torch.Generator().manual_seed(11)
+    qw = random_weight("int4", 4096, 4096, gen, group=128, zeros=True, scale_dtype=torch.float16)
+    x = torch.randn(12, 4096, generator=gen).to("cuda", torch.bfloat16)
+    cfg = wg.engine_config(12, 4096, 4096, 128)
+    assert cfg is not None and cfg.split > 1 and not wg.fits(12, 4096, 4096, 128, replace(cfg, split=1))
+    # compiled, and the mma kernel's own counters allocated, outside the capture
+    mma.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, 128, None, mma_rows_config(qw, 12))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_linear(x, qw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert calls == [] and ("w4a16_wgmma", x.device) not in tickets._POOLS
+    assert rel_err(y, quant_linear_ref(x, qw)) <= TOL

@@ -51,7 +51,7 @@ from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _capability, _pair
 from ftransformers.kernels.gluon_w4a16_mma import _split_store_y, kernel_args
 from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
-from ftransformers.kernels.tickets import split_scratch
+from ftransformers.kernels.tickets import split_scratch, ticket_counters
 
 MAX_ROWS = 16
 # w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 16 rows here (0: never), on
@@ -167,6 +167,18 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WgmmaLine
     if x.device.type != "cuda" or x.dtype not in MAGIC or _capability(x.device.index or 0)[0] != 9:
         return False
     return fits(x.shape[0], qweight.shape[0], x.shape[1], group, cfg)
+
+
+def runs_now(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WgmmaLinearConfig) -> bool:
+    """`supported`, and launchable now: a split config needs its ticket counters, which a CUDA-graph capture
+    cannot allocate (the engine's warm-up runs allocate them first); without them it runs unsplit, where that fits.
+    w4a16_linear asks this, and takes the mma.sync kernel otherwise."""
+    if not supported(x, qweight, group, cfg):
+        return False
+    m, k = x.shape
+    if cfg.split == 1 or fits(m, qweight.shape[0], k, group, replace(cfg, split=1)):
+        return True
+    return ticket_counters(x.device, "w4a16_wgmma", qweight.shape[0] // cfg.rows()) is not None
 
 
 def layouts(tiles: int, kc: int, np_: int) -> dict:
