@@ -32,8 +32,9 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0) -> dict:  # in this process: shared bytes, PTX, the ptxas -v log
-    """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N."""
+def _compile(heads_n: int = 0, stamped: bool = False) -> dict:  # in this process: shared bytes, PTX, ptxas -v log  # in this process: shared bytes, PTX, ptxas -v log
+    """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
+    with its diagnostic timestamps, kernels/stamps.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -70,6 +71,11 @@ def _compile(heads_n: int = 0) -> dict:  # in this process: shared bytes, PTX, t
     consts = {"L": 512, "R": 64} | ({"HN": heads_n} if heads_n else {"BLOCK_H": g.BLOCK_H})
     consts |= {"BLOCK_N": g.BLOCK_N, "LOAD_WARPS": g.LOAD_WARPS, "LOAD_REGS": g.LOAD_REGS, "LOAD_ROWS": g.LOAD_ROWS}
     consts |= {"USE_PDL": True} | ({} if heads_n else {"DIAG": 0})
+    if heads_n and stamped:
+        sig["stamps"] = "*i64"
+        consts["STAMPS"] = True
+    elif heads_n:
+        consts |= {"stamps": None, "STAMPS": False}
     sig |= dict.fromkeys(consts, "constexpr")
     names = list(sig)
     # what the JIT specialises at run time: 16-byte aligned pointers, strides divisible by 16 (576, ...)
@@ -87,10 +93,10 @@ def _compile(heads_n: int = 0) -> dict:  # in this process: shared bytes, PTX, t
     return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS}
 
 
-def _compile_in_child(heads_n: int = 0) -> dict:
+def _compile_in_child(heads_n: int = 0, stamped: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -133,3 +139,14 @@ def test_gluon_mla_few_heads_compiles_for_hopper(heads_n: int) -> None:
     log = kernel["ptxas"]
     assert "C7515" not in log and "serialized" not in log, log
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
+
+
+def test_gluon_mla_few_heads_stamps_compile_for_hopper() -> None:
+    """With its diagnostic timestamps (benchmarks/diag_mla_phases.py) the kernel still builds: the 7 stamps'
+    %globaltimer and %clock64 reads, the same wgmmas, nothing spilled; without them (above) none of it is in."""
+    kernel = _compile_in_child(16, stamped=True)
+    ptx = kernel["ptx"]
+    assert ptx.count("%globaltimer") == ptx.count("%clock64") == 7
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 36 + 32
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", kernel["ptxas"]), kernel["ptxas"]
+    assert "%globaltimer" not in _compile_in_child(16)["ptx"]

@@ -92,11 +92,16 @@ STEP_DATA_BEFORE_WAIT: dict[str, str | tuple[str, ...]] = {
     ),
 }
 READ_ONLY_CALLS = {
-    "tl.load", "tl.arange", "tl.program_id", "tl.minimum", "tl.maximum", "tl.cdiv", "tl.static_range", "_split_len",
-    "gl.load", "gl.program_id",
+    "tl.load", "tl.arange", "tl.program_id", "tl.num_programs", "tl.minimum", "tl.maximum", "tl.cdiv",
+    "tl.static_range", "_split_len", "gl.load", "gl.program_id", "gl.num_programs",
     "word_offsets",  # gluon_moe_w4_mma's index tensors of a chunk's words: aranges and expand_dims only
     "chunk_words",  # gluon_w4a16_wgmma's, the same
 }
+
+
+# Diagnostic timestamps (kernels/stamps.py, behind a STAMPS constexpr): the one store allowed before the wait, into a
+# stamps tensor of the kernel's own that no kernel of a step reads or writes
+STAMP_CALLS = {"gl_stamp", "tl_stamp"}
 
 
 def _is_prefetch_block(stmt: ast.stmt) -> bool:
@@ -120,7 +125,7 @@ def _first_statement(fn: ast.FunctionDef, key: str) -> str:
                 continue  # only loads, index arithmetic and (in a PREFETCH block) L2 prefetches before the wait
             name = ast.unparse(node.func)
             ok = name in READ_ONLY_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr == "to")
-            ok = ok or (prefetch and name == "l2_prefetch")
+            ok = ok or (prefetch and name == "l2_prefetch") or name in STAMP_CALLS
             assert ok, f"{fn.name}: {ast.unparse(node)} before the PDL wait"
             if name in ("tl.load", "gl.load") and not prefetch:
                 assert fn.name in READ_BEFORE_WAIT, f"{fn.name}: loads before the wait, not in READ_BEFORE_WAIT"

@@ -55,9 +55,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, latent_loads, pdl_enter, stage1_args
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.stamps import gl_stamp
 from ftransformers.kernels.triton_decode_attention import decode_combine
 from ftransformers.kernels.triton_mla_attention import FEW_HEADS_LIMIT
 
+# stamps (kernels/stamps.py) of stage 1, a program: entry, after the PDL wait, tile 0's copies issued, the queries
+# in shared memory, tile 0 landed, the last tile's product done, the split's output stored
+STAMP_SLOTS = gl.constexpr(7)
 MAX_HEADS = FEW_HEADS_LIMIT  # the widest wgmma N here: O^T [512, 32] is 128 float32 registers a thread
 BLOCK_N = 64  # tokens per tile: the wgmma M
 NUM_WARPS = 4  # the compute partition: one warpgroup
@@ -96,8 +100,8 @@ def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len
 @gluon.jit
 def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
                split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
-               s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-               L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+               s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, stamps, program,
+               L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, STAMPS: gl.constexpr):  # fmt: skip
     # The default partition (one warpgroup): per tile, wait for its stage, S^T, the online softmax over
     # the tile's tokens, P^T through shared memory, O^T += c_kv^T P^T; then hand the stage back.
     dtype: gl.constexpr = kvn.dtype
@@ -115,6 +119,8 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
                          mask=(heads_r < num_heads)[:, None], other=0.0))  # fmt: skip
     fence_async_shared()  # generic-proxy stores, before the wgmmas read them
     _cta_barrier()  # every warp's share of q
+    if STAMPS:
+        gl_stamp(stamps, program, 3, STAMP_SLOTS)
     # S^T [BLOCK_N, HN] and O^T [L, HN] share the m64nHN accumulator layout (so do their head vectors)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HN, 16])
     o_layout: gl.constexpr = s_layout
@@ -127,6 +133,8 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
         st = it % 2
         kv_n = kvn.index(st)
         mbarrier.wait(ready.index(st), (it // 2) & 1)  # every load thread's copies of tile it landed
+        if STAMPS and it == 0:
+            gl_stamp(stamps, program, 4, STAMP_SLOTS)
         fence_async_shared()  # cp.async writes are generic-proxy; wgmma reads through the async proxy
         s = gl.zeros([BLOCK_N, HN], gl.float32, s_layout)
         s = warpgroup_mma(kv_n, q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -147,8 +155,12 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
         acc = warpgroup_mma_wait(0, deps=[acc])
         _cta_barrier()  # every warp done with P^T and this stage
         mbarrier.arrive(empty.index(st))
+    if STAMPS:
+        gl_stamp(stamps, program, 5, STAMP_SLOTS)
     _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
                    s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout)  # fmt: skip
+    if STAMPS:
+        gl_stamp(stamps, program, 6, STAMP_SLOTS)
 
 
 @gluon.jit
@@ -182,15 +194,20 @@ def mla_decode_stage1_few_heads(
     s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
     L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
-    USE_PDL: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False, stamps=None, STAMPS: gl.constexpr = False,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
     b = gl.program_id(2)
+    program = pid_h + gl.num_programs(0) * (split_id + gl.num_programs(1) * b)
+    if STAMPS:
+        gl_stamp(stamps, program, 0, STAMP_SLOTS)
     # PDL: the batch metadata (written before the step) is read before the wait
     seq_len = gl.load(seq_lens + b).to(gl.int32)
     req = gl.load(req_pool_indices + b)
     pdl_enter(USE_PDL)
+    if STAMPS:
+        gl_stamp(stamps, program, 1, STAMP_SLOTS)
     dtype: gl.constexpr = KV.dtype.element_ty
     sl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
     sl_r: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
@@ -220,6 +237,8 @@ def mla_decode_stage1_few_heads(
                      gl.zeros([HN, L], O.dtype.element_ty, ld_z), mask=(heads_z < num_heads)[:, None])  # fmt: skip
         return
     _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
+    if STAMPS:
+        gl_stamp(stamps, program, 2, STAMP_SLOTS)
     q_nope = gl.allocate_shared_memory(dtype, [HN, L], sl_ql)
     q_rope = gl.allocate_shared_memory(dtype, [HN, R], sl_qr)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HN], sl_p)
@@ -229,7 +248,7 @@ def mla_decode_stage1_few_heads(
             (_compute_t, (Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
                           split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                           s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                          L, R, HN, BLOCK_N)),
+                          stamps, program, L, R, HN, BLOCK_N, STAMPS)),
             (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
                             L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, 1)),  # DIAG 0; FIRST 1: tile 0 is copied above
         ],
@@ -257,6 +276,8 @@ def mla_decode_few_heads(
     sm_scale: float,
     min_split_len: int,  # rounded up to BLOCK_N; 0 = BLOCK_N
     block_h: int | None = None,  # heads a program: all (None, or >= H), else heads_block(block_h) a program
+    stamps: tuple[torch.Tensor, torch.Tensor] | None = None,  # diagnostics: stage 1's [programs, STAMP_SLOTS, 2]
+    # and stage 2's (kernels/stamps.py; triton_decode_attention.COMBINE_STAMP_SLOTS)
 ) -> torch.Tensor:
     """Stage 1 here, then `decode_combine` for rows of several splits; returns `out`."""
     B, H, L = q_nope.shape
@@ -268,8 +289,9 @@ def mla_decode_few_heads(
         *args,
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
         LOAD_ROWS=LOAD_ROWS, num_warps=NUM_WARPS, maxnreg=maxnreg(),
-        **pdl_launch(q_nope.device),
+        **pdl_launch(q_nope.device), **({"stamps": stamps[0], "STAMPS": True} if stamps is not None else {}),
     )  # fmt: skip
     if num_kv_splits > 1:
-        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, BLOCK_N)
+        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, BLOCK_N,
+                       stamps=None if stamps is None else stamps[1])  # fmt: skip
     return out

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import early_trigger_on, pdl_enter, pdl_launch, pdl_trigger
+from ftransformers.kernels.stamps import tl_stamp
 from ftransformers.kernels.triton_rope_store import norm_rope
 
 # With the fused rope (DecodeRope), stage 1 reads its first K/V tile before the PDL wait
@@ -48,6 +49,12 @@ PRELOAD_FIRST_TILE = True
 # projection's programs become resident, and read ahead of their own wait, while stage 1 runs: 0 never, 1 where
 # the caller says the o projection reads ahead (decode_attention_fwd's early_trigger), 2 always
 EARLY_TRIGGER = 1
+# Stage 2's launch: a program's tile holds at most COMBINE_TILE elements (splits x CHUNK_DV floats), over
+# COMBINE_WARPS warps (module constants for benchmarks' `set=`)
+COMBINE_TILE = 8192
+COMBINE_WARPS = 4
+# stamps (kernels/stamps.py) of stage 2, a program: entry, after the PDL wait, its output stored
+COMBINE_STAMP_SLOTS = tl.constexpr(3)
 
 
 @triton.jit
@@ -217,14 +224,19 @@ def _decode_stage2_kernel(
     mid_o, mid_lse, O, seq_lens, num_kv_splits, min_split_len,
     s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, ALIGN: tl.constexpr, DIRECT: tl.constexpr,
-    USE_PDL: tl.constexpr = False, EARLY_TRIGGER: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, EARLY_TRIGGER: tl.constexpr = False, stamps=None, STAMPS: tl.constexpr = False,
 ):  # fmt: skip
     # all splits of one (sequence, head, CHUNK_DV slice) in one tile: a single round trip to memory
     pdl_trigger(EARLY_TRIGGER)
     # PDL: seq_lens (metadata, never written by a kernel of the step) is read before the wait
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    program = c + tl.num_programs(2) * (h + tl.num_programs(1) * b)
+    if STAMPS:
+        tl_stamp(stamps, program, 0, COMBINE_STAMP_SLOTS)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     pdl_enter(USE_PDL)
+    if STAMPS:
+        tl_stamp(stamps, program, 1, COMBINE_STAMP_SLOTS)
     split_len = _split_len(seq_len, num_kv_splits, min_split_len, ALIGN)
     if DIRECT:
         n_live = tl.where(split_len >= seq_len, 0, num_kv_splits)  # 0: stage 1 wrote this row (or its zeros)
@@ -243,6 +255,8 @@ def _decode_stage2_kernel(
     acc = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     live = (offs_dv * 0 + n_live) > 0  # a tensor compare: n_live may be a plain int (DIRECT off)
     tl.store(O + b * s_o_t + h * s_o_h + offs_dv, acc.to(O.dtype.element_ty), mask=(offs_dv < DV) & live)
+    if STAMPS:
+        tl_stamp(stamps, program, 2, COMBINE_STAMP_SLOTS)
 
 
 def decode_scratch(batch: int, num_heads: int, v_head_dim: int, max_splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,17 +280,19 @@ def decode_combine(
     align: int,
     direct: bool = True,  # stage 1 wrote the rows of one split itself: skip them
     early_trigger: bool = False,  # the next kernel reads ahead of its wait (EARLY_TRIGGER above)
+    stamps: torch.Tensor | None = None,  # diagnostics: [programs, COMBINE_STAMP_SLOTS, 2] (kernels/stamps.py)
 ) -> torch.Tensor:
     """Stage 2: merge each row's non-empty splits (same split rule as stage 1) into `out`."""
     B, H, DV = out.shape
     block_s = max(2, next_pow2(num_kv_splits))
-    chunk_dv = min(max(16, next_pow2(DV)), max(16, 8192 // block_s))
+    chunk_dv = min(max(16, next_pow2(DV)), max(16, COMBINE_TILE // block_s))
     _decode_stage2_kernel[(B, H, cdiv(DV, chunk_dv))](
         mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, num_warps=4,
+        DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, num_warps=COMBINE_WARPS,
         **pdl_launch(mid_o.device, early=early_trigger_on(EARLY_TRIGGER, early_trigger)),
+        **({"stamps": stamps, "STAMPS": True} if stamps is not None else {}),
     )  # fmt: skip
     return out
 
