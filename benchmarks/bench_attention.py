@@ -66,7 +66,7 @@ MLA_SCALE = 192**-0.5  # DeepSeek-V3: 1 / sqrt(qk_nope_head_dim + qk_rope_head_d
 CHECK_LENS = [1, 0, 64, 4097, 129, 511]  # + random lengths in [1, CHECK_MAX_LEN); row 1 is padding
 CHECK_MAX_LEN = 3000
 GQA_CASES = [(1, 512), (1, 4096), (32, 512), (32, 4096), (128, 512), (128, 4096), (1, 32768)]
-MLA_CASES = [(b, c) for b in (1, 4, 16, 64) for c in (4096, 16384, 32768)]
+MLA_BATCHES = (1, 4, 16, 64)  # with --mla-contexts (4K, 16K, 32K unless told)
 L2_MULT = 200 << 20  # bytes touched per timed call, ~4x the H100's 50 MB L2
 
 # name -> launcher keywords (+ "waves" of the GQA split rule). Earlier sweeps on the H100 (run 1 of
@@ -381,7 +381,9 @@ def main() -> None:
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
     ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s", "few_b"))),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
-    ap.add_argument("--mla-batches", default="1,4,16,64", help="batch sizes of the MLA cases (each at 4K, 16K, 32K)")
+    ap.add_argument("--mla-batches", default="1,4,16,64", help="batch sizes of the MLA cases")
+    ap.add_argument("--mla-contexts", default="4096,16384,32768",
+                    help="contexts of the MLA cases (DeepSeek-V3's window is 128K: 65536,131072 are long context too)")
     ap.add_argument("--check-reps", type=int, default=4)
     ap.add_argument("--mla-heads", default="128",
                     help="heads a GPU, comma-separated: 128 (DeepSeek-V3), 64 (Kimi-K2), 16 / 8 (those at TP 8)")  # fmt: skip
@@ -415,7 +417,8 @@ def main() -> None:
         print(lines[-1], flush=True)
     mla_heads = [int(h) for h in args.mla_heads.split(",")]
     mla_batches = {int(b) for b in args.mla_batches.split(",")}
-    cases = [(h, (b, c)) for h in mla_heads for b, c in MLA_CASES if b in mla_batches]
+    mla_contexts = [int(c) for c in args.mla_contexts.split(",")]
+    cases = [(h, (b, c)) for h in mla_heads for b in MLA_BATCHES if b in mla_batches for c in mla_contexts]
     for H, (B, ctx) in cases if "mla" in groups else ():
         variants = {k: v for k, v in mla_vars.items() if "@" not in k or (B == 1 and ctx == 4096)}
         r = bench_mla(B, ctx, sms, copy_gbps, mm_tflops, variants, H)
