@@ -50,8 +50,12 @@ PRELOAD_FIRST_TILE = True
 # the caller says the o projection reads ahead (decode_attention_fwd's early_trigger), 2 always
 EARLY_TRIGGER = 1
 # Stage 2's launch: a program's tile holds at most COMBINE_TILE elements (splits x CHUNK_DV floats), over
-# COMBINE_WARPS warps (module constants for benchmarks' `set=`)
-COMBINE_TILE = 8192
+# COMBINE_WARPS warps (module constants for benchmarks' `set=`). H200, session 45 (benchmarks/diag_mla_phases.py,
+# three runs; benchmarks/results/diag_mla_{knobs,again,prefetch}_s45_h200.log): 4096 against 8192, MLA decode at
+# batch 1 x 32K (128 splits), us a layer behind a torch op: 16 heads 18.57-18.97 against 19.43-19.55, 8 heads
+# 16.54-17.54 against 17.77-18.09; batch 4 x 32K and batch 1 x 4K within +-0.3; Qwen3-30B-A3B bf16 steps level
+# (ab_combine_30b_bf16_s45_h200.log). 8 warps or 2048 were slower
+COMBINE_TILE = 4096
 COMBINE_WARPS = 4
 # stamps (kernels/stamps.py) of stage 2, a program: entry, after the PDL wait, its output stored
 COMBINE_STAMP_SLOTS = tl.constexpr(3)
