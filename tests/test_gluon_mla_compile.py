@@ -32,7 +32,7 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0, stamped: bool = False) -> dict:  # in this process: shared bytes, PTX, ptxas -v log  # in this process: shared bytes, PTX, ptxas -v log
+def _compile(heads_n: int = 0, stamped: bool = False) -> dict:  # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
     with its diagnostic timestamps, kernels/stamps.py)."""
     import triton

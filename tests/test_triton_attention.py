@@ -186,6 +186,48 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     assert rel_err(out[:real], ref) <= TOL
 
 
+@pytest.mark.skipif(not CUDA, reason="the stamps' asm and the few-heads Gluon kernel need a GPU")
+def test_mla_few_heads_stamps_keep_the_output_and_their_order() -> None:
+    """The few-heads MLA decode with its diagnostic timestamps (kernels/stamps.py, benchmarks/diag_mla_phases.py):
+    the output bit for bit as without them; every stage-1 program stamps its entry and its wait, those with a
+    non-empty split all seven slots in order, the others none past their wait; every stage-2 program its three in
+    order, its wait returning after stage 1's last store. A slot holds one of the program's threads' reads, so "in
+    order" allows SKEW_NS / SKEW_CYCLES between warps."""
+    from ftransformers.kernels import gluon_mla_few_heads as few
+    from ftransformers.kernels.launch import cdiv, next_pow2
+    from ftransformers.kernels.stamps import stamp_buffer
+    from ftransformers.kernels.triton_decode_attention import COMBINE_STAMP_SLOTS, COMBINE_TILE
+
+    skew_ns, skew_cycles = 200, 400
+    H, L, R, splits = 16, 512, 64, 32
+    lens = [3000, 5000]
+    gen = torch.Generator().manual_seed(45)
+    r2t, rows = paged(lens, sum(lens) + 8, gen)
+    seq_lens = torch.tensor(lens, device=DEV)
+    q_nope, q_rope, buf = randn(2, H, L, gen=gen), randn(2, H, R, gen=gen), randn(sum(lens) + 9, L + R, gen=gen)
+    if gluon_mla_unsupported(q_nope, buf, True) is not None:
+        pytest.skip("the few-heads Gluon kernel does not run here")
+    mid_o, mid_lse = decode_scratch(2, H, L, splits, DEV)
+    plain, stamped = torch.full_like(q_nope, float("nan")), torch.full_like(q_nope, float("nan"))
+    chunk = min(next_pow2(L), max(16, COMBINE_TILE // next_pow2(splits)))  # decode_combine's
+    s1 = stamp_buffer(2 * splits, few.STAMP_SLOTS, DEV)
+    s2 = stamp_buffer(2 * H * cdiv(L, chunk), COMBINE_STAMP_SLOTS, DEV)
+    args = (r2t, rows, seq_lens, mid_o, mid_lse, splits, 0.1, 0)
+    few.mla_decode_few_heads(q_nope, q_rope, buf, plain, *args)
+    few.mla_decode_few_heads(q_nope, q_rope, buf, stamped, *args, None, (s1, s2))
+    torch.cuda.synchronize()
+    assert torch.equal(plain, stamped)
+    a, b = s1.cpu(), s2.cpu()
+    split_lens = [max(cdiv(cdiv(n, splits), few.BLOCK_N) * few.BLOCK_N, few.BLOCK_N) for n in lens]
+    assert (a[:, :2] >= 0).all() and (b >= 0).all()
+    done = a[:, 6, 0] >= 0
+    assert int(done.sum()) == sum(cdiv(n, sl) for n, sl in zip(lens, split_lens)) and (a[~done, 2:] == -1).all()
+    for t, skew in ((a[done], (skew_ns, skew_cycles)), (b, (skew_ns, skew_cycles))):
+        steps = t.diff(dim=1)  # [programs, slots - 1, (ns, cycles)]
+        assert (steps[..., 0] >= -skew[0]).all() and (steps[..., 1] >= -skew[1]).all()
+    assert b[:, 1, 0].min() >= a[done, 6, 0].max()
+
+
 def test_mla_split_rule() -> None:
     # one wave of (batch x head-block x split) programs on 132 SMs, at most the cap for the head count and
     # kernel (128 up to MLA_FEW_HEADS heads on the 64-head kernels, else 64; 64 on the few-heads kernel unless the
