@@ -9,10 +9,11 @@ these orders (`--orders`):
   alone  a torch copy before each layer's stage 1, as in a decode step, where the absorbing bmm and the latent
          store precede the attention and PDL cannot overlap them (the copy's own time is taken off);
   again  alone, with stage 2 run a second time on the partials the first has just read ("stage2 again").
-`--variants` applies ab_decode.py's `set=MOD.NAME=V` module toggles to every case. It times each order's replay with and without the stamps (their cost), checks the output against the float32
-reference, and prints, for a middle layer, each stamp's min / median / max over the programs in microseconds from
-the layer's first stage-1 program's entry (%globaltimer), the median in-program durations (%clock64), and the
-step from the layer's last stage-2 store to the next layer's first entry.
+`--variants` applies ab_decode.py's `set=MOD.NAME=V` module toggles to every case. It times each order's replay
+with and without the stamps (their cost), checks the output against the float32 reference, and prints, for a
+middle layer, each stamp's min / median / max over the programs in microseconds from the layer's first stage-1
+program's entry (%globaltimer), the median in-program durations (%clock64), and the step from the layer's last
+stage-2 store to the next layer's first entry.
 
     PYTHONPATH=$PWD python benchmarks/diag_mla_phases.py --out $OUT/diag_mla_phases.json \
         --cases 16:1:32768,16:1:4096,8:1:32768,16:4:32768
@@ -75,8 +76,9 @@ def analyse(s1: torch.Tensor, s2: torch.Tensor, next_entry: float | None) -> dic
     ratio = statistics.median((p[6][0] - p[0][0]) / max(1, p[6][1] - p[0][1]) for p in a if p[6][0] >= 0)
     out["ns_per_cycle"] = ratio
     out["stage1_from_entry_us"] = {
-        name: statistics.median((p[k][1] - p[0][1]) * ratio / 1e3 for p in a if p[k][0] >= 0) for k, name in enumerate(S1)
-    }  # fmt: skip
+        name: statistics.median((p[k][1] - p[0][1]) * ratio / 1e3 for p in a if p[k][0] >= 0)
+        for k, name in enumerate(S1)
+    }
     out["span_us"] = us(max(p[2][0] for p in b)) if b else us(max(p[6][0] for p in a))
     if next_entry is not None:
         out["to_next_layer_us"] = (next_entry - t0) / 1e3 - out["span_us"]
@@ -165,8 +167,8 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
 
 
 def show(r: dict) -> list[str]:
-    head = (f"{r['variant']}: H={r['heads']} B={r['batch']} ctx={r['context']} splits={r['splits']} programs {r['programs']} "
-            f"floor {r['floor_us']:.1f} us")  # fmt: skip
+    head = (f"{r['variant']}: H={r['heads']} B={r['batch']} ctx={r['context']} splits={r['splits']} "
+            f"programs {r['programs']} floor {r['floor_us']:.1f} us")  # fmt: skip
     lines = [head + f"; the alone order's copy alone {r['copy_alone_us']:.2f} us a layer (taken off)"]
     for order in [o for o in ("chain", "alone", "again") if f"{o}_us" in r]:
         lines.append(f"  {order}: {r[f'{order}_us']:.2f} us ({r[f'{order}_pct_copy']:.0%} of copy), stamped "
@@ -181,8 +183,9 @@ def show(r: dict) -> list[str]:
                     lines.append(f"    {stage} {name:14s} {v['min']:7.2f} {v['median']:7.2f} {v['max']:7.2f} us")
         lines.append("    stage1 medians from entry (clock64): " + ", ".join(
             f"{k} {v:.2f}" for k, v in ph["stage1_from_entry_us"].items()))  # fmt: skip
-        lines.append(f"    span {ph['span_us']:.2f} us, to the next layer's entry {ph.get('to_next_layer_us', 0):.2f} us, "
-                     f"globaltimer step {ph['globaltimer_step_ns']} ns, {ph['ns_per_cycle']:.3f} ns a cycle")  # fmt: skip
+        lines.append(f"    span {ph['span_us']:.2f} us, to the next layer's entry "
+                     f"{ph.get('to_next_layer_us', 0):.2f} us, globaltimer step {ph['globaltimer_step_ns']} ns, "
+                     f"{ph['ns_per_cycle']:.3f} ns a cycle")  # fmt: skip
     return lines
 
 

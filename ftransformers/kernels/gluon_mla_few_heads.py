@@ -101,7 +101,8 @@ def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len
 def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
                split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, stamps, program,
-               L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr, STAMPS: gl.constexpr):  # fmt: skip
+               L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAMPS: gl.constexpr):  # fmt: skip
     # The default partition (one warpgroup): per tile, wait for its stage, S^T, the online softmax over
     # the tile's tokens, P^T through shared memory, O^T += c_kv^T P^T; then hand the stage back.
     dtype: gl.constexpr = kvn.dtype
