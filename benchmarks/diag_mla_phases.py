@@ -45,7 +45,7 @@ from ceilings import copy_bandwidth
 from ftransformers.attention.triton_backend import mla_block_h, mla_max_kv_splits, mla_num_kv_splits, peak_gbps_per_sm
 from ftransformers.kernels import gluon_mla_few_heads as few
 from ftransformers.kernels import triton_decode_attention as tda
-from ftransformers.kernels.launch import cdiv, next_pow2
+from ftransformers.kernels.launch import cdiv
 from ftransformers.kernels.stamps import stamp_buffer
 from ftransformers.kernels.triton_decode_attention import COMBINE_STAMP_SLOTS, decode_scratch
 from ftransformers.kernels.triton_mla_attention import mla_attention_ref
@@ -103,7 +103,7 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
     mid_o, mid_lse = decode_scratch(batch, heads, L, splits, DEV)
     outs = [torch.empty_like(q_nope) for _ in range(layers)]
     p1 = cdiv(heads, hn) * splits * batch
-    p2 = batch * heads * cdiv(L, min(max(16, next_pow2(L)), max(16, tda.COMBINE_TILE // max(2, next_pow2(splits)))))
+    p2 = math.prod(tda.combine_launch(batch, heads, L, splits)[0])
     stamps = [
         (stamp_buffer(p1, few.STAMP_SLOTS, DEV), stamp_buffer(p2, COMBINE_STAMP_SLOTS, DEV)) for _ in range(layers)
     ]

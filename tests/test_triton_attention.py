@@ -9,6 +9,8 @@ float32 <= 1e-4 (IEEE dots), bfloat16 <= 1e-2.
 from __future__ import annotations
 
 
+import math
+
 import pytest
 import torch
 
@@ -194,9 +196,9 @@ def test_mla_few_heads_stamps_keep_the_output_and_their_order() -> None:
     order, its wait returning after stage 1's last store. A slot holds one of the program's threads' reads, so "in
     order" allows SKEW_NS / SKEW_CYCLES between warps."""
     from ftransformers.kernels import gluon_mla_few_heads as few
-    from ftransformers.kernels.launch import cdiv, next_pow2
+    from ftransformers.kernels.launch import cdiv
     from ftransformers.kernels.stamps import stamp_buffer
-    from ftransformers.kernels.triton_decode_attention import COMBINE_STAMP_SLOTS, COMBINE_TILE
+    from ftransformers.kernels.triton_decode_attention import COMBINE_STAMP_SLOTS, combine_launch
 
     skew_ns, skew_cycles = 200, 400
     H, L, R, splits = 16, 512, 64, 32
@@ -209,9 +211,8 @@ def test_mla_few_heads_stamps_keep_the_output_and_their_order() -> None:
         pytest.skip("the few-heads Gluon kernel does not run here")
     mid_o, mid_lse = decode_scratch(2, H, L, splits, DEV)
     plain, stamped = torch.full_like(q_nope, float("nan")), torch.full_like(q_nope, float("nan"))
-    chunk = min(next_pow2(L), max(16, COMBINE_TILE // next_pow2(splits)))  # decode_combine's
     s1 = stamp_buffer(2 * splits, few.STAMP_SLOTS, DEV)
-    s2 = stamp_buffer(2 * H * cdiv(L, chunk), COMBINE_STAMP_SLOTS, DEV)
+    s2 = stamp_buffer(math.prod(combine_launch(2, H, L, splits)[0]), COMBINE_STAMP_SLOTS, DEV)
     args = (r2t, rows, seq_lens, mid_o, mid_lse, splits, 0.1, 0)
     few.mla_decode_few_heads(q_nope, q_rope, buf, plain, *args)
     few.mla_decode_few_heads(q_nope, q_rope, buf, stamped, *args, None, (s1, s2))

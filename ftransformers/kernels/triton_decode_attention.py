@@ -274,6 +274,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def combine_launch(B: int, H: int, DV: int, num_kv_splits: int) -> tuple[tuple[int, int, int], int, int]:
+    """Stage 2's grid (sequence, head, DV chunk), its split block and its DV chunk (COMBINE_TILE elements a tile)."""
+    block_s = max(2, next_pow2(num_kv_splits))
+    chunk_dv = min(max(16, next_pow2(DV)), max(16, COMBINE_TILE // block_s))
+    return (B, H, cdiv(DV, chunk_dv)), block_s, chunk_dv
+
+
 def decode_combine(
     mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, D_v] float32, from a stage-1 launch
     mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits]
@@ -288,9 +295,8 @@ def decode_combine(
 ) -> torch.Tensor:
     """Stage 2: merge each row's non-empty splits (same split rule as stage 1) into `out`."""
     B, H, DV = out.shape
-    block_s = max(2, next_pow2(num_kv_splits))
-    chunk_dv = min(max(16, next_pow2(DV)), max(16, COMBINE_TILE // block_s))
-    _decode_stage2_kernel[(B, H, cdiv(DV, chunk_dv))](
+    grid, block_s, chunk_dv = combine_launch(B, H, DV, num_kv_splits)
+    _decode_stage2_kernel[grid](
         mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
