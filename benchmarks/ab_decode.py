@@ -199,7 +199,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name) / f"{name}-{depth}"
     cfg = bq.write_config(name, depth, root, args.format, False)
-    runner = bd.make_runner(root, max(batches), args)
+    runner = bd.make_runner(root, max(batches), args, max(bd.RUN_CONTEXT, args.context + 1024))
     quant = bq.FORMATS[args.format] is not None
     acc = bq.accounting(runner.model, cfg, depth) if quant else bd.accounting(runner.model, cfg, depth)
     acc["vocab"] = cfg["vocab_size"]
@@ -221,10 +221,10 @@ def main() -> None:
                 runner.graph_runner = graphs
                 for b in batches:
                     runner.forward_step(steps[b])  # fills the graph's buffers with this batch
-                    times[v][b].append(bd.median_ms(graphs.graphs[b].replay, args.iters))
+                    times[v][b].append(bd.median_ms(graphs.graph_for(b, ctx + 1).replay, args.iters))
                     print(f"round {r} {v:40s} B={b:3d} replay {times[v][b][-1]:.3f} ms", flush=True)
                     if args.timeline and r == args.rounds - 1:
-                        lines[v][b] = timeline(graphs.graphs[b].replay)
+                        lines[v][b] = timeline(graphs.graph_for(b, ctx + 1).replay)
             finally:
                 undo()
     rows: list[dict[str, Any]] = []

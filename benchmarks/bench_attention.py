@@ -55,6 +55,7 @@ from ftransformers.kernels.triton_mla_attention import (
     latent_views,
     mla_attention_ref,
     mla_decode_fwd,
+    mla_decode_kernel,
     mla_extend_fwd,
 )
 
@@ -86,6 +87,9 @@ MLA_VARIANTS = {
     # kernels/gluon_mla_few_heads.py: tokens as the wgmma M, heads as its N, in the backend's blocks (mla_block_h;
     # skipped above 64 heads)
     "gluon_few": dict(kernel="gluon_few"),
+    # the backend's launch at each case's batch size, heads and context on this GPU (kernel, heads a program, split
+    # cap: triton_backend.mla_block_h with the context, mla_max_kv_splits), set per case by resolve_auto
+    "auto": dict(kernel="auto"),
     # the same with the split count capped at N instead of the backend's mla_max_kv_splits (batch 1: how many
     # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14).
     # few_s32 ... few_s128: the same for the few-heads kernel
@@ -160,6 +164,18 @@ def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     gbps = peak_gbps_per_sm(torch.cuda.get_device_properties(DEV))  # the backend's rule on this GPU
     cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H, kernel, gbps))
     return mla_num_kv_splits(B, triton.cdiv(H, mla_block(var, B, H) or 64), sms, cap)
+
+
+def resolve_auto(B: int, H: int, context: int, q_nope: torch.Tensor, buf: torch.Tensor) -> None:
+    """MLA_VARIANTS["auto"] := what TritonAttentionBackend.forward_mla launches for B rows of H heads whose longest
+    sequence holds `context` tokens, on this GPU."""
+    gbps = peak_gbps_per_sm(torch.cuda.get_device_properties(DEV))
+    block = mla_block_h(H, B, "auto", gbps, context)
+    kernel = mla_decode_kernel(q_nope, buf, "auto", block)
+    spec: dict = {"kernel": kernel, "max_splits": mla_max_kv_splits(H, kernel, gbps)}
+    if kernel == "gluon_few":
+        spec["block_h"] = block
+    MLA_VARIANTS["auto"] = spec
 
 
 def mla_block(var: str, B: int, H: int) -> int | None:
@@ -254,6 +270,8 @@ def check_mla(sms: int, reps: int) -> dict:
         live = [i for i, x in enumerate(lens) if x > 0]
         ref = mla_attention_ref(q_nope[live], q_rope[live], buf, r2t, rows[live], [lens[i] - 1 for i in live],
                                 [1] * len(live), MLA_SCALE)  # fmt: skip
+        if "auto" in MLA_VARIANTS:
+            resolve_auto(B, H, max(lens), q_nope, buf)
         for var in [v for v in MLA_VARIANTS if mla_applies(v, H)]:
             for splits, msl in ((mla_splits(var, B, sms, H), 0), (64, 0), (1, 0), (7, 256)):
                 if var == "old" and msl:
@@ -318,6 +336,8 @@ def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, va
     res = []
     for name, msl in variants.items():
         var = name.split("@")[0]
+        if var == "auto":
+            resolve_auto(B, H, ctx, q_nope, bufs[0])
         if not mla_applies(var, H):
             continue
         splits = mla_splits(var, B, sms, H)
@@ -381,7 +401,7 @@ def main() -> None:
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
     ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s", "few_b"))),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
-    ap.add_argument("--mla-batches", default="1,4,16,64", help="batch sizes of the MLA cases")
+    ap.add_argument("--mla-batches", default=",".join(map(str, MLA_BATCHES)), help="batch sizes of the MLA cases")
     ap.add_argument("--mla-contexts", default="4096,16384,32768",
                     help="contexts of the MLA cases (DeepSeek-V3's window is 128K: 65536,131072 are long context too)")
     ap.add_argument("--check-reps", type=int, default=4)
@@ -418,7 +438,7 @@ def main() -> None:
     mla_heads = [int(h) for h in args.mla_heads.split(",")]
     mla_batches = {int(b) for b in args.mla_batches.split(",")}
     mla_contexts = [int(c) for c in args.mla_contexts.split(",")]
-    cases = [(h, (b, c)) for h in mla_heads for b in MLA_BATCHES if b in mla_batches for c in mla_contexts]
+    cases = [(h, (b, c)) for h in mla_heads for b in sorted(mla_batches) for c in mla_contexts]
     for H, (B, ctx) in cases if "mla" in groups else ():
         variants = {k: v for k, v in mla_vars.items() if "@" not in k or (B == 1 and ctx == 4096)}
         r = bench_mla(B, ctx, sms, copy_gbps, mm_tflops, variants, H)

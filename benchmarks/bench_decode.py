@@ -68,8 +68,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
     },
 }  # fmt: skip
-FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-8b": 36, "deepseek-v3": 61}
-FULL_DENSE = {"deepseek-v3": 3}  # dense layers at full depth where the model mixes both kinds
+# DeepSeek-V3's layers with 64 attention heads: its share a GPU at tensor parallel 2, and Kimi-K2's head count (the
+# MLA decode launches of 33-64 heads, triton_backend.MLA_ONE_BLOCK_FROM)
+SHAPES["deepseek-v3-h64"] = {**SHAPES["deepseek-v3"], "num_attention_heads": 64, "num_key_value_heads": 64}
+FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-8b": 36, "deepseek-v3": 61, "deepseek-v3-h64": 61}
+FULL_DENSE = {"deepseek-v3": 3, "deepseek-v3-h64": 3}  # dense layers at full depth where the model mixes both kinds
 DEV = "cuda"
 ENGINE_SAMPLING: dict[str, float | int] = {}  # SamplingParams of the engine rows beyond greedy (--engine-sampling)
 # --dry-run (CPU smoke test of this script): every width divided by 16, torch_native kernels.
@@ -237,7 +240,7 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
         row[f"{mode}_ms"], row[f"{mode}_ratio"] = t, t / floor
     runner.graph_runner = graphs
     if graphs is not None and batch in graphs.graphs:
-        g = graphs.graphs[batch]
+        g = graphs.graph_for(batch, ctx + 1)  # the graph the timed step replayed (its sequences hold ctx + 1)
         row["replay_ms"] = median_ms(g.replay, iters)  # the graph alone, buffers as the timed step left them
         row["tok_per_s"] = batch / row["graph_ms"] * 1e3
     for overlap in (True, False) if engine else ():  # last: the engine runs refill the graph buffers

@@ -101,6 +101,43 @@ def test_graph_step_host_side(tmp_path: Path, mixed: bool) -> None:
             assert a.token_id == b.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-5)
 
 
+def test_graph_step_replays_the_context_range_of_its_longest_sequence(tmp_path: Path) -> None:
+    """Where the backend's decode launch changes with context (`decode_context_bounds`), each size has a graph per
+    range, captured with the range's lower end as `decode_context`; a step replays the range holding its longest
+    sequence, and the tokens are the eager steps'. CPU, through the eager stand-in with a range from 20 tokens."""
+    from types import SimpleNamespace
+
+    from ftransformers import LLM, SamplingParams
+    from ftransformers.runtime.cuda_graph_runner import FIELDS
+
+    path = make_tiny_checkpoint("llama", tmp_path / "llama")
+    prompts = random_prompts(2, 384, lengths=[10, 15], seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+
+    def make_llm() -> Any:
+        return LLM(str(path), skip_tokenizer_init=True, device=DEV, dtype="float32", attention_backend="triton",
+                   max_total_tokens=512, max_running_requests=4)  # fmt: skip
+
+    outs = [make_llm().generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = make_llm()
+    runner = EagerGraphs.install(llm, 4)
+    seq_row = FIELDS.index("seq_lens")
+    used: list[tuple[int, int, int | None]] = []  # (the step's longest sequence, its range, decode_context)
+
+    def replay(bs: int, lower: int) -> None:
+        fb = runner.static_batch(bs, lower)
+        used.append((int(runner.inputs[bs][seq_row].max()), lower, fb.decode_context))
+        runner._step(fb)
+
+    for bs in runner.batch_sizes:
+        runner.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: replay(bs, 0))
+        runner.longer[bs] = [(20, SimpleNamespace(replay=lambda bs=bs: replay(bs, 20)))]
+    outs.append(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[0]]
+    assert all((longest >= 20) == (lower == 20) and context == lower for longest, lower, context in used)
+    assert {lower for _, lower, _ in used} == {0, 20}  # the run crossed the bound (15 + 9 tokens)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_graph_step_without_future_slots(tmp_path: Path, temperature: float) -> None:
     """A graph step whose rows name no future slot (a synchronous caller) writes no future slot, on the
@@ -216,6 +253,34 @@ def test_graph_and_eager_tokens_match(tiny_path: Path, dtype: str) -> None:
     assert _generate(small, sets[6]) == expected[6]
     assert 6 in counter.eager_decode_sizes, "a decode batch above --cuda-graph-max-bs must run eagerly"
     assert runner.replays == 0
+
+
+@on_cuda
+def test_graphs_per_context_range_keep_the_tokens(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend whose decode launch changes at 20 tokens (decode_context_bounds, patched in) gets two graphs a
+    size up to 4, captured in one memory pool; steps on either side of the bound replay their range's graph and
+    give the eager tokens."""
+    from ftransformers.attention.triton_backend import TritonAttentionBackend
+    from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner
+
+    prompts = random_prompts(3, 384, lengths=[9, 14, 4], seed=7)  # the longest crosses 20 while decoding
+    expected = _generate(_llm(tiny_path, "bfloat16", graphs=False, max_bs=8), prompts)
+    monkeypatch.setattr(TritonAttentionBackend, "decode_context_bounds", lambda self, bs: (20,) if bs <= 4 else ())
+    picked: list[tuple[int, bool]] = []  # (the step's longest sequence, replayed the longer range's graph)
+    graph_for = CudaGraphRunner.graph_for
+
+    def recorded(self: CudaGraphRunner, pbs: int, context: int = 0) -> Any:
+        graph = graph_for(self, pbs, context)
+        picked.append((context, graph is not self.graphs[pbs]))
+        return graph
+
+    monkeypatch.setattr(CudaGraphRunner, "graph_for", recorded)
+    llm = _llm(tiny_path, "bfloat16", graphs=True, max_bs=8)
+    runner = llm.runner.graph_runner
+    assert runner is not None and [len(runner.longer[bs]) for bs in runner.batch_sizes] == [1, 1, 1, 0]
+    assert runner.longer[4][0][1] is not runner.graphs[4]
+    assert _generate(llm, prompts) == expected
+    assert {longer for _, longer in picked} == {False, True} and all((c >= 20) == longer for c, longer in picked)
 
 
 @on_cuda

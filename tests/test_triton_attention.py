@@ -238,6 +238,7 @@ def test_mla_split_rule() -> None:
     from ftransformers.attention.triton_backend import (
         MLA_FEW_HEADS,
         mla_block_h,
+        mla_context_bounds,
         mla_max_kv_splits,
         mla_num_kv_splits,
         peak_gbps_per_sm,
@@ -260,6 +261,22 @@ def test_mla_split_rule() -> None:
     # the few-heads kernel forced: blocks it can take
     assert [mla_block_h(64, 5, "gluon_few"), mla_block_h(128, 1, "gluon_few"), mla_block_h(32, 1, "gluon_few")] == [
         32, 32, 16]  # fmt: skip
+    # an H200 (>= MLA_FEW_WIDE_SPLITS_GBPS_PER_SM an SM): one block from the batch's longest sequence in
+    # MLA_ONE_BLOCK_FROM, and the 64-head kernel on 128 splits at 33-64 heads; an H100 keeps two blocks everywhere
+    fast, slow = peak_gbps_per_sm(h200), peak_gbps_per_sm(h100)
+    assert [mla_block_h(64, b, "auto", fast, c) for b, c in ((1, 65535), (1, 65536), (2, 32768), (4, 16383))] == [
+        32, 64, 64, 32]  # fmt: skip
+    assert [mla_block_h(32, b, "auto", fast, c) for b, c in ((1, 1 << 20), (2, 16383), (2, 16384), (3, 0))] == [
+        16, 16, 64, 64]  # fmt: skip
+    assert [mla_block_h(64, 1, "auto", slow, 1 << 20), mla_block_h(64, 1, "gluon_few", fast, 1 << 20)] == [32, 32]
+    assert [mla_block_h(16, 1, "auto", fast, 1 << 20), mla_block_h(64, 5, "auto", fast, 0)] == [64, 64]
+    assert [mla_context_bounds(64, b, "auto", fast) for b in (1, 2, 3, 4, 5)] == [(65536,), (32768,), (16384,),
+                                                                                (16384,), ()]  # fmt: skip
+    assert [mla_context_bounds(32, b, "auto", fast) for b in (1, 2, 4)] == [(), (16384,), ()]
+    assert mla_context_bounds(64, 1, "auto", slow) == mla_context_bounds(64, 1, "gluon", fast) == ()
+    assert mla_context_bounds(16, 1, "auto", fast) == mla_context_bounds(128, 1, "auto", fast) == ()
+    assert [mla_max_kv_splits(64, "gluon", fast), mla_max_kv_splits(64, "gluon", slow)] == [128, 64]
+    assert [mla_max_kv_splits(128, "gluon", fast), mla_max_kv_splits(64, "gluon_few", fast)] == [64, 64]
     assert [mla_num_kv_splits(1, 1, 132, 128), mla_num_kv_splits(1, 1, 132, 64), mla_num_kv_splits(1, 2, 132, 64)] == [
         128, 64, 64]  # fmt: skip
     assert [mla_num_kv_splits(2, 1, 132, 128), mla_num_kv_splits(3, 1, 132, 128), mla_num_kv_splits(64, 2, 132)] == [
@@ -338,13 +355,38 @@ def test_backend_matches_torch_native(mode: ForwardMode) -> None:
     assert torch.equal(pools["triton"][1].latent_buffers[0], pools["native"][1].latent_buffers[0])
 
 
+def test_backend_decode_context_bounds() -> None:
+    """The triton backend reports the MLA launch's context bounds for the heads its decodes ran, on the GPU it
+    ran them on (none before a decode, none on a GPU without the bandwidth an SM, none for GQA); a decode's context
+    is its graph's (ForwardBatch.decode_context), else its longest sequence."""
+    from types import SimpleNamespace
+
+    from ftransformers.attention.triton_backend import MLA_ONE_BLOCK_FROM
+
+    be = create_attention_backend("triton")
+    assert be.decode_context_bounds(1) == ()
+    be._gpu_facts, be._mla_heads = (132, 36.5), {64}  # an H200, after a decode of 64 heads
+    assert [be.decode_context_bounds(b) for b in (1, 2, 4, 8)] == [
+        (MLA_ONE_BLOCK_FROM[64][1],), (MLA_ONE_BLOCK_FROM[64][2],), (MLA_ONE_BLOCK_FROM[64][4],), ()]  # fmt: skip
+    be._mla_heads = {64, 24}  # two models' decodes: every bound of either
+    assert be.decode_context_bounds(2) == tuple(sorted({MLA_ONE_BLOCK_FROM[64][2], MLA_ONE_BLOCK_FROM[32][2]}))
+    be._gpu_facts = (132, 25.4)  # an H100
+    assert be.decode_context_bounds(1) == be.decode_context_bounds(2) == ()
+    batch = SimpleNamespace(decode_context=None, seq_lens_cpu=[7, 300, 12])
+    assert be._decode_context(batch) == 300
+    batch.decode_context = 0  # a graph of the shortest range, whatever its placeholder lengths
+    assert be._decode_context(batch) == 0
+
+
 @pytest.mark.skipif(not CUDA, reason="the Gluon MLA kernels and their launch rules need a GPU")
 @pytest.mark.parametrize("heads", [8, 32, 64])
-@pytest.mark.parametrize("batch", [1, 3, 6])
-def test_backend_mla_decode_launch_rules(heads: int, batch: int) -> None:
+@pytest.mark.parametrize("batch", [1, 2, 3, 6])
+@pytest.mark.parametrize("context", [None, 1 << 17])
+def test_backend_mla_decode_launch_rules(heads: int, batch: int, context: int | None) -> None:
     """The triton backend's MLA decode at DeepSeek's latent widths (512 + 64), where it picks the stage-1
-    kernel, the heads a program (32 heads: two programs of 16 up to batch 4) and the split count, against
-    torch_native on the same batch."""
+    kernel, the heads a program (32 heads: two programs of 16 up to batch 4, fewer on an H200) and the split
+    count, against torch_native on the same batch; also as a graph of the longest contexts would launch it
+    (decode_context 128K: one block of all heads on an H200) over these short sequences."""
     gen = torch.Generator().manual_seed(heads * 10 + batch)
     prefix = [700 + 611 * i for i in range(batch)]
     triton_be, native_be = create_attention_backend("triton"), create_attention_backend("torch_native")
@@ -356,6 +398,7 @@ def test_backend_mla_decode_launch_rules(heads: int, batch: int) -> None:
         cache = pool.latent_buffers[0]
         cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(3)))
         fb = _batch(ForwardMode.DECODE, prefix, [1] * batch, pool, be, torch.Generator().manual_seed(99))
+        fb.decode_context = context if name == "triton" else None
         be.init_forward_metadata(fb)
         outs[name] = be.forward_mla(q_nope, q_rope, latent, 0, 576**-0.5, fb)
     assert rel_err(outs["triton"], outs["native"]) <= TOL

@@ -28,6 +28,13 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Called by the runner once per forward, before the model runs: derive whatever index
         tensors the kernels need (e.g. cumulative offsets) so layers do not recompute them."""
+
+    def decode_context_bounds(self, batch_size: int) -> tuple[int, ...]:
+        """Longest-sequence lengths (ascending) at which this backend's decode launch at `batch_size` rows changes;
+        the CUDA graph runner captures a graph per range between them and replays the one holding the batch's
+        longest sequence. Asked after a warm-up decode of that size. Empty: one launch at every context."""
+        return ()
+
     @abstractmethod
     def forward_mha(
         self,

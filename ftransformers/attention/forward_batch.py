@@ -44,6 +44,10 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     moe_backend: str = "torch_native"  # name in layers.moe's registry, resolved by the runner
+    # DECODE: the longest-sequence length its attention launch is chosen for (AttentionBackend.decode_context_bounds).
+    # None: the backend reads max(seq_lens_cpu); a CUDA graph, whose seq_lens_cpu are placeholders, sets the lower
+    # end of the context range it is captured for
+    decode_context: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -62,6 +62,19 @@ MLA_FEW_HEADS = 16
 # 64 heads 225.3 -> 264.8). At 128 heads blocks of 32 lost at 32K (38.2 -> 39.8 at batch 1).
 # benchmarks/results/attention_mla_few_blocks32_h100.log, attention_mla_wide_blocks_h100.log
 MLA_FEW_SPLIT_HEADS_MAX_BS = 4
+# On GPUs of at least MLA_FEW_WIDE_SPLITS_GBPS_PER_SM (an H200, not an H100) the half-head blocks pay only at short
+# context: from the batch's longest sequence named here (by batch size) one block takes all the heads, the
+# few-heads kernel's for 17-32 heads and the 64-head kernel for 33-64 (the latter on 128 splits at batch 1, a
+# program an SM). 0: at every context; absent: never. A CUDA graph is captured per side of the bound
+# (`decode_context_bounds`). H200, us, half blocks -> one block (benchmarks/results/attention_mla_64h_*s46_h200.log):
+#   32 heads, batch 1 at 32K / 64K / 128K (64-head kernel on 128 splits): 22.4 / 35.5 / 61.0 -> 23.7 / 34.2 / 54.4;
+#     batch 2 at 4K / 8K / 16K / 32K / 128K: 11.8 / 15.1 / 22.4 / 35.5 / 110.9 -> 14.1 / 16.0 / 21.6 / 31.0 / 83.1;
+#     batch 4 at 4K / 32K / 128K: 16.0 / 61.8 / 215.2 -> 15.3 / 48.1 / 159.3
+#   64 heads, batch 1 at 16K / 32K / 64K / 128K: 18.8 / 26.9 / 41.7 / 71.4 -> 21.2 / 27.6 / 38.8 / 60.8;
+#     batch 2 at 16K / 32K / 128K: 26.6 / 41.4 / 135.3 -> 28.2 / 39.5 / 106.0;
+#     batch 4 at 8K / 16K / 32K / 128K: 27.5 / 42.2 / 71.7 / 262.5 -> 29.5 / 40.9 / 62.2 / 200.9
+# (32 heads at batch 1 keep half blocks: the 64-head kernel gains 4-11% only from 64K.)
+MLA_ONE_BLOCK_FROM = {32: {2: 16384, 3: 0, 4: 0}, 64: {1: 65536, 2: 32768, 3: 16384, 4: 16384}}
 MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 # The few-heads kernel at up to 16 heads a GPU takes 128 splits too (batch 1 is the only batch it changes) where
 # the GPU's peak DRAM bandwidth an SM is at least this (GB/s): a program's split then has more bandwidth to use than
@@ -100,14 +113,37 @@ def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_split
     return n if n <= MLA_MAX_KV_SPLITS else 1 << (n.bit_length() - 1)
 
 
-def mla_block_h(num_heads: int, batch_size: int, kernel: str = "auto") -> int:
+def mla_one_block_from(num_heads: int, batch_size: int, gbps_per_sm: float = 0.0) -> int | None:
+    """The longest-sequence length from which 17-64 heads a GPU run as one block at batch 1-4 (MLA_ONE_BLOCK_FROM)
+    on a GPU of this peak DRAM bandwidth an SM; None where they run as two blocks at every context."""
+    if gbps_per_sm < MLA_FEW_WIDE_SPLITS_GBPS_PER_SM or not MLA_FEW_HEADS < num_heads <= 2 * FEW_HEADS_LIMIT:
+        return None
+    return MLA_ONE_BLOCK_FROM[FEW_HEADS_LIMIT if num_heads <= FEW_HEADS_LIMIT else 2 * FEW_HEADS_LIMIT].get(batch_size)
+
+
+def mla_block_h(
+    num_heads: int, batch_size: int, kernel: str = "auto", gbps_per_sm: float = 0.0, context: int = 0
+) -> int:
     """At most this many heads a program of the few-heads MLA kernel at this batch size (see
     MLA_FEW_SPLIT_HEADS_MAX_BS): half of 17-64 heads up to that batch, else all; mla_decode_kernel("auto")
     takes that kernel where a program's heads fit it, the 64-head one (MLA_BLOCK_H a program) otherwise.
-    With the few-heads kernel forced (`kernel` "gluon_few"), blocks it can take."""
+    With "auto", on a GPU of `gbps_per_sm` a batch whose longest sequence holds `context` tokens may take one
+    block instead (mla_one_block_from). With the few-heads kernel forced (`kernel` "gluon_few"), blocks it can
+    take."""
     if MLA_FEW_HEADS < num_heads <= 2 * FEW_HEADS_LIMIT and batch_size <= MLA_FEW_SPLIT_HEADS_MAX_BS:
-        return next_pow2(num_heads) // 2
+        one_from = mla_one_block_from(num_heads, batch_size, gbps_per_sm) if kernel == "auto" else None
+        if one_from is None or context < one_from:
+            return next_pow2(num_heads) // 2
     return FEW_HEADS_LIMIT if kernel == "gluon_few" else MLA_BLOCK_H
+
+
+def mla_context_bounds(
+    num_heads: int, batch_size: int, kernel: str = "auto", gbps_per_sm: float = 0.0
+) -> tuple[int, ...]:
+    """Longest-sequence lengths at which mla_block_h's answer changes at this batch size (ascending; empty: one
+    launch at every context)."""
+    one_from = mla_one_block_from(num_heads, batch_size, gbps_per_sm) if kernel == "auto" else None
+    return (one_from,) if one_from else ()
 
 
 def mla_max_kv_splits(num_heads: int, kernel: str = "triton", gbps_per_sm: float = 0.0) -> int:
@@ -115,7 +151,8 @@ def mla_max_kv_splits(num_heads: int, kernel: str = "triton", gbps_per_sm: float
     see MLA_FEW_HEADS), on a GPU of this peak DRAM bandwidth an SM (peak_gbps_per_sm; 0: unknown, the
     few-heads kernel keeps 64; see MLA_FEW_WIDE_SPLITS_GBPS_PER_SM)."""
     if num_heads > MLA_FEW_HEADS:
-        return MLA_MAX_KV_SPLITS
+        wide = kernel == "gluon" and num_heads <= 2 * FEW_HEADS_LIMIT and gbps_per_sm >= MLA_FEW_WIDE_SPLITS_GBPS_PER_SM
+        return MLA_FEW_HEADS_MAX_KV_SPLITS if wide else MLA_MAX_KV_SPLITS  # 33-64 heads on the 64-head kernel: 128
     if kernel == "gluon_few" and gbps_per_sm < MLA_FEW_WIDE_SPLITS_GBPS_PER_SM:
         return MLA_MAX_KV_SPLITS
     return MLA_FEW_HEADS_MAX_KV_SPLITS
@@ -159,6 +196,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._extend_start: torch.Tensor | None = None
         self._max_extend_len = 0
         self._gpu_facts: tuple[int, float] | None = None  # (SMs, peak_gbps_per_sm), read once
+        self._mla_heads: set[int] = set()  # heads a GPU of the MLA decodes run so far (decode_context_bounds)
         self._prefix_start: torch.Tensor | None = None
         self._identity: torch.Tensor | None = None  # arange, grown on demand (MLA prefill's slot table)
         # MHA-form MLA prefill: "sdpa" (torch flash, one call per sequence), "triton" (the extend kernel
@@ -198,16 +236,17 @@ class TritonAttentionBackend(AttentionBackend):
         return self._gpu_facts
 
     def _decode_scratch(
-        self, B: int, H: int, DV: int, split_rule: Callable[[int], int], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        # split_rule: batch size -> split count (num_kv_splits / mla_num_kv_splits with its head blocks)
-        splits = split_rule(B)
+        self, B: int, H: int, DV: int, splits: int, size_rule: Callable[[int], int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # size_rule: batch size -> the most splits a launch at that size takes (num_kv_splits / mla_num_kv_splits
+        # with its head blocks, at every context), so that one buffer serves every launch a graph may capture
         per_row = H * (DV + 1)  # floats per (sequence, split): outputs + lse
         key = (H, DV, str(device))
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < B * splits * per_row:
             self._check_not_capturing(device)
-            rows = max(b * split_rule(b) for b in range(1, max(self.max_bs, B) + 1))
+            rows = max(b * size_rule(b) for b in range(1, max(self.max_bs, B) + 1))
+            rows = max(rows, B * splits)
             if buf is not None:
                 self._retired.append(buf)
             buf = torch.empty(rows * per_row, dtype=torch.float32, device=device)
@@ -215,7 +254,24 @@ class TritonAttentionBackend(AttentionBackend):
         n = B * splits * H
         mid_o = buf[: n * DV].view(B, H, splits, DV)
         mid_lse = buf[n * DV : n * (DV + 1)].view(B, H, splits)
-        return mid_o, mid_lse, splits
+        return mid_o, mid_lse
+
+    def decode_context_bounds(self, batch_size: int) -> tuple[int, ...]:
+        """Longest-sequence lengths at which a decode launch of `batch_size` rows changes (ascending): the graph
+        runner captures one graph per side of each. Known after a decode of the model ran (its heads)."""
+        if self._gpu_facts is None:
+            return ()
+        gbps = self._gpu_facts[1]
+        bounds = {c for H in self._mla_heads for c in mla_context_bounds(H, batch_size, MLA_DECODE_KERNEL, gbps)}
+        return tuple(sorted(bounds))
+
+    @staticmethod
+    def _decode_context(batch: ForwardBatch) -> int:
+        """The context a decode's launch is chosen for: the graph's class (ForwardBatch.decode_context), else the
+        batch's longest sequence."""
+        if batch.decode_context is not None:
+            return batch.decode_context
+        return max(batch.seq_lens_cpu, default=0)
 
     @staticmethod
     def _check_not_capturing(device: torch.device) -> None:
@@ -284,9 +340,11 @@ class TritonAttentionBackend(AttentionBackend):
             H_kv = k_buf.shape[1]
             head_blocks = H_kv * cdiv(H // H_kv, max(16, next_pow2(H // H_kv)))
             sms, _ = self._gpu(q.device)
-            mid_o, mid_lse, splits = self._decode_scratch(
-                T, H, v_buf.shape[-1], lambda b: num_kv_splits(b, head_blocks, sms, GQA_WAVES), q.device
-            )
+            def rule(b: int) -> int:
+                return num_kv_splits(b, head_blocks, sms, GQA_WAVES)
+
+            splits = rule(T)
+            mid_o, mid_lse = self._decode_scratch(T, H, v_buf.shape[-1], splits, rule, q.device)
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, num_warps=GQA_WARPS,
@@ -318,17 +376,22 @@ class TritonAttentionBackend(AttentionBackend):
         out = q_nope.new_empty(T, H, L)
         if batch.mode == ForwardMode.DECODE:
             sms, gbps_per_sm = self._gpu(q_nope.device)
+            self._mla_heads.add(H)
 
-            def launch(b: int) -> tuple[str, int, int]:  # stage-1 kernel, heads a program, splits at batch b
-                want = mla_block_h(H, b, MLA_DECODE_KERNEL)
+            def launch(b: int, context: int) -> tuple[str, int, int]:  # stage-1 kernel, heads a program, splits
+                want = mla_block_h(H, b, MLA_DECODE_KERNEL, gbps_per_sm, context)
                 kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL, want)
                 block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
                 return kernel, block_h, mla_num_kv_splits(
                     b, cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel, gbps_per_sm)
                 )
 
-            kernel, block_h, _ = launch(T)
-            mid_o, mid_lse, splits = self._decode_scratch(T, H, L, lambda b: launch(b)[2], q_nope.device)
+            def most_splits(b: int) -> int:  # over the launches of every context at batch b
+                bounds = mla_context_bounds(H, b, MLA_DECODE_KERNEL, gbps_per_sm)
+                return max(launch(b, c)[2] for c in (0, *bounds))
+
+            kernel, block_h, splits = launch(T, self._decode_context(batch))
+            mid_o, mid_lse = self._decode_scratch(T, H, L, splits, most_splits, q_nope.device)
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES, kernel=kernel,

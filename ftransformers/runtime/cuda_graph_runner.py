@@ -7,10 +7,14 @@ whose index tensors are the rows of that size's input buffer `inputs[bs]` ([F, b
   req_to_token), the attention backend's `init_forward_metadata`, `model.forward`, the LM head into
   the shared `logits` buffer (the head's dtype), and `greedy_tokens` (each row's first argmax into
   `tokens`, and into the future table at the row's future slot, -1 for none).
+Where the attention backend launches differently by context at a size (`decode_context_bounds`, e.g. the
+MLA decode's head blocks), that size gets a graph per context range, captured with the range's lower end
+as `ForwardBatch.decode_context`.
 A decode step is then one host->device copy of its rows, padding included (padding rows name the
 dummy request row with seq_len 1 and KV slot 0, the pool's padding sink), and one replay of the
-smallest graph that holds the batch. A step whose rows all sample greedily with no penalty, ban or
-logprobs reads `tokens`; any other step samples from `logits` and overwrites those rows' future slots.
+smallest graph that holds the batch, for the range holding its longest sequence. A step whose rows all
+sample greedily with no penalty, ban or logprobs reads `tokens`; any other step samples from `logits`
+and overwrites those rows' future slots.
 Kernels on the captured path must follow the CUDA-graph rule: read only the device tensors of the batch
 (no `.item()`, no `*_cpu` lists, no data-dependent sizes).
 """
@@ -82,11 +86,13 @@ class CudaGraphRunner:
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
         self.logits: torch.Tensor | None = None  # [max_bs, V] in the LM head's dtype, written by every graph
         self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)  # [max_bs] each row's greedy token
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bs -> the graph for the shortest contexts
+        # bs -> [(lower end of a longer context range, its graph)], ascending, where the backend has bounds there
+        self.longer: dict[int, list[tuple[int, torch.cuda.CUDAGraph]]] = {}
         self.replays = 0
         self.capture_seconds = 0.0
 
-    def static_batch(self, bs: int) -> ForwardBatch:
+    def static_batch(self, bs: int, context: int = 0) -> ForwardBatch:
         r = self.runner
         rows = {name: self.inputs[bs][f] for f, name in enumerate(FIELDS) if name != "future_slots"}
         return ForwardBatch(
@@ -100,6 +106,7 @@ class CudaGraphRunner:
             kv_pool=r.kv_pool,
             attn_backend=r.attn_backend,
             moe_backend=r.moe_backend,
+            decode_context=context,
             **rows,
         )
 
@@ -125,30 +132,42 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.runner.device)
         self.logits = self.runner.model.logits_buffer(self.max_bs)
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool blocks
-            fb = self.static_batch(bs)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(_WARMUP_RUNS):  # compiles / autotunes kernels outside the capture
-                    self._step(fb)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._step(fb)
-            self.graphs[bs] = graph
+            self.graphs[bs] = self._capture_one(self.static_batch(bs), pool, stream)
+            bounds = self.runner.attn_backend.decode_context_bounds(bs)  # known after the warm-up decodes
+            self.longer[bs] = [(c, self._capture_one(self.static_batch(bs, c), pool, stream)) for c in bounds]
         torch.cuda.synchronize(self.runner.device)
+
+    def _capture_one(self, fb: ForwardBatch, pool: tuple, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(_WARMUP_RUNS):  # compiles / autotunes kernels outside the capture
+                self._step(fb)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            self._step(fb)
+        return graph
+
+    def graph_for(self, pbs: int, context: int = 0) -> torch.cuda.CUDAGraph:
+        """The graph of captured size pbs for a batch whose longest sequence holds `context` tokens."""
+        graph = self.graphs[pbs]
+        for lower, g in self.longer.get(pbs, ()):
+            if context >= lower:
+                graph = g
+        return graph
 
     def padded_size(self, bs: int) -> int | None:
         """The captured size a decode batch of bs rows replays at, None when graphs cannot run it."""
         return padded_batch_size(self.batch_sizes, bs) if self.graphs else None
 
-    def replay(self, rows: torch.Tensor, bs: int) -> None:
+    def replay(self, rows: torch.Tensor, bs: int, context: int = 0) -> None:
         """Run a decode step from its input rows [F, pbs] (pinned host memory, padding included; pbs a
-        captured size). Afterwards logits[:bs] and tokens[:bs] hold its real rows' results, valid until
-        the next replay."""
+        captured size) whose longest sequence holds `context` tokens. Afterwards logits[:bs] and tokens[:bs]
+        hold its real rows' results, valid until the next replay."""
         pbs = rows.shape[1]
         assert pbs in self.graphs and bs <= pbs, "replay() at a size that was not captured"
         self.inputs[pbs].copy_(rows, non_blocking=True)
-        self.graphs[pbs].replay()
+        self.graph_for(pbs, context).replay()
         self.replays += 1
 
 
@@ -167,12 +186,14 @@ def make_cuda_graph_runner(runner: ModelRunner, dummy_req_row: int) -> CudaGraph
     except Exception as e:  # noqa: BLE001 - any kernel that breaks the capture rule: run eagerly
         logger.warning("CUDA graphs off: capture failed (%s: %s)", type(e).__name__, e)
         graphs.graphs.clear()
+        graphs.longer.clear()
         torch.cuda.synchronize(runner.device)
         return None
     graphs.capture_seconds = time.perf_counter() - start
     mem = torch.cuda.memory_reserved(runner.device) / (1 << 30)
+    longer = {bs: [c for c, _ in g] for bs, g in sorted(graphs.longer.items()) if g}
     logger.info(
-        "CUDA graphs captured for decode batch sizes %s in %.2f s (%.2f GiB reserved)",
-        graphs.batch_sizes, graphs.capture_seconds, mem,
+        "CUDA graphs captured for decode batch sizes %s%s in %.2f s (%.2f GiB reserved)",
+        graphs.batch_sizes, f" (and from contexts {longer})" if longer else "", graphs.capture_seconds, mem,
     )  # fmt: skip
     return graphs

@@ -200,7 +200,7 @@ class ModelRunner:
             if w_vals:
                 w = to_device(w_rows + w_cols + w_vals, torch.int64, self.device).view(3, -1)
                 self.req_to_token[w[0], w[1]] = w[2]
-            graphs.replay(rows, B)
+            graphs.replay(rows, B, context=max(seq_len))
             if not sample_rows:
                 return DoneStep(StepResult(results=[None] * B))
             sample_seqs = [seqs[i] for i in sample_rows]
