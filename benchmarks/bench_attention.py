@@ -39,6 +39,7 @@ from ceilings import copy_bandwidth, matmul_rate
 
 from ftransformers.attention.triton_backend import (
     mla_block_h,
+    mla_decode_launch,
     mla_max_kv_splits,
     mla_num_kv_splits,
     num_kv_splits,
@@ -55,7 +56,6 @@ from ftransformers.kernels.triton_mla_attention import (
     latent_views,
     mla_attention_ref,
     mla_decode_fwd,
-    mla_decode_kernel,
     mla_extend_fwd,
 )
 
@@ -160,6 +160,8 @@ def gqa_call(var: str, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> No
 def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
     if var == "old":
         return num_kv_splits(B, triton.cdiv(H, 32), sms)
+    if "splits" in MLA_VARIANTS[var]:
+        return MLA_VARIANTS[var]["splits"]
     kernel = MLA_VARIANTS[var].get("kernel", "triton")
     gbps = peak_gbps_per_sm(torch.cuda.get_device_properties(DEV))  # the backend's rule on this GPU
     cap = MLA_VARIANTS[var].get("max_splits", mla_max_kv_splits(H, kernel, gbps))
@@ -168,14 +170,11 @@ def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
 
 def resolve_auto(B: int, H: int, context: int, q_nope: torch.Tensor, buf: torch.Tensor) -> None:
     """MLA_VARIANTS["auto"] := what TritonAttentionBackend.forward_mla launches for B rows of H heads whose longest
-    sequence holds `context` tokens, on this GPU."""
-    gbps = peak_gbps_per_sm(torch.cuda.get_device_properties(DEV))
-    block = mla_block_h(H, B, "auto", gbps, context)
-    kernel = mla_decode_kernel(q_nope, buf, "auto", block)
-    spec: dict = {"kernel": kernel, "max_splits": mla_max_kv_splits(H, kernel, gbps)}
-    if kernel == "gluon_few":
-        spec["block_h"] = block
-    MLA_VARIANTS["auto"] = spec
+    sequence holds `context` tokens, on this GPU (triton_backend.mla_decode_launch)."""
+    props = torch.cuda.get_device_properties(DEV)
+    kernel, block_h, splits = mla_decode_launch(q_nope, buf, B, context, props.multi_processor_count,
+                                                peak_gbps_per_sm(props))  # fmt: skip
+    MLA_VARIANTS["auto"] = {"kernel": kernel, "block_h": block_h, "splits": splits}
 
 
 def mla_block(var: str, B: int, H: int) -> int | None:
@@ -202,7 +201,8 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
                              q_pe=q_rope, kpe_buf=k_pe, direct=False, **MLA_VARIANTS[var])  # fmt: skip
     else:
         kw = dict(MLA_VARIANTS[var])
-        kw.pop("max_splits", None)
+        for key in ("max_splits", "splits"):  # launch facts, not launcher keywords
+            kw.pop(key, None)
         kw["block_h"] = mla_block(var, *q_nope.shape[:2])
         with gluon_defaults(kw.pop("gluon_attrs", {})):
             mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,

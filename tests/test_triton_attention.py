@@ -237,8 +237,10 @@ def test_mla_split_rule() -> None:
 
     from ftransformers.attention.triton_backend import (
         MLA_FEW_HEADS,
+        mla_64_head_kernel_from,
         mla_block_h,
         mla_context_bounds,
+        mla_decode_launch,
         mla_max_kv_splits,
         mla_num_kv_splits,
         peak_gbps_per_sm,
@@ -272,7 +274,12 @@ def test_mla_split_rule() -> None:
     assert [mla_block_h(16, 1, "auto", fast, 1 << 20), mla_block_h(64, 5, "auto", fast, 0)] == [64, 64]
     assert [mla_context_bounds(64, b, "auto", fast) for b in (1, 2, 3, 4, 5)] == [(65536,), (32768,), (16384,),
                                                                                 (16384,), ()]  # fmt: skip
-    assert [mla_context_bounds(32, b, "auto", fast) for b in (1, 2, 4)] == [(), (16384,), ()]
+    assert [mla_context_bounds(32, b, "auto", fast) for b in (1, 2, 4)] == [(65536,), (16384,), ()]
+    assert [mla_64_head_kernel_from(24, 1, fast), mla_64_head_kernel_from(24, 2, fast)] == [65536, None]
+    assert [mla_64_head_kernel_from(24, 1, slow), mla_64_head_kernel_from(48, 1, fast)] == [None, None]
+    # where the Gluon kernels cannot run (here: the CPU) the rules fall back to the Triton kernel, at any context
+    q, latent = torch.zeros(1, 32, 512, dtype=torch.bfloat16), torch.zeros(4, 576, dtype=torch.bfloat16)
+    assert mla_decode_launch(q, latent, 1, 1 << 17, 132, fast) == ("triton", 16, 64)
     assert mla_context_bounds(64, 1, "auto", slow) == mla_context_bounds(64, 1, "gluon", fast) == ()
     assert mla_context_bounds(16, 1, "auto", fast) == mla_context_bounds(128, 1, "auto", fast) == ()
     assert [mla_max_kv_splits(64, "gluon", fast), mla_max_kv_splits(64, "gluon", slow)] == [128, 64]
@@ -361,7 +368,7 @@ def test_backend_decode_context_bounds() -> None:
     is its graph's (ForwardBatch.decode_context), else its longest sequence."""
     from types import SimpleNamespace
 
-    from ftransformers.attention.triton_backend import MLA_ONE_BLOCK_FROM
+    from ftransformers.attention.triton_backend import MLA_64_HEAD_KERNEL_FROM, MLA_ONE_BLOCK_FROM
 
     be = create_attention_backend("triton")
     assert be.decode_context_bounds(1) == ()
@@ -370,6 +377,7 @@ def test_backend_decode_context_bounds() -> None:
         (MLA_ONE_BLOCK_FROM[64][1],), (MLA_ONE_BLOCK_FROM[64][2],), (MLA_ONE_BLOCK_FROM[64][4],), ()]  # fmt: skip
     be._mla_heads = {64, 24}  # two models' decodes: every bound of either
     assert be.decode_context_bounds(2) == tuple(sorted({MLA_ONE_BLOCK_FROM[64][2], MLA_ONE_BLOCK_FROM[32][2]}))
+    assert be.decode_context_bounds(1) == tuple(sorted({MLA_ONE_BLOCK_FROM[64][1], MLA_64_HEAD_KERNEL_FROM[32][1]}))
     be._gpu_facts = (132, 25.4)  # an H100
     assert be.decode_context_bounds(1) == be.decode_context_bounds(2) == ()
     batch = SimpleNamespace(decode_context=None, seq_lens_cpu=[7, 300, 12])
@@ -386,7 +394,8 @@ def test_backend_mla_decode_launch_rules(heads: int, batch: int, context: int | 
     """The triton backend's MLA decode at DeepSeek's latent widths (512 + 64), where it picks the stage-1
     kernel, the heads a program (32 heads: two programs of 16 up to batch 4, fewer on an H200) and the split
     count, against torch_native on the same batch; also as a graph of the longest contexts would launch it
-    (decode_context 128K: one block of all heads on an H200) over these short sequences."""
+    (decode_context 128K: on an H200 one block of all heads, 32 heads at batch 1 on the 64-head kernel) over these
+    short sequences."""
     gen = torch.Generator().manual_seed(heads * 10 + batch)
     prefix = [700 + 611 * i for i in range(batch)]
     triton_be, native_be = create_attention_backend("triton"), create_attention_backend("torch_native")

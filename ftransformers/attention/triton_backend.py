@@ -21,6 +21,7 @@ from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import (
     FEW_HEADS_LIMIT,
     MLA_DECODE_KERNELS,
+    gluon_mla_unsupported,
     mla_decode_fwd,
     mla_decode_kernel,
     mla_extend_fwd,
@@ -67,14 +68,16 @@ MLA_FEW_SPLIT_HEADS_MAX_BS = 4
 # few-heads kernel's for 17-32 heads and the 64-head kernel for 33-64 (the latter on 128 splits at batch 1, a
 # program an SM). 0: at every context; absent: never. A CUDA graph is captured per side of the bound
 # (`decode_context_bounds`). H200, us, half blocks -> one block (benchmarks/results/attention_mla_64h_*s46_h200.log):
-#   32 heads, batch 1 at 32K / 64K / 128K (64-head kernel on 128 splits): 22.4 / 35.5 / 61.0 -> 23.7 / 34.2 / 54.4;
-#     batch 2 at 4K / 8K / 16K / 32K / 128K: 11.8 / 15.1 / 22.4 / 35.5 / 110.9 -> 14.1 / 16.0 / 21.6 / 31.0 / 83.1;
-#     batch 4 at 4K / 32K / 128K: 16.0 / 61.8 / 215.2 -> 15.3 / 48.1 / 159.3
+#   32 heads, batch 2 at 4K / 8K / 16K / 32K / 128K: 11.8 / 15.1 / 22.4 / 35.5 / 110.9 -> 14.1 / 16.0 / 21.6 /
+#     31.0 / 83.1; batch 4 at 4K / 32K / 128K: 16.0 / 61.8 / 215.2 -> 15.3 / 48.1 / 159.3
 #   64 heads, batch 1 at 16K / 32K / 64K / 128K: 18.8 / 26.9 / 41.7 / 71.4 -> 21.2 / 27.6 / 38.8 / 60.8;
 #     batch 2 at 16K / 32K / 128K: 26.6 / 41.4 / 135.3 -> 28.2 / 39.5 / 106.0;
 #     batch 4 at 8K / 16K / 32K / 128K: 27.5 / 42.2 / 71.7 / 262.5 -> 29.5 / 40.9 / 62.2 / 200.9
-# (32 heads at batch 1 keep half blocks: the 64-head kernel gains 4-11% only from 64K.)
 MLA_ONE_BLOCK_FROM = {32: {2: 16384, 3: 0, 4: 0}, 64: {1: 65536, 2: 32768, 3: 16384, 4: 16384}}
+# At batch 1, 17-32 heads keep two blocks of the few-heads kernel (one block of all of them lost: 38.6 against 35.5
+# us at 64K), but from this context the 64-head kernel on 128 splits beats both, on the same GPUs: 34.2-34.3 /
+# 54.4-54.7 against 35.5-35.6 / 61.0 us at 64K / 128K (23.6-23.7 against 22.3-22.4 at 32K)
+MLA_64_HEAD_KERNEL_FROM = {32: {1: 65536}}
 MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 # The few-heads kernel at up to 16 heads a GPU takes 128 splits too (batch 1 is the only batch it changes) where
 # the GPU's peak DRAM bandwidth an SM is at least this (GB/s): a program's split then has more bandwidth to use than
@@ -137,13 +140,47 @@ def mla_block_h(
     return FEW_HEADS_LIMIT if kernel == "gluon_few" else MLA_BLOCK_H
 
 
+def mla_64_head_kernel_from(num_heads: int, batch_size: int, gbps_per_sm: float = 0.0) -> int | None:
+    """The longest-sequence length from which 17-32 heads a GPU take the 64-head kernel at this batch size
+    (MLA_64_HEAD_KERNEL_FROM) on a GPU of this peak DRAM bandwidth an SM; None where they never do."""
+    if gbps_per_sm < MLA_FEW_WIDE_SPLITS_GBPS_PER_SM or not MLA_FEW_HEADS < num_heads <= FEW_HEADS_LIMIT:
+        return None
+    return MLA_64_HEAD_KERNEL_FROM[FEW_HEADS_LIMIT].get(batch_size)
+
+
 def mla_context_bounds(
     num_heads: int, batch_size: int, kernel: str = "auto", gbps_per_sm: float = 0.0
 ) -> tuple[int, ...]:
-    """Longest-sequence lengths at which mla_block_h's answer changes at this batch size (ascending; empty: one
-    launch at every context)."""
-    one_from = mla_one_block_from(num_heads, batch_size, gbps_per_sm) if kernel == "auto" else None
-    return (one_from,) if one_from else ()
+    """Longest-sequence lengths at which mla_decode_launch's answer changes at this batch size (ascending; empty:
+    one launch at every context)."""
+    if kernel != "auto":
+        return ()
+    bounds = (mla_one_block_from(num_heads, batch_size, gbps_per_sm),
+              mla_64_head_kernel_from(num_heads, batch_size, gbps_per_sm))  # fmt: skip
+    return tuple(sorted({c for c in bounds if c}))
+
+
+def mla_decode_launch(
+    q_nope: torch.Tensor,  # [B, H, L]
+    latent_buf: torch.Tensor,  # [N, L + R]
+    batch_size: int,
+    context: int,
+    num_sms: int,
+    gbps_per_sm: float = 0.0,
+    kernel: str = "auto",
+) -> tuple[str, int, int]:
+    """(stage-1 kernel, heads a program, KV splits) of the MLA decode of `batch_size` rows whose longest sequence
+    holds `context` tokens, for `kernel` (MLA_DECODE_KERNEL's choices): the backend's launch rules above, on a GPU of
+    `num_sms` SMs and `gbps_per_sm` peak DRAM bandwidth an SM (peak_gbps_per_sm)."""
+    H = q_nope.shape[1]
+    want = mla_block_h(H, batch_size, kernel, gbps_per_sm, context)
+    wide_from = mla_64_head_kernel_from(H, batch_size, gbps_per_sm) if kernel == "auto" else None
+    if wide_from is not None and context >= wide_from and gluon_mla_unsupported(q_nope, latent_buf) is None:
+        kernel = "gluon"
+    kernel = mla_decode_kernel(q_nope, latent_buf, kernel, want)
+    block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
+    splits = mla_num_kv_splits(batch_size, cdiv(H, block_h), num_sms, mla_max_kv_splits(H, kernel, gbps_per_sm))
+    return kernel, block_h, splits
 
 
 def mla_max_kv_splits(num_heads: int, kernel: str = "triton", gbps_per_sm: float = 0.0) -> int:
@@ -340,6 +377,7 @@ class TritonAttentionBackend(AttentionBackend):
             H_kv = k_buf.shape[1]
             head_blocks = H_kv * cdiv(H // H_kv, max(16, next_pow2(H // H_kv)))
             sms, _ = self._gpu(q.device)
+
             def rule(b: int) -> int:
                 return num_kv_splits(b, head_blocks, sms, GQA_WAVES)
 
@@ -379,12 +417,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._mla_heads.add(H)
 
             def launch(b: int, context: int) -> tuple[str, int, int]:  # stage-1 kernel, heads a program, splits
-                want = mla_block_h(H, b, MLA_DECODE_KERNEL, gbps_per_sm, context)
-                kernel = mla_decode_kernel(q_nope, buf, MLA_DECODE_KERNEL, want)
-                block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
-                return kernel, block_h, mla_num_kv_splits(
-                    b, cdiv(H, block_h), sms, mla_max_kv_splits(H, kernel, gbps_per_sm)
-                )
+                return mla_decode_launch(q_nope, buf, b, context, sms, gbps_per_sm, MLA_DECODE_KERNEL)
 
             def most_splits(b: int) -> int:  # over the launches of every context at batch b
                 bounds = mla_context_bounds(H, b, MLA_DECODE_KERNEL, gbps_per_sm)
