@@ -25,7 +25,8 @@ compute warpgroup, so the first copies are in flight before the queries arrive (
 starts at tile 1).
 
 More heads run as several blocks (`block_h`), several programs reading each tile: the backend runs 32 and
-64 heads as two blocks of half up to batch 4 (`triton_backend.mla_block_h`), with at most 64 KV splits.
+64 heads as two blocks of half up to batch 4 (`triton_backend.mla_block_h`), with at most 64 KV splits; on an H200
+only below a context that depends on the batch size (`triton_backend.MLA_ONE_BLOCK_FROM`).
 
 Measured (H100, benchmarks/bench_attention.py, batch 1 x 32K, us against the 64-head kernel's, with the
 backend's launch rules): 8 heads 20.1 against 24.1 (62% of copy bandwidth), 16 heads 21.8 against 25.0
