@@ -18,6 +18,7 @@ pytest.importorskip("triton")  # conftest runs it through the interpreter withou
 from ftransformers.attention.backend import create_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MHAKVSpec
+from ftransformers.kernels.cluster import cluster_supported
 from ftransformers.kernels.triton_rope_store import rope_store, rope_store_ref
 from ftransformers.layers.attention import fusable_rope
 from ftransformers.layers.norm import RMSNorm
@@ -219,14 +220,19 @@ def test_decode_attention_fused_rope(dtype: torch.dtype, norm: bool, case: int) 
     seq_lens = torch.tensor(lens, device=DEV)
     block_n = 16 if not CUDA else 64
     outs, pools = [], []
-    for fused, preload in ((False, False), (True, True), (True, False)):
+    # (fused, preload, cluster): on Hopper also the splits merged in thread-block clusters (kernels/cluster.py)
+    variants = [(False, False, 1), (True, True, 1), (True, False, 1)]
+    if cluster_supported(DEV):
+        variants += [(True, True, 2), (True, True, 8), (True, False, 16)]
+    for fused, preload, cluster in variants:
         pk, pv = pool_k.clone(), pool_v.clone()
         out = torch.full((B, H, D), float("nan"), dtype=dtype, device=DEV)
         mid_o, mid_lse = decode_scratch(B, H, D, splits, DEV)
         if fused:
             fr = DecodeRope(k, v, positions, rope.cos_sin_cache, loc, qw, kw, 1e-6, 1e-5)
-            decode_attention_fwd(q, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,
-                                 block_n=block_n, rope=fr, preload=preload)  # fmt: skip
+            n = cluster if cluster > 1 else splits
+            decode_attention_fwd(q, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, n, D**-0.5,
+                                 block_n=block_n, rope=fr, preload=preload, cluster=cluster)  # fmt: skip
         else:
             qr, _ = rope_store(q, k, v, positions, rope.cos_sin_cache, pk, pv, loc, qw, kw, 1e-6, 1e-5)
             decode_attention_fwd(qr, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,
@@ -239,8 +245,8 @@ def test_decode_attention_fused_rope(dtype: torch.dtype, norm: bool, case: int) 
     keep = torch.ones(N + 1, dtype=torch.bool, device=DEV)
     keep[written] = False
     keep[0] = False  # the padded row's slot: rope_store writes it, the fused kernel does not
-    for i in (1, 2):
-        assert rel_err(outs[i][live], outs[0][live]) <= tol, i
+    for i in range(1, len(variants)):
+        assert rel_err(outs[i][live], outs[0][live]) <= tol, variants[i]
         assert not outs[i][~live].any()
         assert rel_err(pools[i][0][written], pools[0][0][written]) <= tol
         assert torch.equal(pools[i][1][written], pools[0][1][written])

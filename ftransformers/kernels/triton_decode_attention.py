@@ -37,6 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels.cluster import (
+    cluster_arrive,
+    cluster_launch,
+    cluster_sync,
+    cluster_wait,
+    ld_cluster_f32,
+    smem_addr,
+    st_shared_f32,
+)
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import early_trigger_on, pdl_enter, pdl_launch, pdl_trigger
 from ftransformers.kernels.stamps import tl_stamp
@@ -93,7 +102,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, smem_off=0, CLUSTER: tl.constexpr = 1, GROUP_H: tl.constexpr = 1,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
@@ -109,7 +118,13 @@ def _decode_stage1_kernel(
     # PRELOAD (with ROPE, GQA): the first tile's K and V are read before the wait too. The pool's slots of
     # positions below seq_len - 1 hold earlier steps' tokens (no kernel of this step writes them; the new token's,
     # stored by this kernel, is never read back), so the tile's HBM round trip overlaps the predecessor.
-    pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # CLUSTER > 1 (kernels/cluster.py): the CLUSTER splits of a (head block, sequence) are one cluster of consecutive
+    #   programs along axis 0 (num_kv_splits == CLUSTER) and merge through distributed shared memory at the end
+    #   (_cluster_merge), so no partials and no stage 2. Every program then runs to the end, an empty split too.
+    if CLUSTER > 1:
+        pid_hb, split_id, b = tl.program_id(0) // CLUSTER, tl.program_id(0) % CLUSTER, tl.program_id(2)
+    else:
+        pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     req = tl.load(req_pool_indices + b)  # issued with seq_len: one round trip less before the KV loads
     split_len = _split_len(seq_len, num_kv_splits, min_split_len, BLOCK_N)
@@ -141,12 +156,14 @@ def _decode_stage1_kernel(
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
     h_mask = local < group
     heads = kv_head * group + local  # [BLOCK_H]
-    if end <= start:
-        if DIRECT:
-            if split_id == 0:  # seq_len 0
-                tl.store(O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :],
-                         tl.zeros([BLOCK_H, BLOCK_DV], O.dtype.element_ty), mask=h_mask[:, None] & dv_mask[None, :])
-        return
+    if CLUSTER == 1:  # noqa: SIM102 (a constexpr test first: the early return exists only without clusters)
+        if end <= start:
+            if DIRECT:
+                if split_id == 0:  # seq_len 0
+                    tl.store(O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :],
+                             tl.zeros([BLOCK_H, BLOCK_DV], O.dtype.element_ty),
+                             mask=h_mask[:, None] & dv_mask[None, :])  # fmt: skip
+            return
 
     if ROPE:
         q1, q2 = norm_rope(Q + b * s_q_t + heads[:, None] * s_q_h, QW, eps_q, cos[None, :], sin[None, :],
@@ -167,6 +184,8 @@ def _decode_stage1_kernel(
     loop_end = end
     if ROPE:
         has_new = end == seq_len  # this split holds the new token, position seq_len - 1
+        if CLUSTER > 1:
+            has_new = has_new & (start < end)  # not an empty split past the end
         k1, k2 = norm_rope(KNEW + b * s_kn_t + kv_head * s_kn_h, KW, eps_k, cos, sin, offs_half,
                             offs_half < tl.where(has_new, HALF, 0), HALF, QK_NORM)  # fmt: skip
         k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), [BLOCK_D]).to(KNEW.dtype.element_ty)
@@ -211,15 +230,72 @@ def _decode_stage1_kernel(
         nxt = pos + BLOCK_N
         loc = tl.load(r2t_row + nxt, mask=nxt < end, other=0)  # [BLOCK_N] the next tile's KV slots
 
-    hd_mask = h_mask[:, None] & dv_mask[None, :]
-    o_ptr = O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :]
-    if (tl.cdiv(seq_len, split_len) == 1) & DIRECT:  # the row's only split: final output
-        tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=hd_mask)
+    if CLUSTER > 1:
+        _cluster_merge(acc, m_i, l_i, start < end, split_id, smem_off, O + b * s_o_t + kv_head * group * s_o_h,
+                       (pid_hb % heads_per_kv_blocks) * BLOCK_H, group, s_o_h, DV, BLOCK_H, BLOCK_DV, GROUP_H, CLUSTER)
     else:
-        mid_o_ptr = mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_dv[None, :]
-        tl.store(mid_o_ptr, acc / l_i[:, None], mask=hd_mask)
-        # log-sum-exp in base 2 of this split's scores
-        tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
+        hd_mask = h_mask[:, None] & dv_mask[None, :]
+        o_ptr = O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :]
+        if (tl.cdiv(seq_len, split_len) == 1) & DIRECT:  # the row's only split: final output
+            tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=hd_mask)
+        else:
+            mid_o_ptr = mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_dv[None, :]
+            tl.store(mid_o_ptr, acc / l_i[:, None], mask=hd_mask)
+            # log-sum-exp in base 2 of this split's scores
+            tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
+
+
+def cluster_scratch_bytes(block_h: int, block_dv: int) -> int:
+    """Shared bytes _cluster_merge publishes a CTA: m and l of each head, then the head block's [BLOCK_H, BLOCK_DV]
+    unnormalised output, float32."""
+    return (2 * block_h + block_h * block_dv) * 4
+
+
+@triton.jit
+def _cluster_merge(
+    acc, m_i, l_i, valid, rank, smem_off, O_group, first_local, group, s_o_h,
+    DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP_H: tl.constexpr, CLUSTER: tl.constexpr,
+):  # fmt: skip
+    # acc [BLOCK_H, BLOCK_DV] (unnormalised), m_i / l_i [BLOCK_H]: this split's online softmax state (NaN or garbage
+    # where not `valid`: an empty split). Each CTA publishes its state in its shared memory, then finishes
+    # 1 / CLUSTER of the first GROUP_H heads' outputs (flattened; the block's other heads are past the group) from
+    # every peer's, one peer after another in registers: sum_j w_j acc_j / sum_j w_j l_j with w_j = exp2(m_j - max m)
+    # (zeros where no split holds a token). O_group: O's row of the KV head's first query head; first_local: this
+    # head block's first index in the group.
+    m_i = tl.where(valid, m_i, float("-inf"))
+    l_i = tl.where(valid, l_i, 0.0)
+    acc = tl.where(valid, acc, 0.0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    base = smem_addr(smem_off)
+    st_shared_f32(base + offs_h * 4, m_i)
+    st_shared_f32(base + (BLOCK_H + offs_h) * 4, l_i)
+    st_shared_f32(base + (2 * BLOCK_H + offs_h[:, None] * BLOCK_DV + offs_dv[None, :]) * 4, acc)
+    cluster_sync()
+    E: tl.constexpr = GROUP_H * BLOCK_DV // CLUSTER
+    idx = rank * E + tl.arange(0, E)
+    h = idx // BLOCK_DV
+    d = idx % BLOCK_DV
+    top = tl.full([E], float("-inf"), tl.float32)
+    den = tl.zeros([E], tl.float32)
+    num = tl.zeros([E], tl.float32)
+    for j in tl.static_range(CLUSTER):  # online: the running max and sums rescaled by each peer's
+        peer = tl.full([E], j, tl.int32)
+        m_j = ld_cluster_f32(base + h * 4, peer)
+        l_j = ld_cluster_f32(base + (BLOCK_H + h) * 4, peer)
+        a_j = ld_cluster_f32(base + (2 * BLOCK_H + h * BLOCK_DV + d) * 4, peer)
+        new = tl.maximum(top, m_j)
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        keep = tl.exp2(top - safe)
+        w = tl.exp2(m_j - safe)
+        den = den * keep + w * l_j
+        num = num * keep + w * a_j
+        top = new
+    cluster_arrive()  # done reading the peers: the barrier's wait, before leaving, overlaps the store below
+    out = num / tl.where(den > 0, den, 1.0)
+    local = first_local + h
+    tl.store(O_group + local * s_o_h + d, out.to(O_group.dtype.element_ty), mask=(local < group) & (d < DV))
+    cluster_wait()  # no CTA leaves while a peer may still read its shared memory
 
 
 @cached_launch
@@ -351,6 +427,7 @@ def decode_attention_fwd(
     rope: DecodeRope | None = None,  # norm + rope q and the new k, store k/v, here (seq_lens count it)
     preload: bool | None = None,  # the first K/V tile before the PDL wait (with `rope` only); None: PRELOAD_FIRST_TILE
     early_trigger: bool = False,  # the kernel after this call reads ahead of its PDL wait (stage 2's EARLY_TRIGGER)
+    cluster: int = 1,  # > 1: num_kv_splits == cluster splits merged in a thread-block cluster (cluster_supported)
 ) -> torch.Tensor:
     B, H, D = q.shape
     H_kv, DV = k_buf.shape[1], v_buf.shape[-1]
@@ -360,7 +437,7 @@ def decode_attention_fwd(
         assert q_pe is None and can_fuse_rope(D, DV, rope.cos_sin_cache), (D, DV, rope.cos_sin_cache.shape)
         assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1 and rope.cos_sin_cache.stride(-1) == 1
         assert (rope.q_norm_weight is None) == (rope.k_norm_weight is None)
-    assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
+    assert cluster > 1 or (mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B)  # a cluster needs no partials
     block_h = max(16, min(block_h, next_pow2(group)))
     blocks_per_kv = cdiv(group, block_h)
     min_split_len = cdiv(max(min_split_len, 1), block_n) * block_n
@@ -381,7 +458,8 @@ def decode_attention_fwd(
         eps_q, eps_k = float(rope.eps_q), float(rope.eps_k)
     preload = (PRELOAD_FIRST_TILE if preload is None else preload) and rope is not None
     assert not preload or (dpe == 0 and not shared_kv), "the first-tile preload is for GQA with fused rope"
-    _decode_stage1_kernel[grid](
+    block_dv = max(16, next_pow2(DV))
+    args = (
         q, q_pe, k_buf, kpe_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         knew, vnew, pos, cs, qw, kw, new_loc,
         sm_scale, group, num_kv_splits, min_split_len, blocks_per_kv, eps_q, eps_k,
@@ -391,14 +469,24 @@ def decode_attention_fwd(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         knew.stride(0), knew.stride(1), vnew.stride(0), vnew.stride(1), cs.stride(0),
+    )  # fmt: skip
+    consts = dict(
         D=D, DPE=dpe, DV=DV,
         BLOCK_D=max(16, next_pow2(D)), BLOCK_DPE=0 if dpe == 0 else max(16, next_pow2(dpe)),
-        BLOCK_DV=max(16, next_pow2(DV)), BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
         num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(q.device),
     )  # fmt: skip
+    if cluster > 1:  # the splits merge in their cluster: no partials, no stage 2
+        group_h = min(block_h, next_pow2(group))  # the heads of a block that may be in the group
+        assert num_kv_splits == cluster and (group_h * block_dv) % cluster == 0, (num_kv_splits, cluster, group_h)
+        scratch = cluster_scratch_bytes(block_h, block_dv)
+        grid = (H_kv * blocks_per_kv, 1, B)  # clusters; cluster_launch multiplies axis 0 by the cluster size
+        cluster_launch(_decode_stage1_kernel, grid, cluster, scratch, *args, **consts, smem_off=0, CLUSTER=cluster,
+                       GROUP_H=group_h, **pdl_launch(q.device))  # fmt: skip
+        return out
+    _decode_stage1_kernel[grid](*args, **consts, **pdl_launch(q.device))
     if num_kv_splits > 1 or not direct:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct, early_trigger)
     return out
