@@ -20,6 +20,7 @@ pytest.importorskip("triton")  # conftest runs it through the interpreter withou
 from ftransformers.attention.backend import create_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MHAKVSpec, MLAKVPool, MLAKVSpec
+from ftransformers.kernels.cluster import cluster_supported
 from ftransformers.kernels.triton_decode_attention import (
     decode_attention_fwd,
     decode_attention_ref,
@@ -81,15 +82,17 @@ def test_decode_gqa(group: int, head_dim: int) -> None:
     scale = head_dim**-0.5
     ref = decode_attention_ref(q, k_buf, v_buf, r2t, rows, seq_lens, scale)
     block_n = 16 if not CUDA else 64
-    cases = [(1, 0, True), (4, 0, True), (4, 0, False), (4, 32, True)]
+    cases = [(1, 0, True, 1), (4, 0, True, 1), (4, 0, False, 1), (4, 32, True, 1)]
     if CUDA:
-        cases = [(s, m, True) for s in (1, 8, 64) for m in (0, 512)] + [(64, 0, False)]
-    for splits, min_split_len, direct in cases:
+        cases = [(s, m, True, 1) for s in (1, 8, 64) for m in (0, 512)] + [(64, 0, False, 1)]
+    if cluster_supported(DEV):  # the splits merged in thread-block clusters (kernels/cluster.py), 16 non-portable
+        cases += [(c, m, True, c) for c in (2, 4, 8, 16) for m in (0, 512)]
+    for splits, min_split_len, direct, cluster in cases:
         mid_o, mid_lse = decode_scratch(B, H, head_dim, splits, DEV)
         out = torch.full_like(q, float("nan"))
         decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
-                             block_n=block_n, min_split_len=min_split_len, direct=direct)  # fmt: skip
-        assert rel_err(out, ref) <= TOL, (splits, min_split_len, direct, rel_err(out, ref))
+                             block_n=block_n, min_split_len=min_split_len, direct=direct, cluster=cluster)  # fmt: skip
+        assert rel_err(out, ref) <= TOL, (splits, min_split_len, direct, cluster, rel_err(out, ref))
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -101,11 +104,11 @@ def test_decode_padded_row_is_zero(direct: bool) -> None:
     q, k_buf, v_buf = randn(3, 4, 16, gen=gen), randn(33, 2, 16, gen=gen), randn(33, 2, 16, gen=gen)
     seq_lens = torch.tensor(lens + [0], device=DEV)
     rows = torch.cat([rows, rows[:1]])
-    for splits in (1, 4):
+    for splits, cluster in ((1, 1), (4, 1)) + (((4, 4),) if cluster_supported(DEV) else ()):
         mid_o, mid_lse = decode_scratch(3, 4, 16, splits, DEV)
         out = torch.full_like(q, float("nan"))
         decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, 0.25, block_n=16,
-                             direct=direct)  # fmt: skip
+                             direct=direct, cluster=cluster)  # fmt: skip
         ref = decode_attention_ref(q[:2], k_buf, v_buf, r2t, rows[:2], seq_lens[:2], 0.25)
         assert rel_err(out[:2], ref) <= TOL and torch.equal(out[2], torch.zeros_like(out[2]))
 
@@ -380,10 +383,43 @@ def test_backend_decode_context_bounds() -> None:
     assert be.decode_context_bounds(1) == tuple(sorted({MLA_ONE_BLOCK_FROM[64][1], MLA_64_HEAD_KERNEL_FROM[32][1]}))
     be._gpu_facts = (132, 25.4)  # an H100
     assert be.decode_context_bounds(1) == be.decode_context_bounds(2) == ()
+    # a GQA decode where clusters are supported: batch 1 of at most GQA_CLUSTER_MAX_HEAD_BLOCKS head blocks gets
+    # a graph below and one from GQA_CLUSTER_BELOW
+    from ftransformers.attention import triton_backend as tb
+
+    be._gqa_clustered = 4  # Qwen3-30B-A3B: 4 KV heads of 8 query heads, one block each
+    assert be.decode_context_bounds(1) == (tb.GQA_CLUSTER_BELOW,) and be.decode_context_bounds(2) == ()
+    be._gqa_clustered = tb.GQA_CLUSTER_MAX_HEAD_BLOCKS + 1
+    assert be.decode_context_bounds(1) == ()
     batch = SimpleNamespace(decode_context=None, seq_lens_cpu=[7, 300, 12])
     assert be._decode_context(batch) == 300
     batch.decode_context = 0  # a graph of the shortest range, whatever its placeholder lengths
     assert be._decode_context(batch) == 0
+
+
+@pytest.mark.skipif(not (CUDA and cluster_supported(DEV)), reason="thread-block clusters need a Hopper GPU")
+@pytest.mark.parametrize("context", [None, 1 << 12])
+def test_backend_gqa_decode_in_clusters(context: int | None) -> None:
+    """The backend's batch-1 GQA decode of 4 KV heads (Qwen3-30B-A3B's shape) runs in clusters below
+    GQA_CLUSTER_BELOW (decode_context None: its short sequence) and as 64 splits from it (a long range's graph over
+    the same sequence): both equal torch_native, and the decode records its head blocks for the graph bounds."""
+    from ftransformers.attention import triton_backend as tb
+
+    gen = torch.Generator().manual_seed(47)
+    prefix, H_kv, group, D = [300], 4, 8, 128
+    triton_be, native_be = create_attention_backend("triton"), create_attention_backend("torch_native")
+    q, k, v = randn(1, H_kv * group, D, gen=gen), randn(1, H_kv, D, gen=gen), randn(1, H_kv, D, gen=gen)
+    outs = {}
+    for name, be in (("triton", triton_be), ("native", native_be)):
+        pool = MHAKVPool(MHAKVSpec(1, H_kv, D, D), 320, DTYPE, DEV)
+        for buf in (*pool.k_buffers, *pool.v_buffers):
+            buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(buf.numel())))
+        fb = _batch(ForwardMode.DECODE, prefix, [1], pool, be, torch.Generator().manual_seed(99))
+        fb.decode_context = context if name == "triton" else None
+        be.init_forward_metadata(fb)
+        outs[name] = be.forward_mha(q, k, v, 0, D**-0.5, fb)
+    assert rel_err(outs["triton"], outs["native"]) <= TOL
+    assert triton_be._gqa_clustered == H_kv and triton_be.decode_context_bounds(1) == (tb.GQA_CLUSTER_BELOW,)
 
 
 @pytest.mark.skipif(not CUDA, reason="the Gluon MLA kernels and their launch rules need a GPU")

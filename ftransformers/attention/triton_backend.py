@@ -15,6 +15,7 @@ import torch
 from ftransformers.attention.backend import AttentionBackend, register_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
+from ftransformers.kernels.cluster import cluster_supported, max_cluster_size
 from ftransformers.kernels.launch import cdiv, next_pow2
 from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
@@ -43,6 +44,21 @@ GQA_PRELOAD_MAX_BS = 8
 # but Qwen3-30B-A3B B=1 ctx 512, where 8 warps read 2.437 against 2.457 ms; 8 warps cost 140 us at B=8, 53 on Qwen3-8B.
 GQA_WARPS = 4
 GQA_STAGES = 2
+# GQA decode in thread-block clusters (kernels/cluster.py, triton_decode_attention's CLUSTER): up to
+# GQA_CLUSTER_MAX_BS rows of at most GQA_CLUSTER_MAX_HEAD_BLOCKS head blocks whose longest sequence is below
+# GQA_CLUSTER_BELOW tokens run GQA_CLUSTER splits a (head block, row; at most the GPU's max_cluster_size), merged
+# through distributed shared memory instead of by stage 2. 0: off. H200, bf16 B=1, graph replay
+# (benchmarks/results/ab_cluster2_*_s47_h200, ab_router_30b_bf16_s47_h200, ab_cluster_8b_bf16_s47_h200):
+# Qwen3-30B-A3B (4 KV heads) ctx 512 2.441 -> 2.394 ms with 16 (8: 2.417), ctx 1000 2.451 -> 2.404 (8: 2.431);
+# Qwen3-8B (8 KV heads, 128 programs) 4.202 -> 4.228 ms, slower, hence the head-block cap. Not where the next
+# kernel reads ahead of its PDL wait (early_trigger: a 4-bit o projection, which stage 2 launches early): Qwen3-30B-A3B
+# W4A16 1.631 -> 1.706 ms (ab_final_30b_w4a16_s47_h200). Longer contexts and batch 2+ not measured: they keep the
+# 64-split launch and stage 2.
+GQA_CLUSTER = 16
+GQA_CLUSTER_MAX_BS = 1
+GQA_CLUSTER_MAX_HEAD_BLOCKS = 4
+GQA_CLUSTER_BELOW = 1024
+GQA_CLUSTER_BLOCK_N = 64  # the KV tile of a clustered launch (splits are multiples of it)
 MLA_MAX_KV_SPLITS = 64
 # MLA decode on the 64-head kernels with at most this many heads a GPU (DeepSeek-V3 / Kimi-K2 at tensor
 # parallel 8): up to 128 splits, so that batch 1 puts a program on nearly every SM (H100, batch 1 x 32K, 8 / 16
@@ -104,6 +120,11 @@ def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, waves: int = 
     kernel's split length (a multiple of BLOCK_N) makes short sequences use fewer."""
     want = cdiv(waves * num_sms, max(1, batch_size * head_blocks))
     return max(1, min(MAX_KV_SPLITS, next_pow2(want)))
+
+
+def gqa_clusters(batch_size: int, head_blocks: int) -> bool:
+    """Whether a GQA decode of this shape runs in clusters below GQA_CLUSTER_BELOW tokens (where supported)."""
+    return GQA_CLUSTER > 1 and batch_size <= GQA_CLUSTER_MAX_BS and head_blocks <= GQA_CLUSTER_MAX_HEAD_BLOCKS
 
 
 def mla_num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, max_splits: int = MLA_MAX_KV_SPLITS) -> int:
@@ -234,6 +255,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._max_extend_len = 0
         self._gpu_facts: tuple[int, float] | None = None  # (SMs, peak_gbps_per_sm), read once
         self._mla_heads: set[int] = set()  # heads a GPU of the MLA decodes run so far (decode_context_bounds)
+        self._gqa_clustered = 0  # head blocks of the GQA decodes that may run in clusters (decode_context_bounds)
         self._prefix_start: torch.Tensor | None = None
         self._identity: torch.Tensor | None = None  # arange, grown on demand (MLA prefill's slot table)
         # MHA-form MLA prefill: "sdpa" (torch flash, one call per sequence), "triton" (the extend kernel
@@ -300,6 +322,8 @@ class TritonAttentionBackend(AttentionBackend):
             return ()
         gbps = self._gpu_facts[1]
         bounds = {c for H in self._mla_heads for c in mla_context_bounds(H, batch_size, MLA_DECODE_KERNEL, gbps)}
+        if self._gqa_clustered and gqa_clusters(batch_size, self._gqa_clustered):
+            bounds.add(GQA_CLUSTER_BELOW)
         return tuple(sorted(bounds))
 
     @staticmethod
@@ -382,12 +406,18 @@ class TritonAttentionBackend(AttentionBackend):
                 return num_kv_splits(b, head_blocks, sms, GQA_WAVES)
 
             splits = rule(T)
+            cluster, block_n = 1, GQA_BLOCK_N if q.is_cuda else 16
+            if cluster_supported(q.device) and not early_trigger:  # (see GQA_CLUSTER)
+                self._gqa_clustered = head_blocks
+                if gqa_clusters(T, head_blocks) and self._decode_context(batch) < GQA_CLUSTER_BELOW:
+                    cluster = splits = min(GQA_CLUSTER, max_cluster_size(q.device))
+                    block_n = GQA_CLUSTER_BLOCK_N
             mid_o, mid_lse = self._decode_scratch(T, H, v_buf.shape[-1], splits, rule, q.device)
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, num_warps=GQA_WARPS,
+                mid_o, mid_lse, splits, scaling, block_n=block_n, num_warps=GQA_WARPS,
                 num_stages=GQA_STAGES, rope=rope, preload=None if T <= GQA_PRELOAD_MAX_BS else False,
-                early_trigger=early_trigger,
+                early_trigger=early_trigger, cluster=cluster,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
         return extend_attention_fwd(
