@@ -7,20 +7,19 @@ process: the test session runs Triton's interpreter (conftest).
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon._runtime")  # test_gluon_mma_compile's helper imports it
+
+from test_gluon_mma_compile import compiled_in_child
 
 
-def _compile(cluster: int) -> dict:  # in this process: the PTX and ptxas's return code
+def _compile_one(cluster: int) -> dict:  # in this process: the PTX and ptxas's return code
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -51,23 +50,21 @@ def _compile(cluster: int) -> dict:  # in this process: the PTX and ptxas's retu
     return {"ptx": kernel.asm["ptx"], "ptxas_rc": run.returncode, "ptxas": run.stderr[-2000:]}
 
 
-def _compile_in_child(cluster: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_cluster_compile import _compile; print(json.dumps(_compile({cluster})))"
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def _compile() -> list[dict]:  # compiled_in_child's entry: the stage 1 with a cluster of 16, then without
+    return [_compile_one(16), _compile_one(1)]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict[int, dict]:
+    return dict(zip([16, 1], compiled_in_child("test_cluster_compile"), strict=True))
 
 
 @pytest.mark.parametrize("cluster", [16, 1])
-def test_gqa_decode_cluster_merge_compiles_for_hopper(cluster: int) -> None:
+def test_gqa_decode_cluster_merge_compiles_for_hopper(kernels: dict[int, dict], cluster: int) -> None:
     """With CLUSTER 16: two cluster barriers (publish, then leave: one full, one split into arrive and wait), the
     peers' partials read through mapa + ld.shared::cluster (three floats a peer an element), the scratch addressed
     from global_smem; without: none of it, as before. ptxas assembles both."""
-    kernel = _compile_in_child(cluster)
+    kernel = kernels[cluster]
     assert kernel["ptxas_rc"] == 0, kernel["ptxas"]
     ptx = kernel["ptx"]
     arrives = re.findall(r"barrier\.cluster\.arrive\.(\w+)\.aligned", ptx)

@@ -99,8 +99,9 @@ def _align16(n: int) -> int:
 
 def cluster_launch(fn: Any, grid: tuple[int, ...], size: int, scratch_bytes: int, *args: Any, **kwargs: Any) -> None:
     """Launch `fn` (a @cached_launch @triton.jit kernel with a runtime argument `smem_off`, passed here as 0 and
-    replaced) on grid[0] clusters of `size` programs along axis 0, with `scratch_bytes`
-    of shared memory after Triton's own."""
+    replaced) on grid[0] clusters of `size` programs along axis 0, with `scratch_bytes` of shared memory after
+    Triton's own. Each call finds the compiled kernel through `JITFunction.run` (warmup), so an eager launch pays
+    Triton's per-call Python that `cached_launch` saves; a CUDA graph replays it for free."""
     # Triton's launcher opts a kernel into a non-portable cluster size at 16 only: 9-15 would fail to launch
     assert 1 <= size <= MAX_PORTABLE_CLUSTER or size == 16, f"cluster size {size}: 1-8 or 16"
     run = fn.run
