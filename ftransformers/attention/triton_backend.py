@@ -58,7 +58,6 @@ GQA_CLUSTER = 16
 GQA_CLUSTER_MAX_BS = 1
 GQA_CLUSTER_MAX_HEAD_BLOCKS = 4
 GQA_CLUSTER_BELOW = 1024
-GQA_CLUSTER_BLOCK_N = 64  # the KV tile of a clustered launch (splits are multiples of it)
 MLA_MAX_KV_SPLITS = 64
 # MLA decode on the 64-head kernels with at most this many heads a GPU (DeepSeek-V3 / Kimi-K2 at tensor
 # parallel 8): up to 128 splits, so that batch 1 puts a program on nearly every SM (H100, batch 1 x 32K, 8 / 16
@@ -406,16 +405,15 @@ class TritonAttentionBackend(AttentionBackend):
                 return num_kv_splits(b, head_blocks, sms, GQA_WAVES)
 
             splits = rule(T)
-            cluster, block_n = 1, GQA_BLOCK_N if q.is_cuda else 16
+            cluster = 1
             if cluster_supported(q.device) and not early_trigger:  # (see GQA_CLUSTER)
                 self._gqa_clustered = head_blocks
                 if gqa_clusters(T, head_blocks) and self._decode_context(batch) < GQA_CLUSTER_BELOW:
                     cluster = splits = min(GQA_CLUSTER, max_cluster_size(q.device))
-                    block_n = GQA_CLUSTER_BLOCK_N
             mid_o, mid_lse = self._decode_scratch(T, H, v_buf.shape[-1], splits, rule, q.device)
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_n=block_n, num_warps=GQA_WARPS,
+                mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, num_warps=GQA_WARPS,
                 num_stages=GQA_STAGES, rope=rope, preload=None if T <= GQA_PRELOAD_MAX_BS else False,
                 early_trigger=early_trigger, cluster=cluster,
             )  # fmt: skip

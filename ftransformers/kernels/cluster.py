@@ -100,28 +100,36 @@ def _align16(n: int) -> int:
 def cluster_launch(fn: Any, grid: tuple[int, ...], size: int, scratch_bytes: int, *args: Any, **kwargs: Any) -> None:
     """Launch `fn` (a @cached_launch @triton.jit kernel with a runtime argument `smem_off`, passed here as 0 and
     replaced) on grid[0] clusters of `size` programs along axis 0, with `scratch_bytes` of shared memory after
-    Triton's own. Each call finds the compiled kernel through `JITFunction.run` (warmup), so an eager launch pays
-    Triton's per-call Python that `cached_launch` saves; a CUDA graph replays it for free."""
+    Triton's own. As `cached_launch` does, it binds the arguments with Triton's binder and keeps the compiled
+    kernel by their specialization, so only a call's first launch goes through `JITFunction.run` (to compile)."""
     # Triton's launcher opts a kernel into a non-portable cluster size at 16 only: 9-15 would fail to launch
     assert 1 <= size <= MAX_PORTABLE_CLUSTER or size == 16, f"cluster size {size}: 1-8 or 16"
-    run = fn.run
-    kernel = run.triton_run(*args, grid=grid, warmup=True, **kwargs)  # compiles, or finds, without launching
-    kernel._init_handles()
-    off = _align16(kernel.metadata.shared)
-    shared = off + scratch_bytes
-    if shared > 48 * 1024 and kernel.function not in _opted_in:  # above 48 KiB a kernel must opt in
-        _opt_in(kernel.function, shared)
+    run = fn.run  # launch._CachedRun (cluster_supported requires the launch cache)
     device = torch._C._cuda_getDevice()
-    bound, _, _ = run.binders[device](*args, **kwargs) if run.binders.get(device) else _bind(run, device, args, kwargs)
+    binder = run.binder(device)
+    if binder is False:
+        raise RuntimeError("cluster_launch needs Triton 3.6-3.9's argument binder")
+    bound, specialization, options = binder(*args, **kwargs)
+    key = (device, tuple(specialization), tuple(options.items()), size, scratch_bytes)
+    found = run.cluster_kernels.get(key)
+    if found is None:
+        kernel = run.triton_run(*args, grid=grid, warmup=True, **kwargs)  # compiles, or finds, without launching
+        kernel._init_handles()
+        off = _align16(kernel.metadata.shared)
+        shared = off + scratch_bytes
+        if shared > 48 * 1024:  # above 48 KiB of dynamic shared memory a kernel must opt in
+            _opt_in(kernel.function, shared)
+        found = run.cluster_kernels[key] = (kernel, off, shared)
+    else:
+        run.check_globals()
+    kernel, off, shared = found
     bound["smem_off"] = off
-    values = list(bound.values())
     stream = torch._C._cuda_getCurrentRawStream(device)
     n = len(grid)
     kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-               (kernel.metadata.num_warps, size, shared), None, None, None, *values)  # fmt: skip
+               (kernel.metadata.num_warps, size, shared), None, None, None, *bound.values())  # fmt: skip
 
 
-_opted_in: set[int] = set()
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
@@ -134,12 +142,3 @@ def _opt_in(function: int, shared: int) -> None:
     )
     if err != 0:
         raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory = {shared} bytes) failed: CUresult {err}")
-    _opted_in.add(function)
-
-
-def _bind(run: Any, device: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
-    caches = run.fn.device_caches[device]
-    if not (isinstance(caches, tuple) and len(caches) == 5):
-        raise RuntimeError("cluster_launch needs Triton 3.6-3.9's argument binder")
-    run.binders[device] = caches[4]
-    return caches[4](*args, **kwargs)

@@ -69,6 +69,24 @@ class _CachedRun:
         self.triton_run = functools.partial(type(fn).run, fn)
         self.kernels: dict[tuple[Any, ...], Any] = {}
         self.binders: dict[int, Any] = {}  # device -> Triton's argument binder for fn, False: not one we know
+        # kernels/cluster.py's launches: (key, cluster size, scratch bytes) -> (kernel, scratch offset, shared bytes)
+        self.cluster_kernels: dict[tuple[Any, ...], tuple[Any, int, int]] = {}
+
+    def binder(self, device: int) -> Any:
+        """Triton's argument binder of fn on `device`: bound params, specialization and options of a call; False
+        where Triton's caches have another layout (then only Triton's own path can launch fn)."""
+        binder = self.binders.get(device)
+        if binder is None:
+            caches = self.fn.device_caches[device]
+            # Triton 3.6-3.9: (kernel cache, key cache, target, backend, binder)
+            binder = self.binders[device] = caches[4] if isinstance(caches, tuple) and len(caches) == 5 else False
+        return binder
+
+    def check_globals(self) -> None:
+        """What JITFunction.run checks before a launch: no global the kernel read has changed since it compiled."""
+        for (name, _), (val, globals_dict) in self.fn.used_global_vals.items():
+            if globals_dict.get(name, _MISSING) != val:
+                raise RuntimeError(f"Global variable {name} has changed since {self.fn.__name__} was compiled")
 
     def __call__(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         fn = self.fn
@@ -80,11 +98,7 @@ class _CachedRun:
         if not _on or warmup or fn.pre_run_hooks or hooks:
             return self.triton_run(*args, grid=grid, warmup=warmup, **kwargs)
         device = torch._C._cuda_getDevice()  # what Triton's CUDA driver reads (torch.cuda.current_device)
-        binder = self.binders.get(device)
-        if binder is None:
-            caches = fn.device_caches[device]
-            # Triton 3.6-3.9: (kernel cache, key cache, target, backend, binder); another layout: Triton's path
-            binder = self.binders[device] = caches[4] if isinstance(caches, tuple) and len(caches) == 5 else False
+        binder = self.binder(device)
         if binder is False:
             return self.triton_run(*args, grid=grid, warmup=False, **kwargs)
         bound, specialization, options = binder(*args, **kwargs)  # (params dict, specialization list, options)
@@ -95,9 +109,7 @@ class _CachedRun:
             if kernel is not None:
                 self.kernels[key] = kernel
             return kernel
-        for (name, _), (val, globals_dict) in fn.used_global_vals.items():  # as JITFunction.run checks
-            if globals_dict.get(name, _MISSING) != val:
-                raise RuntimeError(f"Global variable {name} has changed since {fn.__name__} was compiled")
+        self.check_globals()
         if callable(grid):
             grid = grid(bound)
         n = len(grid)
