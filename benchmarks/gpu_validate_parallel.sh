@@ -50,6 +50,10 @@ fi
 if [[ " $groups " == *" wgmma "* ]]; then  # the int4 wgmma kernel alone (in gluon too): for a change to it
   shards wgmma 8 tests/test_gluon_w4a16_wgmma.py tests/test_gluon_wgmma_compile.py
 fi
+if [[ " $groups " == *" attention "* ]]; then  # decode attention, its clusters and launch cache, graphs: for a change there
+  shards attention 8 tests/test_triton_attention.py tests/test_triton_rope_store.py tests/test_cuda_graph.py \
+    tests/test_launch_cache.py tests/test_cluster_launch.py tests/test_cluster_compile.py tests/test_gluon_mla_compile.py
+fi
 if [[ " $groups " == *" parity "* ]]; then
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 t parity_bf16_default tests/test_engine_parity.py
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 FT_TEST_DISABLE_CUDA_GRAPH=1 t parity_bf16_graph_off tests/test_engine_parity.py
