@@ -39,10 +39,12 @@ def cluster_sync():
 
 @triton.jit
 def cluster_arrive():
-    # the first half of a cluster barrier, with no ordering (for "I have finished reading my peers"); cluster_wait
-    # completes it. Work placed between the two overlaps the slowest peer
+    # the first half of a cluster barrier, for "I have finished reading my peers"; cluster_wait completes it. Work
+    # placed between the two overlaps the slowest peer. Release semantics: the CTA's loads from peers before it
+    # have their values first. (A relaxed arrive let a peer pass its wait and exit while those loads were still in
+    # flight: an unspecified launch failure, seen in the MLA merge on the H200.)
     tl.inline_asm_elementwise(
-        "barrier.cluster.arrive.relaxed.aligned; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        "barrier.cluster.arrive.release.aligned; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )  # fmt: skip
 
 
