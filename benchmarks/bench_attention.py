@@ -105,12 +105,6 @@ MLA_VARIANTS = {
     "few_b32": dict(kernel="gluon_few", block_h=32),
     "few_b16": dict(kernel="gluon_few", block_h=16),
     "few_b8": dict(kernel="gluon_few", block_h=8),
-    # the few-heads kernel (the backend's blocks and splits) with its splits merged in thread-block clusters of N
-    # (gluon_mla_few_heads, Hopper; where N divides the split count; not run unless named)
-    "few_c2": dict(kernel="gluon_few", cluster=2),
-    "few_c4": dict(kernel="gluon_few", cluster=4),
-    "few_c8": dict(kernel="gluon_few", cluster=8),
-    "few_c16": dict(kernel="gluon_few", cluster=16),
     # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
     # the first two tiles (its compute path alone), no wgmma (its copies, softmax and barriers alone).
     # The schedules it was chosen from (gluon_pipe, gluon_seq, gluon_ws_seq_p2, ...) are in commit dcbcafd.
@@ -280,7 +274,7 @@ def check_mla(sms: int, reps: int) -> dict:
             resolve_auto(B, H, max(lens), q_nope, buf)
         for var in [v for v in MLA_VARIANTS if mla_applies(v, H)]:
             for splits, msl in ((mla_splits(var, B, sms, H), 0), (64, 0), (1, 0), (7, 256)):
-                if (var == "old" and msl) or splits % MLA_VARIANTS[var].get("cluster", 1):
+                if var == "old" and msl:
                     continue
                 scratch = decode_scratch(B, H, L, splits, DEV)
                 out = torch.full_like(q_nope, float("nan"))
@@ -347,8 +341,6 @@ def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, va
         if not mla_applies(var, H):
             continue
         splits = mla_splits(var, B, sms, H)
-        if splits % MLA_VARIANTS[var].get("cluster", 1):
-            continue
         scratch = decode_scratch(B, H, L, splits, DEV)
 
         def run(var: str = var, splits: int = splits, scratch: tuple = scratch, msl: int = msl) -> None:
@@ -407,7 +399,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--kernels", default="gqa,mla", help="groups: gqa, mla, extend")
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
-    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s", "few_b", "few_c"))),
+    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s", "few_b"))),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
     ap.add_argument("--mla-batches", default=",".join(map(str, MLA_BATCHES)), help="batch sizes of the MLA cases")
     ap.add_argument("--mla-contexts", default="4096,16384,32768",

@@ -32,10 +32,9 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0, stamped: bool = False, cluster: int = 1) -> dict:  # in this process: shared bytes,
-    # PTX, ptxas -v log
+def _compile(heads_n: int = 0, stamped: bool = False) -> dict:  # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
-    with its diagnostic timestamps, kernels/stamps.py; cluster > 1: its splits merged in clusters of that many)."""
+    with its diagnostic timestamps, kernels/stamps.py)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -77,9 +76,6 @@ def _compile(heads_n: int = 0, stamped: bool = False, cluster: int = 1) -> dict:
         consts["STAMPS"] = True
     elif heads_n:
         consts |= {"stamps": None, "STAMPS": False}
-    if heads_n:
-        sig["smem_off"] = "i32"
-        consts["CLUSTER"] = cluster
     sig |= dict.fromkeys(consts, "constexpr")
     names = list(sig)
     # what the JIT specialises at run time: 16-byte aligned pointers, strides divisible by 16 (576, ...)
@@ -97,10 +93,10 @@ def _compile(heads_n: int = 0, stamped: bool = False, cluster: int = 1) -> dict:
     return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS}
 
 
-def _compile_in_child(heads_n: int = 0, stamped: bool = False, cluster: int = 1) -> dict:
+def _compile_in_child(heads_n: int = 0, stamped: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {cluster})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )

@@ -191,38 +191,6 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     assert rel_err(out[:real], ref) <= TOL
 
 
-@pytest.mark.skipif(not (CUDA and cluster_supported(DEV)), reason="thread-block clusters need a Hopper GPU")
-@pytest.mark.parametrize("H", [16, 12, 8])
-def test_mla_few_heads_in_clusters(H: int) -> None:
-    """The few-heads MLA decode with its splits merged in thread-block clusters (cluster=C): against
-    mla_attention_ref at clusters of 2, 8 and 16 (non-portable), C or several C splits (stage 2 over the clusters'
-    partials), with and without a minimum split length. The rows: empty splits inside a cluster (1, 17 tokens),
-    whole clusters empty (300 at 128 splits), a row one cluster holds, long rows, a padded row (zeros)."""
-    from ftransformers.kernels import gluon_mla_few_heads as few
-
-    L, R = 512, 64
-    lens = [1, 17, 300, 4097, 1000, 20000, 0]
-    gen = torch.Generator().manual_seed(48 + H)
-    B, N = len(lens), sum(lens) + 20
-    r2t, rows = paged([max(n, 1) for n in lens], N, gen)
-    seq_lens = torch.tensor(lens, device=DEV)
-    q_nope, q_rope, buf = randn(B, H, L, gen=gen), randn(B, H, R, gen=gen), randn(N + 1, L + R, gen=gen)
-    if gluon_mla_unsupported(q_nope, buf, True) is not None:
-        pytest.skip("the few-heads Gluon kernel does not run here")
-    scale, real = (L + R) ** -0.5, B - 1
-    ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in lens[:real]],
-                            [1] * real, scale)  # fmt: skip
-    for cluster, splits, min_split_len in ((2, 2, 0), (2, 8, 0), (8, 8, 0), (8, 64, 0), (16, 16, 0), (16, 128, 0),
-                                           (16, 128, 512), (8, 128, 0)):  # fmt: skip
-        mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
-        out = torch.full_like(q_nope, float("nan"))
-        few.mla_decode_few_heads(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
-                                 min_split_len, cluster=cluster)  # fmt: skip
-        err = rel_err(out[:real], ref)
-        assert err <= TOL, (cluster, splits, min_split_len, err)
-        assert torch.equal(out[real], torch.zeros_like(out[real])), (cluster, splits)
-
-
 @pytest.mark.skipif(not CUDA, reason="the stamps' asm and the few-heads Gluon kernel need a GPU")
 def test_mla_few_heads_stamps_keep_the_output_and_their_order() -> None:
     """The few-heads MLA decode with its diagnostic timestamps (kernels/stamps.py, benchmarks/diag_mla_phases.py):

@@ -53,15 +53,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ftransformers.kernels.cluster import (
-    cluster_arrive,
-    cluster_launch,
-    cluster_sync,
-    cluster_wait,
-    ld_cluster_f32,
-    smem_addr,
-    st_shared_f32,
-)
 from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, latent_loads, pdl_enter, stage1_args
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_launch
@@ -78,18 +69,6 @@ NUM_WARPS = 4  # the compute partition: one warpgroup
 LOAD_WARPS = NUM_WARPS  # the kernel's own warps copy tile 0 with the load partition's count of arrivals
 LOAD_REGS = 40
 LOAD_ROWS = 8  # latent rows per cp.async call in the load partition
-# Clusters (mla_decode_few_heads(cluster=C), kernels/cluster.py): C consecutive splits of a (head block, sequence)
-# merge their softmax states through distributed shared memory, so stage 2 reads 1 / C of the partials. A CTA
-# publishes m and l of its HN heads, then its unnormalised [HN, L] output with rows of L + CLUSTER_PAD floats
-# (quads of the wgmma layout hold consecutive heads: the pad spreads them over banks). At most CLUSTER_MAX_HN
-# heads a program: 33 KB published at 16, beside q, the two latent stages and P's 166 KB.
-CLUSTER_PAD = gl.constexpr(4)
-CLUSTER_MAX_HN = 16
-
-
-def cluster_scratch_bytes(hn: int, L: int = 512) -> int:
-    """Shared bytes a CTA of a clustered launch publishes: m and l of its hn heads, then its [hn, L] output."""
-    return (2 * hn + hn * (L + CLUSTER_PAD.value)) * 4
 
 
 def heads_block(num_heads: int) -> int:
@@ -123,8 +102,8 @@ def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len
 def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
                split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, stamps, program,
-               smem_off, L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAMPS: gl.constexpr, CLUSTER: gl.constexpr):  # fmt: skip
+               L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAMPS: gl.constexpr):  # fmt: skip
     # The default partition (one warpgroup): per tile, wait for its stage, S^T, the online softmax over
     # the tile's tokens, P^T through shared memory, O^T += c_kv^T P^T; then hand the stage back.
     dtype: gl.constexpr = kvn.dtype
@@ -180,82 +159,10 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
         mbarrier.arrive(empty.index(st))
     if STAMPS:
         gl_stamp(stamps, program, 5, STAMP_SLOTS)
-    if CLUSTER == 1:
-        _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
-                       s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout)  # fmt: skip
-    else:
-        _merge_in_cluster(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
-                          smem_off, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                          L, HN, CLUSTER, s_layout, o_layout)  # fmt: skip
+    _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
+                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout)  # fmt: skip
     if STAMPS:
         gl_stamp(stamps, program, 6, STAMP_SLOTS)
-
-
-@gluon.jit
-def _merge_in_cluster(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, smem_off,
-                      s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                      L: gl.constexpr, HN: gl.constexpr, CLUSTER: gl.constexpr,
-                      s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    # acc [L, HN] unnormalised (O^T), m_i / l_i [HN] (an empty split: zeros, -inf and 0). The CLUSTER splits of a
-    # cluster cover CLUSTER * split_len tokens, a split of stage 2's. Each CTA publishes its state, then merges
-    # columns [rank * W, rank * W + W) of every head from all CLUSTER states (their loads issued together, then
-    # sum_j w_j acc_j / sum_j w_j l_j with w_j = exp2(m_j - max m)), and stores them: the row's output if the
-    # cluster holds all of it (zeros for an empty row), else the cluster's partial and log-sum-exp. The cluster
-    # barriers here are matched in the load partition (_loads_in_cluster): they count every thread of the cluster.
-    LP: gl.constexpr = L + CLUSTER_PAD
-    W: gl.constexpr = L // CLUSTER
-    E: gl.constexpr = HN * W  # outputs a CTA merges, E / 128 a thread (the partition's 4 warps)
-    base = smem_addr(smem_off)
-    heads_s = gl.arange(0, HN, layout=gl.SliceLayout(0, s_layout))
-    rows_o = gl.arange(0, L, layout=gl.SliceLayout(1, o_layout))
-    heads_o = gl.arange(0, HN, layout=gl.SliceLayout(0, o_layout))
-    st_shared_f32(base + heads_s * 4, m_i)
-    st_shared_f32(base + (HN + heads_s) * 4, l_i)
-    st_shared_f32(base + (2 * HN + heads_o[None, :] * LP + rows_o[:, None]) * 4, acc)
-    cluster_sync()
-    # [peer, output]: a thread's outputs from every peer in its registers; a warp's lanes on consecutive outputs (one
-    # head, consecutive banks: V consecutive outputs a thread put its lanes V floats apart, a V-way bank conflict)
-    mg: gl.constexpr = gl.BlockedLayout([CLUSTER, 1], [1, 32], [1, 4], [1, 0])
-    rank = split_id % CLUSTER
-    e = gl.arange(0, E, layout=gl.SliceLayout(0, mg))
-    h = e // W
-    d = rank * W + e % W
-    peer = gl.arange(0, CLUSTER, layout=gl.SliceLayout(1, mg))[:, None] + 0 * e[None, :]
-    m_j = ld_cluster_f32(base + h[None, :] * 4, peer)
-    l_j = ld_cluster_f32(base + (HN + h[None, :]) * 4, peer)
-    a_j = ld_cluster_f32(base + (2 * HN + h[None, :] * LP + d[None, :]) * 4, peer)
-    top = gl.max(m_j, axis=0)
-    safe = gl.where(top == float("-inf"), 0.0, top)
-    w = gl.exp2(m_j - safe[None, :])
-    den = gl.sum(w * l_j, axis=0)
-    num = gl.sum(w * a_j, axis=0)
-    cluster_arrive()  # done reading the peers: the wait before leaving overlaps the stores below
-    out = num / gl.where(den > 0, den, 1.0)
-    heads = pid_h * HN + h
-    span = split_len * CLUSTER
-    c = split_id // CLUSTER
-    if gl.cdiv(seq_len, span) <= 1:  # the cluster holds the whole row (or its zeros): final output
-        if c == 0:
-            gl.store(O + b * s_o_b + heads * s_o_h + d, out.to(O.dtype.element_ty), mask=heads < num_heads)
-    elif c * span < seq_len:
-        gl.store(mid_o + b * s_mo_b + heads * s_mo_h + c * s_mo_s + d, out, mask=heads < num_heads)
-        gl.store(mid_lse + b * s_ml_b + heads * s_ml_h + c, safe + gl.log2(den),
-                 mask=(heads < num_heads) & (e % W == 0))  # fmt: skip
-    cluster_wait()  # no CTA leaves while a peer may still read its shared memory
-
-
-@gluon.jit
-def _loads_in_cluster(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                      L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                      LOAD_ROWS: gl.constexpr, CLUSTER: gl.constexpr):  # fmt: skip
-    # the load partition (tile 0 copied by the kernel's warps), then, in a clustered launch, the cluster barriers
-    # of _merge_in_cluster: a cluster barrier waits for every non-exited thread of the cluster
-    latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                 L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, 1)  # fmt: skip
-    if CLUSTER > 1:
-        cluster_sync()
-        cluster_arrive()
-        cluster_wait()
 
 
 @gluon.jit
@@ -290,18 +197,11 @@ def mla_decode_stage1_few_heads(
     L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
     USE_PDL: gl.constexpr = False, stamps=None, STAMPS: gl.constexpr = False,
-    smem_off=0, CLUSTER: gl.constexpr = 1,
 ):  # fmt: skip
-    # grid (head blocks, splits, B); clustered (CLUSTER > 1): (splits, head blocks, B), a cluster's CTAs consecutive
-    # splits, and every program runs to the end (an empty split too: the cluster's barriers count all)
-    if CLUSTER == 1:
-        pid_h = gl.program_id(0)
-        split_id = gl.program_id(1)
-    else:
-        split_id = gl.program_id(0)
-        pid_h = gl.program_id(1)
+    pid_h = gl.program_id(0)
+    split_id = gl.program_id(1)
     b = gl.program_id(2)
-    program = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * b)
+    program = pid_h + gl.num_programs(0) * (split_id + gl.num_programs(1) * b)
     if STAMPS:
         gl_stamp(stamps, program, 0, STAMP_SLOTS)
     # PDL: the batch metadata (written before the step) is read before the wait
@@ -330,7 +230,7 @@ def mla_decode_stage1_few_heads(
     for i in gl.static_range(2):
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
         mbarrier.init(empty.index(i), count=1)
-    if CLUSTER == 1 and end <= start:
+    if end <= start:
         if split_id == 0:  # seq_len 0 (a padded CUDA-graph row): zeros, not garbage
             ld_z: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
             heads_z = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, ld_z))
@@ -338,23 +238,21 @@ def mla_decode_stage1_few_heads(
             gl.store(O + b * s_o_b + heads_z[:, None] * s_o_h + cols_z[None, :],
                      gl.zeros([HN, L], O.dtype.element_ty, ld_z), mask=(heads_z < num_heads)[:, None])  # fmt: skip
         return
-    if end > start:  # (an empty split of a cluster copies nothing)
-        _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
+    _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
     if STAMPS:
         gl_stamp(stamps, program, 2, STAMP_SLOTS)
     q_nope = gl.allocate_shared_memory(dtype, [HN, L], sl_ql)
     q_rope = gl.allocate_shared_memory(dtype, [HN, R], sl_qr)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HN], sl_p)
-    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    end_slots = gl.maximum(end, 1)  # the load partition reads slot end - 1 first: in the row even where seq_len 0
+    num_tiles = gl.cdiv(end - start, BLOCK_N)
     gl.warp_specialize(
         [
             (_compute_t, (Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
                           split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                           s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                          stamps, program, smem_off, L, R, HN, BLOCK_N, STAMPS, CLUSTER)),
-            (_loads_in_cluster, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end_slots, num_tiles,
-                                 L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, CLUSTER)),
+                          stamps, program, L, R, HN, BLOCK_N, STAMPS)),
+            (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
+                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, 1)),  # DIAG 0; FIRST 1: tile 0 is copied above
         ],
         [LOAD_WARPS],
         [LOAD_REGS],
@@ -382,8 +280,6 @@ def mla_decode_few_heads(
     block_h: int | None = None,  # heads a program: all (None, or >= H), else heads_block(block_h) a program
     stamps: tuple[torch.Tensor, torch.Tensor] | None = None,  # diagnostics: stage 1's [programs, STAMP_SLOTS, 2]
     # and stage 2's (kernels/stamps.py; triton_decode_attention.COMBINE_STAMP_SLOTS)
-    cluster: int = 1,  # > 1: splits merged in clusters of this many (cluster_supported; it divides num_kv_splits,
-    # at most CLUSTER_MAX_HN heads a program); stage 2 then merges num_kv_splits / cluster partials
 ) -> torch.Tensor:
     """Stage 1 here, then `decode_combine` for rows of several splits; returns `out`."""
     B, H, L = q_nope.shape
@@ -391,22 +287,13 @@ def mla_decode_few_heads(
     min_split_len = cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                        num_kv_splits, sm_scale, min_split_len)  # fmt: skip
-    consts = dict(
+    mla_decode_stage1_few_heads[(cdiv(H, hn), num_kv_splits, B)](
+        *args,
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
         LOAD_ROWS=LOAD_ROWS, num_warps=NUM_WARPS, maxnreg=maxnreg(),
-        **({"stamps": stamps[0], "STAMPS": True} if stamps is not None else {}),
+        **pdl_launch(q_nope.device), **({"stamps": stamps[0], "STAMPS": True} if stamps is not None else {}),
     )  # fmt: skip
-    if cluster > 1:
-        assert num_kv_splits % cluster == 0 and hn <= CLUSTER_MAX_HN, (num_kv_splits, cluster, hn)
-        grid = (num_kv_splits // cluster, cdiv(H, hn), B)  # clusters of splits along axis 0
-        cluster_launch(mla_decode_stage1_few_heads, grid, cluster, cluster_scratch_bytes(hn, L), *args, **consts,
-                       smem_off=0, CLUSTER=cluster, **pdl_launch(q_nope.device))  # fmt: skip
-        # each cluster left one split of cluster x the split length (the same rule at cluster x the alignment)
-        num_kv_splits, min_split_len, align = num_kv_splits // cluster, min_split_len * cluster, BLOCK_N * cluster
-    else:
-        mla_decode_stage1_few_heads[(cdiv(H, hn), num_kv_splits, B)](*args, **consts, **pdl_launch(q_nope.device))
-        align = BLOCK_N
     if num_kv_splits > 1:
-        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, align,
+        decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, BLOCK_N,
                        stamps=None if stamps is None else stamps[1])  # fmt: skip
     return out

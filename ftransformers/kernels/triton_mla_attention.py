@@ -212,7 +212,6 @@ def mla_decode_fwd(
     min_split_len: int = 0,  # rounded up to block_n; 0 = block_n
     kernel: str = "auto",  # "gluon" / "gluon_few" (Hopper, see gluon_mla_decode.py / gluon_mla_few_heads.py),
     # "triton", or "auto" (mla_decode_kernel)
-    cluster: int = 1,  # > 1: the few-heads kernel's splits merged in thread-block clusters of this many
 ) -> torch.Tensor:
     B, H, L = q_nope.shape
     R = q_rope.shape[-1]
@@ -220,11 +219,9 @@ def mla_decode_fwd(
     assert q_nope.stride(-1) == 1 and q_rope.stride(-1) == 1 and q_rope.dtype == q_nope.dtype
     assert mid_o.shape[2] >= num_kv_splits and mid_o.shape[0] >= B
     chosen = mla_decode_kernel(q_nope, latent_buf, kernel, block_h)
-    assert cluster == 1 or chosen == "gluon_few", f"clusters are for the few-heads kernel, not {chosen}"
     if chosen == "gluon_few":
         return _gluon_decode(True)(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
-                                   mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len, block_h,
-                                   cluster=cluster)  # fmt: skip
+                                   mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len, block_h)  # fmt: skip
     if chosen == "gluon":
         return _gluon_decode(False)(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens,
                                     mid_o, mid_lse, num_kv_splits, sm_scale, min_split_len)  # fmt: skip
