@@ -61,7 +61,8 @@ def kernels() -> dict[int, dict]:
 
 @pytest.mark.parametrize("cluster", [16, 1])
 def test_gqa_decode_cluster_merge_compiles_for_hopper(kernels: dict[int, dict], cluster: int) -> None:
-    """With CLUSTER 16: two cluster barriers (publish, then leave: one full, one split into arrive and wait), the
+    """With CLUSTER 16: two cluster barriers (publish, then leave: one full, one split into arrive and wait, both
+    arrives releasing, so that no peer leaves while this CTA's loads from it are in flight), the
     peers' partials read through mapa + ld.shared::cluster (three floats a peer an element), the scratch addressed
     from global_smem; without: none of it, as before. ptxas assembles both."""
     kernel = kernels[cluster]

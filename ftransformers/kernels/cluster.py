@@ -41,8 +41,8 @@ def cluster_sync():
 def cluster_arrive():
     # the first half of a cluster barrier, for "I have finished reading my peers"; cluster_wait completes it. Work
     # placed between the two overlaps the slowest peer. Release semantics: the CTA's loads from peers before it
-    # have their values first. (A relaxed arrive let a peer pass its wait and exit while those loads were still in
-    # flight: an unspecified launch failure, seen in the MLA merge on the H200.)
+    # have their values first. A relaxed arrive would let a peer pass its wait and exit while those loads are in
+    # flight (with one, a clustered MLA merge, since removed, failed once on the H200: unspecified launch failure)
     tl.inline_asm_elementwise(
         "barrier.cluster.arrive.release.aligned; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )  # fmt: skip
