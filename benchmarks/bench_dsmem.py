@@ -76,22 +76,22 @@ def _exchange_kernel(out, smem_off, E: tl.constexpr, CLUSTER: tl.constexpr, REPS
     cluster_wait()
 
 
+def launch(mode: str, cluster: int, e: int, reps: int, out: torch.Tensor) -> None:
+    """One launch of PROGRAMS programs in clusters of `cluster`; each stores its sum of what it read in out."""
+    cluster_launch(_exchange_kernel, (PROGRAMS // cluster,), cluster, PAD_BYTES, out, 0, E=e, CLUSTER=cluster,
+                   REPS=reps, MODE=MODES[mode], num_warps=4)  # fmt: skip
+
+
 def time_case(mode: str, cluster: int, e: int, reps: int, out: torch.Tensor) -> float:
-    """us a launch of PROGRAMS programs."""
-
-    def launch(_: int) -> None:
-        cluster_launch(_exchange_kernel, (PROGRAMS // cluster,), cluster, PAD_BYTES, out, 0, E=e, CLUSTER=cluster,
-                       REPS=reps, MODE=MODES[mode], num_warps=4)  # fmt: skip
-
-    return graph_ms(launch, CALLS, warm_calls=2) * 1e3
+    """us a launch."""
+    return graph_ms(lambda _: launch(mode, cluster, e, reps, out), CALLS, warm_calls=2) * 1e3
 
 
 def check(out: torch.Tensor, cluster: int, e: int) -> None:
     """One `merge` launch against its sums: program p's floats are p + offs, so the peers of p's cluster give the
     sum of (q + rank * W + j) over its peers q and j < W."""
     w = e // cluster
-    cluster_launch(_exchange_kernel, (PROGRAMS // cluster,), cluster, PAD_BYTES, out, 0, E=e, CLUSTER=cluster,
-                   REPS=1, MODE=1, num_warps=4)  # fmt: skip
+    launch("merge", cluster, e, 1, out)
     pid = torch.arange(PROGRAMS, dtype=torch.float64)
     first = pid - pid % cluster
     peers_sum = cluster * first + cluster * (cluster - 1) / 2
