@@ -39,6 +39,7 @@ GEMV_BLOCK_K = 2048  # K elements a one-row program loads per step (2-4 rows: 10
 # 4.257, but DeepSeek-V3 (K 7168, 16384) went 1.483 -> 1.506 (benchmarks/results/ab_gemv_bk_*_h200.log); whole rows
 # only: Qwen3-8B 4.278 -> 4.194, Qwen3-30B-A3B 2.510 -> 2.476, DeepSeek-V3 1.490 -> 1.483 (ab_gemv_rule_*_h200.log).
 GEMV_WHOLE_ROW_K = 4096
+RESIDUAL_SS_PAD = 1
 GEMV_WARPS = 4
 GEMV_STAGES = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,7 +48,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @cached_launch
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, ss_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, ss_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_sm,
+    stride_sp,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, RESIDUAL: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
@@ -92,7 +94,7 @@ def _gemv_kernel(
     if RESIDUAL:  # as triton_norm's kernel adds them: in float32, rounded once
         y = (y.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
         y32 = tl.where(mask_y, y.to(tl.float32), 0.0)
-        tl.store(ss_ptr + offs_m * tl.num_programs(0) + pid, tl.sum(y32 * y32, axis=1), mask=mask_m)
+        tl.store(ss_ptr + offs_m * stride_sm + pid * stride_sp, tl.sum(y32 * y32, axis=1), mask=mask_m)
     tl.store(y_ptrs, y, mask=mask_y)
 
 
@@ -141,7 +143,7 @@ def _launch(
     _gemv_kernel[(cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, y, residual if residual is not None else y,
         ss if ss is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        residual.stride(0) if residual is not None else 0,
+        residual.stride(0) if residual is not None else 0, *(ss.stride() if ss is not None else (0, 0)),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
         IEEE=x.dtype == torch.float32 or _INTERPRET, RESIDUAL=residual is not None,
         **cfg,
@@ -163,7 +165,8 @@ def gemv_residual(
     assert 1 <= M <= 4 and residual.shape == (M, N) and residual.dtype == x.dtype and residual.stride(1) == 1
     cfg = gemv_config(M, N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    ss = torch.empty(M, cdiv(N, cfg["BLOCK_N"]), dtype=torch.float32, device=x.device)
+    pad = RESIDUAL_SS_PAD  # floats a program's sum takes (an experiment: its own 16 or 32 bytes)
+    ss = torch.empty(M, cdiv(N, cfg["BLOCK_N"]) * pad, dtype=torch.float32, device=x.device)[:, ::pad]
     _launch(x, weight, None, y, residual, ss, cfg)
     return y, ss
 

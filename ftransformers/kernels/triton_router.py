@@ -277,7 +277,7 @@ def _packed_softmax_topk(logits, eid, ev, ROUND: tl.constexpr, RENORM: tl.conste
 @triton.jit
 def _fused_router_kernel(
     x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
-    ss_ptr, n_ss, nw_ptr, eps, h_ptr,
+    ss_ptr, n_ss, stride_ss, nw_ptr, eps, h_ptr,
     E: tl.constexpr, G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
     ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
@@ -310,7 +310,8 @@ def _fused_router_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     if NORM:
         offs_ss = tl.arange(0, BLOCK_SS)
-        rstd = tl.rsqrt(tl.sum(tl.load(ss_ptr + offs_ss, mask=offs_ss < n_ss, other=0.0), axis=0) / D + eps)
+        ss = tl.load(ss_ptr + offs_ss * stride_ss, mask=offs_ss < n_ss, other=0.0)
+        rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
     for dt in range(D_TILES):
         d_ok = offs_d < D - dt * BLOCK_D
         x = tl.load(x_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
@@ -363,7 +364,7 @@ def _fused_router_kernel(
 class RouterNorm(NamedTuple):
     """The RMSNorm before the router, folded into it at one token (fused_router_topk's `norm`)."""
 
-    ss: torch.Tensor  # [1, P] float32: the un-normed stream's squares summed in parts (triton_gemv.gemv_residual)
+    ss: torch.Tensor  # [1, P] float32 (any stride): the un-normed stream's squares summed in parts (gemv_residual)
     weight: torch.Tensor  # [D] the norm's weight
     eps: float
     out: torch.Tensor  # [1, D] written: the normed row (the experts' input), in promote(weight, hidden) dtype
@@ -439,11 +440,11 @@ def fused_router_topk(
     has_bias = correction_bias is not None and not softmax
     rounding = _ROUND.get(hidden.dtype, 0) if round_logits else 0
     if norm is not None:
-        assert t == 1 and norm.ss.is_contiguous() and norm.weight.shape == (d,) and norm.out.shape == (1, d)
+        assert t == 1 and norm.ss.shape[0] == 1 and norm.weight.shape == (d,) and norm.out.shape == (1, d)
     nrm = norm or RouterNorm(out_w, out_w, 0.0, hidden)  # placeholders: not read without NORM
     _fused_router_kernel[(e_blocks * n_split,)](
         hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
-        float(routed_scaling_factor), nrm.ss, nrm.ss.numel(), nrm.weight, float(nrm.eps), nrm.out,
+        float(routed_scaling_factor), nrm.ss, nrm.ss.numel(), nrm.ss.stride(-1), nrm.weight, float(nrm.eps), nrm.out,
         NORM=norm is not None, BLOCK_SS=max(16, next_pow2(nrm.ss.numel())),
         E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
         SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=grouped, WEIGHT_IS_BEST=WEIGHT_FROM_BEST and not has_bias,
