@@ -90,11 +90,6 @@ MLA_VARIANTS = {
     # the backend's launch at each case's batch size, heads and context on this GPU (kernel, heads a program, split
     # cap: triton_backend.mla_block_h with the context, mla_max_kv_splits), set per case by resolve_auto
     "auto": dict(kernel="auto"),
-    # the same launches with each split's normalised output stored in bf16 instead of float32 (stage 2 reads half
-    # the bytes; decode_scratch's dtype)
-    "auto_p16": dict(kernel="auto", partials=torch.bfloat16),
-    "few_p16": dict(kernel="gluon_few", partials=torch.bfloat16),
-    "gluon_p16": dict(kernel="gluon", partials=torch.bfloat16),
     # the same with the split count capped at N instead of the backend's mla_max_kv_splits (batch 1: how many
     # programs a row, at most one per SM; not run unless named). 64: the cap before 2026-11-23 (session 14).
     # few_s32 ... few_s128: the same for the few-heads kernel
@@ -179,14 +174,7 @@ def resolve_auto(B: int, H: int, context: int, q_nope: torch.Tensor, buf: torch.
     props = torch.cuda.get_device_properties(DEV)
     kernel, block_h, splits = mla_decode_launch(q_nope, buf, B, context, props.multi_processor_count,
                                                 peak_gbps_per_sm(props))  # fmt: skip
-    for name, extra in (("auto", {}), ("auto_p16", {"partials": torch.bfloat16})):
-        if name in MLA_VARIANTS:  # the variants asked for
-            MLA_VARIANTS[name] = {"kernel": kernel, "block_h": block_h, "splits": splits, **extra}
-
-
-def mla_partials(var: str) -> torch.dtype:
-    """The dtype of the variant's split outputs (stage 1 -> stage 2)."""
-    return MLA_VARIANTS[var].get("partials", torch.float32)
+    MLA_VARIANTS["auto"] = {"kernel": kernel, "block_h": block_h, "splits": splits}
 
 
 def mla_block(var: str, B: int, H: int) -> int | None:
@@ -213,7 +201,7 @@ def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, s
                              q_pe=q_rope, kpe_buf=k_pe, direct=False, **MLA_VARIANTS[var])  # fmt: skip
     else:
         kw = dict(MLA_VARIANTS[var])
-        for key in ("max_splits", "splits", "partials"):  # launch facts, not launcher keywords
+        for key in ("max_splits", "splits"):  # launch facts, not launcher keywords
             kw.pop(key, None)
         kw["block_h"] = mla_block(var, *q_nope.shape[:2])
         with gluon_defaults(kw.pop("gluon_attrs", {})):
@@ -282,13 +270,13 @@ def check_mla(sms: int, reps: int) -> dict:
         live = [i for i, x in enumerate(lens) if x > 0]
         ref = mla_attention_ref(q_nope[live], q_rope[live], buf, r2t, rows[live], [lens[i] - 1 for i in live],
                                 [1] * len(live), MLA_SCALE)  # fmt: skip
-        if {"auto", "auto_p16"} & MLA_VARIANTS.keys():
+        if "auto" in MLA_VARIANTS:
             resolve_auto(B, H, max(lens), q_nope, buf)
         for var in [v for v in MLA_VARIANTS if mla_applies(v, H)]:
             for splits, msl in ((mla_splits(var, B, sms, H), 0), (64, 0), (1, 0), (7, 256)):
                 if var == "old" and msl:
                     continue
-                scratch = decode_scratch(B, H, L, splits, DEV, mla_partials(var))
+                scratch = decode_scratch(B, H, L, splits, DEV)
                 out = torch.full_like(q_nope, float("nan"))
                 mla_call(var, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, msl)
                 torch.cuda.synchronize()
@@ -348,12 +336,12 @@ def bench_mla(B: int, ctx: int, sms: int, copy_gbps: float, mm_tflops: float, va
     res = []
     for name, msl in variants.items():
         var = name.split("@")[0]
-        if var.startswith("auto"):
+        if var == "auto":
             resolve_auto(B, H, ctx, q_nope, bufs[0])
         if not mla_applies(var, H):
             continue
         splits = mla_splits(var, B, sms, H)
-        scratch = decode_scratch(B, H, L, splits, DEV, mla_partials(var))
+        scratch = decode_scratch(B, H, L, splits, DEV)
 
         def run(var: str = var, splits: int = splits, scratch: tuple = scratch, msl: int = msl) -> None:
             for buf in bufs:
@@ -411,9 +399,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--kernels", default="gqa,mla", help="groups: gqa, mla, extend")
     ap.add_argument("--gqa-variants", default=",".join(GQA_VARIANTS))
-    named_only = ("diag_", "gluon_s", "few_s", "few_b")  # and the *_p16 ones: not run unless named
-    default_mla = [k for k in MLA_VARIANTS if not k.startswith(named_only) and not k.endswith("_p16")]
-    ap.add_argument("--mla-variants", default=",".join(default_mla),
+    ap.add_argument("--mla-variants", default=",".join(k for k in MLA_VARIANTS if not k.startswith(("diag_", "gluon_s", "few_s", "few_b"))),
                     help="NAME[@min_split_len]; @ variants run at B=1 only")  # fmt: skip
     ap.add_argument("--mla-batches", default=",".join(map(str, MLA_BATCHES)), help="batch sizes of the MLA cases")
     ap.add_argument("--mla-contexts", default="4096,16384,32768",

@@ -42,7 +42,6 @@ from ab_decode import variant_setup
 from bench_attention import L2_MULT, MLA_SCALE, MLA_SHAPE, contiguous_table, rel_err
 from ceilings import copy_bandwidth
 
-from ftransformers.attention import triton_backend as tb
 from ftransformers.attention.triton_backend import mla_block_h, mla_max_kv_splits, mla_num_kv_splits, peak_gbps_per_sm
 from ftransformers.kernels import gluon_mla_few_heads as few
 from ftransformers.kernels import triton_decode_attention as tda
@@ -101,8 +100,7 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
     hn = few.heads_block(heads) if block_h is None or block_h >= heads else few.heads_block(block_h)
     gbps = peak_gbps_per_sm(torch.cuda.get_device_properties(DEV))
     splits = mla_num_kv_splits(batch, cdiv(heads, hn), sms, mla_max_kv_splits(heads, "gluon_few", gbps))
-    # the backend's split-output dtype (set=attention.triton_backend.MLA_PARTIALS_16BIT=1 for bf16)
-    mid_o, mid_lse = decode_scratch(batch, heads, L, splits, DEV, tb.partials_dtype(tb.MLA_PARTIALS_16BIT, DT))
+    mid_o, mid_lse = decode_scratch(batch, heads, L, splits, DEV)
     outs = [torch.empty_like(q_nope) for _ in range(layers)]
     p1 = cdiv(heads, hn) * splits * batch
     p2 = math.prod(tda.combine_launch(batch, heads, L, splits)[0])

@@ -95,43 +95,6 @@ def test_decode_gqa(group: int, head_dim: int) -> None:
         assert rel_err(out, ref) <= TOL, (splits, min_split_len, direct, cluster, rel_err(out, ref))
 
 
-def test_decode_16bit_partials() -> None:
-    """Split outputs stored in bf16 (decode_scratch's dtype) and merged in float32 by stage 2, for the GQA
-    kernel and every MLA kernel that applies. Each split's normalised output is rounded once (relative error
-    <= 2^-8 an element), so the bf16 tolerance holds whatever the inputs' dtype."""
-    gen = torch.Generator().manual_seed(16)
-    h_kv, group, D = (2, 4, 64) if not CUDA else (8, 4, 128)
-    H, B, N = h_kv * group, len(DECODE_LENS), sum(DECODE_LENS) + 50
-    r2t, rows = paged(DECODE_LENS, N, gen)
-    seq_lens = torch.tensor(DECODE_LENS, device=DEV)
-    q, k_buf, v_buf = randn(B, H, D, gen=gen), randn(N + 1, h_kv, D, gen=gen), randn(N + 1, h_kv, D, gen=gen)
-    ref = decode_attention_ref(q, k_buf, v_buf, r2t, rows, seq_lens, D**-0.5)
-    splits = 4 if not CUDA else 64
-    mid_o, mid_lse = decode_scratch(B, H, D, splits, DEV, torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,
-                         block_n=16 if not CUDA else 64)  # fmt: skip
-    assert mid_o.dtype == torch.bfloat16 and rel_err(out, ref) <= 1e-2, rel_err(out, ref)
-
-    H, L, R = MLA_SHAPES[0] if not CUDA else (16, 512, 64)
-    B, N = len(MLA_LENS), sum(MLA_LENS) + 20
-    r2t, rows = paged([max(n, 1) for n in MLA_LENS], N, gen)
-    seq_lens = torch.tensor(MLA_LENS, device=DEV)
-    q_nope, q_rope, buf = randn(B, H, L, gen=gen), randn(B, H, R, gen=gen), randn(N + 1, L + R, gen=gen)
-    real = B - 1
-    ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
-                            [1] * real, (L + R) ** -0.5)  # fmt: skip
-    kernels = ["triton"] + [k for k, few in (("gluon", False), ("gluon_few", True))
-                            if gluon_mla_unsupported(q_nope, buf, few) is None]  # fmt: skip
-    for kernel in kernels:
-        mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV, torch.bfloat16)
-        out = torch.full_like(q_nope, float("nan"))
-        mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, (L + R) ** -0.5,
-                       kernel=kernel)  # fmt: skip
-        assert rel_err(out[:real], ref) <= 1e-2, (kernel, rel_err(out[:real], ref))
-        assert torch.equal(out[real], torch.zeros_like(out[real]))
-
-
 @pytest.mark.parametrize("direct", [True, False])
 def test_decode_padded_row_is_zero(direct: bool) -> None:
     """A CUDA-graph padding row (seq_len 0) gets zeros, not NaN; the real rows are unaffected."""
@@ -371,16 +334,9 @@ def _batch(mode: ForwardMode, prefix: list[int], ext: list[int], pool: object, b
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("mode", "partials16"), [(ForwardMode.EXTEND, 0), (ForwardMode.DECODE, 0), (ForwardMode.DECODE, 1)]
-)
-def test_backend_matches_torch_native(mode: ForwardMode, partials16: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both backends on one ForwardBatch and identical pools: the stored K/V and outputs agree; decode also with
-    the split outputs in the model's 16-bit dtype (on CUDA; a float32 model keeps float32 ones)."""
-    from ftransformers.attention import triton_backend as tb
-
-    monkeypatch.setattr(tb, "MLA_PARTIALS_16BIT", partials16)
-    monkeypatch.setattr(tb, "GQA_PARTIALS_16BIT", partials16)
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_backend_matches_torch_native(mode: ForwardMode) -> None:
+    """Both backends on one ForwardBatch and identical pools: the stored K/V and outputs agree."""
     gen = torch.Generator().manual_seed(11)
     prefix, ext = ([0, 5, 12], [6, 1, 9]) if mode == ForwardMode.EXTEND else ([0, 5, 40], [1, 1, 1])
     T = sum(ext)
@@ -407,25 +363,6 @@ def test_backend_matches_torch_native(mode: ForwardMode, partials16: int, monkey
     assert rel_err(outs["triton"][1], outs["native"][1]) <= TOL
     assert torch.equal(pools["triton"][0].k_buffers[0], pools["native"][0].k_buffers[0])
     assert torch.equal(pools["triton"][1].latent_buffers[0], pools["native"][1].latent_buffers[0])
-
-
-def test_decode_scratch_views() -> None:
-    """The backend's split scratch: float32 or 16-bit outputs and float32 log-sum-exps in one buffer, disjoint,
-    the 16-bit outputs in half the bytes; float32 models keep float32 outputs whatever the flag."""
-    from ftransformers.attention import triton_backend as tb
-
-    be = create_attention_backend("triton")
-    for dtype in (torch.float32, torch.bfloat16):
-        mid_o, mid_lse = be._decode_scratch(3, 4, 16, 5, lambda b: 5, torch.device("cpu"), dtype)
-        assert mid_o.dtype == dtype and mid_o.shape == (3, 4, 5, 16) and mid_lse.dtype == torch.float32
-        assert mid_lse.shape == (3, 4, 5) and mid_o.data_ptr() % 16 == 0
-        assert mid_o.data_ptr() + mid_o.numel() * dtype.itemsize == mid_lse.data_ptr()
-        mid_lse.fill_(7.0)
-        mid_o.fill_(-1.0)
-        assert bool((mid_lse == 7.0).all())
-    assert tb.partials_dtype(1, torch.bfloat16) == torch.bfloat16
-    assert tb.partials_dtype(1, torch.float16) == torch.float16
-    assert tb.partials_dtype(0, torch.bfloat16) == tb.partials_dtype(1, torch.float32) == torch.float32
 
 
 def test_backend_decode_context_bounds() -> None:

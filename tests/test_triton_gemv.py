@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
-from ftransformers.kernels.triton_gemv import GEMV_MAX_M, gemv, gemv_config, gemv_ref, gemv_residual
+from ftransformers.kernels.triton_gemv import GEMV_MAX_M, gemv, gemv_config, gemv_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): K not a multiple of any BLOCK_K exercises the masked path; N not a multiple of BLOCK_N too.
@@ -120,29 +120,3 @@ def test_lm_head_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
         assert got.dtype == torch.float32 and rel_err(got, ref) < tol(torch.bfloat16)
         assert into.data_ptr() == buf.data_ptr() and torch.equal(into.float(), got)
     assert calls == [(1, 256), (1, 256)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("pad", [1, 8])
-def test_gemv_residual_adds_and_sums_squares_in_parts(
-    dtype: torch.dtype, M: int, pad: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The product plus the residual as triton_norm's kernel adds them (the product rounded to the dtype, the sum in
-    float32 rounded once: within the GEMV's tolerance of that formula on the reference product), and per program
-    the float32 sum of that new row's squares over its features (to float32 rounding, over the returned row)."""
-    from ftransformers.kernels import triton_gemv
-
-    monkeypatch.setattr(triton_gemv, "RESIDUAL_SS_PAD", pad)  # each program's sum in its own `pad` floats
-    gen = torch.Generator().manual_seed(31 + M)
-    for N, K in SHAPES:
-        x = torch.randn(M, K, generator=gen).to(DEV, dtype)
-        w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, dtype)
-        res = torch.randn(M, N, generator=gen).to(DEV, dtype)
-        new_res, ss = gemv_residual(x, w, res)
-        ref = (gemv_ref(x, w).float() + res.float()).to(dtype)
-        assert rel_err(new_res, ref) < tol(dtype), (M, N, K)
-        block_n = gemv_config(M, N, K)["BLOCK_N"]
-        sq = torch.nn.functional.pad(new_res.float() ** 2, (0, ss.shape[1] * block_n - N))
-        assert ss.shape == (M, -(-N // block_n)) and ss.dtype == torch.float32 and ss.stride(1) == pad
-        torch.testing.assert_close(ss, sq.view(M, -1, block_n).sum(-1), rtol=1e-5, atol=1e-5)

@@ -288,33 +288,3 @@ def test_cuda_graph_replay() -> None:
     assert torch.equal(out_s[1], ref_s[1])
     torch.testing.assert_close(out_s[0], ref_s[0], **TOL)
     assert torch.equal(out_g[1].sort(-1)[0], ref_g[1].sort(-1)[0])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_router_folds_the_norm_before_it(dtype: torch.dtype) -> None:
-    """One token given un-normed, with its squares summed in parts (as triton_gemv.gemv_residual leaves them):
-    the router picks what it picks on RMSNorm(stream), and writes that normed row. The norm's statistic is summed
-    in another order than the RMSNorm module's, so the row may differ from the module's by one rounding of the
-    dtype (rel 2^-7 in bf16, 1e-6 in float32; the CPU interpreter's casts truncate, so there two roundings, 2^-6);
-    the ids are the reference's, and the weights within FUSED_TOL of the unfolded router's on the row it wrote."""
-    from ftransformers.kernels.triton_router import RouterNorm
-    from ftransformers.layers.norm import RMSNorm
-
-    e, d, k = 128, 320, 8
-    stream, weight = router_inputs(1, e, d, dtype, 77)
-    norm = RMSNorm(d, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.3 * torch.randn(d, generator=torch.Generator().manual_seed(5)))
-    norm = norm.to(DEV, dtype)
-    ss = torch.zeros(1, 10, device=DEV)[:, ::2]  # five parts of 64 features, a part every 2 floats
-    ss.copy_((stream.float() ** 2).view(1, 5, 64).sum(-1))
-    out = torch.full_like(stream, float("nan"))
-    w, ids = fused_router_topk(stream, weight, k, softmax=True, renormalize=True, round_logits=True,
-                               norm=RouterNorm(ss, norm.weight, norm.variance_epsilon, out))  # fmt: skip
-    ref_h = norm._norm(stream)
-    rel = (2**-7 if CUDA else 2**-6) if dtype == torch.bfloat16 else 1e-6
-    assert bool(((out.float() - ref_h.float()).abs() <= rel * ref_h.float().abs() + 1e-6).all())
-    assert torch.equal(ids, fused_router_topk(ref_h, weight, k, softmax=True, renormalize=True, round_logits=True)[1])
-    w_own, ids_own = fused_router_topk(out, weight, k, softmax=True, renormalize=True, round_logits=True)
-    assert torch.equal(ids, ids_own)
-    torch.testing.assert_close(w, w_own, **FUSED_TOL)

@@ -100,10 +100,6 @@ MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 # 16 heads 8.0 / 12.8 / 19.8 -> 7.6 / 12.9 / 18.0, 8 heads 7.0 / 11.7 / 18.3 -> 6.7 / 11.8 / 16.6
 # (benchmarks/results/attention_mla_splits_h200.log). The H100 (3.35 TB/s, 25 GB/s an SM) keeps 64 (above).
 MLA_FEW_WIDE_SPLITS_GBPS_PER_SM = 30.0
-# Split outputs (stage 1 -> stage 2) in the model's 16-bit dtype instead of float32: stage 2 reads half the bytes,
-# each split's normalised output rounded once (kernels/triton_decode_attention.decode_scratch). 0 / 1, for `set=`.
-MLA_PARTIALS_16BIT = 0
-GQA_PARTIALS_16BIT = 0
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 # MLA decode stage 1: "auto" takes a Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
@@ -115,12 +111,6 @@ if MLA_DECODE_KERNEL not in MLA_DECODE_KERNELS:
     raise ValueError(f"FTRANSFORMERS_MLA_DECODE_KERNEL must be one of {', '.join(MLA_DECODE_KERNELS)}, not {MLA_DECODE_KERNEL!r}")
 DEFAULT_MAX_BS = 256
 SDPA_MAX_SEQS = 8  # not measured: above it, per-sequence launches are assumed to outweigh flash's speed
-
-
-def partials_dtype(flag: int, dtype: torch.dtype) -> torch.dtype:
-    """The split outputs' dtype: the model's own where `flag` (MLA_PARTIALS_16BIT / GQA_PARTIALS_16BIT) and it
-    is 16-bit, else float32."""
-    return dtype if flag and dtype.itemsize == 2 else torch.float32
 
 
 def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, waves: int = 4) -> int:
@@ -304,12 +294,10 @@ class TritonAttentionBackend(AttentionBackend):
         return self._gpu_facts
 
     def _decode_scratch(
-        self, B: int, H: int, DV: int, splits: int, size_rule: Callable[[int], int], device: torch.device,
-        dtype: torch.dtype = torch.float32,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self, B: int, H: int, DV: int, splits: int, size_rule: Callable[[int], int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # size_rule: batch size -> the most splits a launch at that size takes (num_kv_splits / mla_num_kv_splits
-        # with its head blocks, at every context), so that one buffer serves every launch a graph may capture.
-        # dtype: the split outputs' (float32 or 16-bit, in the first half of their float32 span); lse float32
+        # with its head blocks, at every context), so that one buffer serves every launch a graph may capture
         per_row = H * (DV + 1)  # floats per (sequence, split): outputs + lse
         key = (H, DV, str(device))
         buf = self._scratch.get(key)
@@ -322,9 +310,8 @@ class TritonAttentionBackend(AttentionBackend):
             buf = torch.empty(rows * per_row, dtype=torch.float32, device=device)
             self._scratch[key] = buf
         n = B * splits * H
-        o_floats = n * DV * dtype.itemsize // 4  # DV is even: 16-bit outputs fill whole floats
-        mid_o = buf[:o_floats].view(dtype).view(B, H, splits, DV)
-        mid_lse = buf[o_floats : o_floats + n].view(B, H, splits)
+        mid_o = buf[: n * DV].view(B, H, splits, DV)
+        mid_lse = buf[n * DV : n * (DV + 1)].view(B, H, splits)
         return mid_o, mid_lse
 
     def decode_context_bounds(self, batch_size: int) -> tuple[int, ...]:
@@ -423,8 +410,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._gqa_clustered = head_blocks
                 if gqa_clusters(T, head_blocks) and self._decode_context(batch) < GQA_CLUSTER_BELOW:
                     cluster = splits = min(GQA_CLUSTER, max_cluster_size(q.device))
-            part = partials_dtype(GQA_PARTIALS_16BIT, q.dtype)
-            mid_o, mid_lse = self._decode_scratch(T, H, v_buf.shape[-1], splits, rule, q.device, part)
+            mid_o, mid_lse = self._decode_scratch(T, H, v_buf.shape[-1], splits, rule, q.device)
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, num_warps=GQA_WARPS,
@@ -466,8 +452,7 @@ class TritonAttentionBackend(AttentionBackend):
                 return max(launch(b, c)[2] for c in (0, *bounds))
 
             kernel, block_h, splits = launch(T, self._decode_context(batch))
-            part = partials_dtype(MLA_PARTIALS_16BIT, q_nope.dtype)
-            mid_o, mid_lse = self._decode_scratch(T, H, L, splits, most_splits, q_nope.device, part)
+            mid_o, mid_lse = self._decode_scratch(T, H, L, splits, most_splits, q_nope.device)
             return mla_decode_fwd(
                 q_nope, q_rope, buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_h=block_h, num_stages=MLA_NUM_STAGES, kernel=kernel,

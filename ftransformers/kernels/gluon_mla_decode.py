@@ -98,8 +98,8 @@ def _store_split(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, 
     if gl.cdiv(seq_len, split_len) == 1:  # the row's only split: final output
         gl.store(O + b * s_o_b + o_rows[:, None] * s_o_h + o_cols[None, :], out.to(O.dtype.element_ty), mask=o_mask)
     else:
-        gl.store(mid_o + b * s_mo_b + o_rows[:, None] * s_mo_h + split_id * s_mo_s + o_cols[None, :],
-                 out.to(mid_o.dtype.element_ty), mask=o_mask)  # fmt: skip
+        gl.store(mid_o + b * s_mo_b + o_rows[:, None] * s_mo_h + split_id * s_mo_s + o_cols[None, :], out,
+                 mask=o_mask)  # fmt: skip
         # log-sum-exp in base 2 of this split's scores
         heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
         gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i), mask=heads_s < num_heads)

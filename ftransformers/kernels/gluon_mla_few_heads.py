@@ -83,10 +83,8 @@ def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len
                    s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
                    L: gl.constexpr, HN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
     # acc [L, HN] unnormalised (O^T), m_i / l_i [HN] this split's running max and sum (base 2); written
-    # along L (16-byte vectors of the partials' dtype, float32 or 16-bit) after a layout change; heads past
-    # num_heads are not stored
-    VEC: gl.constexpr = 128 // mid_o.dtype.element_ty.primitive_bitwidth
-    st_layout: gl.constexpr = gl.BlockedLayout([VEC, 1], [32, 1], [1, 4], [0, 1])
+    # along L (16-byte vectors) after a layout change; heads past num_heads are not stored
+    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, o_layout))[None, :]
     out = gl.convert_layout(out, st_layout)
     rows = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
@@ -95,8 +93,7 @@ def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len
     if gl.cdiv(seq_len, split_len) == 1:  # the row's only split: final output
         gl.store(O + b * s_o_b + heads[None, :] * s_o_h + rows[:, None], out.to(O.dtype.element_ty), mask=mask)
     else:
-        gl.store(mid_o + b * s_mo_b + heads[None, :] * s_mo_h + split_id * s_mo_s + rows[:, None],
-                 out.to(mid_o.dtype.element_ty), mask=mask)  # fmt: skip
+        gl.store(mid_o + b * s_mo_b + heads[None, :] * s_mo_h + split_id * s_mo_s + rows[:, None], out, mask=mask)
         heads_s = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(0, s_layout))
         gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i), mask=heads_s < num_heads)
 
@@ -275,7 +272,7 @@ def mla_decode_few_heads(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,  # [B]
     seq_lens: torch.Tensor,  # [B]
-    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, L] float32 (or the 16-bit dtype: decode_scratch)
+    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, L] float32
     mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits] float32
     num_kv_splits: int,
     sm_scale: float,

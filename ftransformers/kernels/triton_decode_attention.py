@@ -240,7 +240,7 @@ def _decode_stage1_kernel(
             tl.store(o_ptr, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=hd_mask)
         else:
             mid_o_ptr = mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_dv[None, :]
-            tl.store(mid_o_ptr, (acc / l_i[:, None]).to(mid_o.dtype.element_ty), mask=hd_mask)
+            tl.store(mid_o_ptr, acc / l_i[:, None], mask=hd_mask)
             # log-sum-exp in base 2 of this split's scores
             tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
 
@@ -329,7 +329,7 @@ def _decode_stage2_kernel(
     m = tl.max(lse, 0)
     w = tl.where(valid, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)  # [BLOCK_S]
     o = tl.load(mid_o + b * s_mo_b + h * s_mo_h + offs_s[:, None] * s_mo_s + offs_dv[None, :],
-                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)  # [BLOCK_S, CHUNK_DV]
+                mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BLOCK_S, CHUNK_DV]
     denom = tl.sum(w, 0)
     # seq_len 0 (a padded CUDA-graph row) has no split: write zeros, not NaN
     acc = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
@@ -339,13 +339,9 @@ def _decode_stage2_kernel(
         tl_stamp(stamps, program, 2, COMBINE_STAMP_SLOTS)
 
 
-def decode_scratch(
-    batch: int, num_heads: int, v_head_dim: int, max_splits: int, device: torch.device,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Split-K scratch: partial outputs [B, H, S, D_v] (float32, or a 16-bit dtype: each split's normalised
-    output rounded once to it before stage 2 merges in float32) and log-sum-exps [B, H, S], float32."""
-    mid_o = torch.empty(batch, num_heads, max_splits, v_head_dim, dtype=dtype, device=device)
+def decode_scratch(batch: int, num_heads: int, v_head_dim: int, max_splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K scratch: partial outputs [B, H, S, D_v] and log-sum-exps [B, H, S], float32."""
+    mid_o = torch.empty(batch, num_heads, max_splits, v_head_dim, dtype=torch.float32, device=device)
     mid_lse = torch.empty(batch, num_heads, max_splits, dtype=torch.float32, device=device)
     return mid_o, mid_lse
 
@@ -362,7 +358,7 @@ def combine_launch(B: int, H: int, DV: int, num_kv_splits: int) -> tuple[tuple[i
 
 
 def decode_combine(
-    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, D_v] float32 or 16-bit, from a stage-1 launch
+    mid_o: torch.Tensor,  # [>=B, H, >=num_kv_splits, D_v] float32, from a stage-1 launch
     mid_lse: torch.Tensor,  # [>=B, H, >=num_kv_splits]
     out: torch.Tensor,  # [B, H, D_v]
     seq_lens: torch.Tensor,  # [B]

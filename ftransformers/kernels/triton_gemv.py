@@ -39,7 +39,6 @@ GEMV_BLOCK_K = 2048  # K elements a one-row program loads per step (2-4 rows: 10
 # 4.257, but DeepSeek-V3 (K 7168, 16384) went 1.483 -> 1.506 (benchmarks/results/ab_gemv_bk_*_h200.log); whole rows
 # only: Qwen3-8B 4.278 -> 4.194, Qwen3-30B-A3B 2.510 -> 2.476, DeepSeek-V3 1.490 -> 1.483 (ab_gemv_rule_*_h200.log).
 GEMV_WHOLE_ROW_K = 4096
-RESIDUAL_SS_PAD = 1
 GEMV_WARPS = 4
 GEMV_STAGES = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -48,15 +47,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @cached_launch
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, ss_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_sm,
-    stride_sp,
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, RESIDUAL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
-    # RESIDUAL: y[m, n] = round(round(sum) + res[m, n]) instead (the residual add of the RMSNorm after it), and
-    # ss[m, pid] = sum over the program's n of y[m, n]^2 in float32 (gemv_residual: the norm's statistics in parts)
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -64,9 +60,6 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    mask_y = mask_m[:, None] & mask_n[None, :]
-    if RESIDUAL:  # issued with the weights' first loads, used after the last
-        res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_y, other=0.0)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -90,12 +83,7 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    if RESIDUAL:  # as triton_norm's kernel adds them: in float32, rounded once
-        y = (y.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        y32 = tl.where(mask_y, y.to(tl.float32), 0.0)
-        tl.store(ss_ptr + offs_m * stride_sm + pid * stride_sp, tl.sum(y32 * y32, axis=1), mask=mask_m)
-    tl.store(y_ptrs, y, mask=mask_y)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def gemv_config(M: int, N: int, K: int) -> dict[str, int]:
@@ -131,44 +119,15 @@ def gemv(
     cfg = dict(config or gemv_config(M, N, K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (M, N) and y.dtype == x.dtype and y.stride(1) == 1, (y.shape, y.dtype)
-    _launch(x, weight, bias, y, None, None, cfg)
-    return y
-
-
-def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-    residual: torch.Tensor | None, ss: torch.Tensor | None, cfg: dict[str, int],
-) -> None:  # fmt: skip
-    (M, K), N = x.shape, weight.shape[0]
-    _gemv_kernel[(cdiv(N, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, y, residual if residual is not None else y,
-        ss if ss is not None else y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        residual.stride(0) if residual is not None else 0, *(ss.stride() if ss is not None else (0, 0)),
+    grid = (cdiv(N, cfg["BLOCK_N"]),)
+    _gemv_kernel[grid](
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
-        IEEE=x.dtype == torch.float32 or _INTERPRET, RESIDUAL=residual is not None,
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
         **cfg,
         **pdl_launch(x.device),
     )  # fmt: skip
-
-
-def gemv_residual(
-    x: torch.Tensor,  # [M, K], unit stride along K (M <= 4: the CUDA-core form)
-    weight: torch.Tensor,  # [N, K], unit stride along K
-    residual: torch.Tensor,  # [M, N] x.dtype, unit stride along N
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The product added to `residual` as the RMSNorm after it would add them (new_res = round(round(x @ w^T) +
-    residual)), and that norm's statistics in parts: ss [M, P] float32, the sums of new_res^2 over each program's
-    output features, which the next kernel adds up (triton_router's folded norm) instead of a norm launch."""
-    M, K = x.shape
-    N = weight.shape[0]
-    assert weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
-    assert 1 <= M <= 4 and residual.shape == (M, N) and residual.dtype == x.dtype and residual.stride(1) == 1
-    cfg = gemv_config(M, N, K)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    pad = RESIDUAL_SS_PAD  # floats a program's sum takes (an experiment: its own 16 or 32 bytes)
-    ss = torch.empty(M, cdiv(N, cfg["BLOCK_N"]) * pad, dtype=torch.float32, device=x.device)[:, ::pad]
-    _launch(x, weight, None, y, residual, ss, cfg)
-    return y, ss
+    return y
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

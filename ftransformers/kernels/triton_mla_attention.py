@@ -122,7 +122,7 @@ def _mla_decode_stage1_kernel(
                  (acc / l_i[:, None]).to(O.dtype.element_ty), mask=o_mask)
     else:
         tl.store(mid_o + b * s_mo_b + heads[:, None] * s_mo_h + split_id * s_mo_s + offs_l[None, :],
-                 (acc / l_i[:, None]).to(mid_o.dtype.element_ty), mask=o_mask)
+                 acc / l_i[:, None], mask=o_mask)
         # log-sum-exp in base 2 of this split's scores
         tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
 

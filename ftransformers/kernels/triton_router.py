@@ -23,7 +23,6 @@ pick (PACKED_SELECT; same picks and tie rule, weights within float32 rounding).
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -277,22 +276,18 @@ def _packed_softmax_topk(logits, eid, ev, ROUND: tl.constexpr, RENORM: tl.conste
 @triton.jit
 def _fused_router_kernel(
     x_ptr, w_ptr, bias_ptr, part_ptr, counter_ptr, tw_ptr, ids_ptr, T, D, stride_xt, stride_we, scale,
-    ss_ptr, n_ss, stride_ss, nw_ptr, eps, h_ptr,
     E: tl.constexpr, G: tl.constexpr, S: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, RENORM: tl.constexpr,
     ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    WEIGHT_IS_BEST: tl.constexpr = False, PACKED: tl.constexpr = False, NORM: tl.constexpr = False,
-    BLOCK_SS: tl.constexpr = 16, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    WEIGHT_IS_BEST: tl.constexpr = False, PACKED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # PACKED (SOFTMAX, ROUND 1 or 2, not GROUPED): the key selection of PACKED_SELECT.
     # WEIGHT_IS_BEST (softmax, or sigmoid without a bias): a pick's weight is the selection score it won with.
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
-    # NORM (one token): x is the un-normed stream and ss[:n_ss] its squares summed in parts (triton_gemv's
-    # gemv_residual); each program normalises its D range as triton_norm's kernel rounds it, and the programs of
-    # expert block 0 store it (h, the experts' input)
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
     if PREFETCH:  # this program's gate rows to L2 ahead of the wait
         pf_e = tl.minimum((tl.program_id(0) % E_BLOCKS) * BLOCK_E + tl.arange(0, BLOCK_E), E - 1)
@@ -308,21 +303,10 @@ def _fused_router_kernel(
     x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_d[None, :]
     w_ptrs = w_ptr + offs_e[None, :].to(tl.int64) * stride_we + offs_d[:, None]
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    if NORM:
-        offs_ss = tl.arange(0, BLOCK_SS)
-        ss = tl.load(ss_ptr + offs_ss * stride_ss, mask=offs_ss < n_ss, other=0.0)
-        rstd = tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
     for dt in range(D_TILES):
         d_ok = offs_d < D - dt * BLOCK_D
         x = tl.load(x_ptrs, mask=(offs_t[:, None] < T) & d_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=d_ok[:, None] & (offs_e[None, :] < E), other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + dt * BLOCK_D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            y = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (y * nw[None, :]).to(h_ptr.dtype.element_ty)
-            if pid_e == 0:
-                tl.store(h_ptr + dt * BLOCK_D + offs_t[:, None] * 0 + offs_d[None, :], x,
-                         mask=(offs_t[:, None] < 1) & d_ok[None, :])  # fmt: skip
         if IEEE:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -361,15 +345,6 @@ def _fused_router_kernel(
         tl.store(ids_ptr + t2 * K + koffs, ids.to(ids_ptr.dtype.element_ty), mask=omask)
 
 
-class RouterNorm(NamedTuple):
-    """The RMSNorm before the router, folded into it at one token (fused_router_topk's `norm`)."""
-
-    ss: torch.Tensor  # [1, P] float32 (any stride): the un-normed stream's squares summed in parts (gemv_residual)
-    weight: torch.Tensor  # [D] the norm's weight
-    eps: float
-    out: torch.Tensor  # [1, D] written: the normed row (the experts' input), in promote(weight, hidden) dtype
-
-
 def _router_counter(device: torch.device) -> torch.Tensor | None:
     return ticket_counters(device, "router", 1)
 
@@ -406,13 +381,10 @@ def fused_router_topk(
     correction_bias: torch.Tensor | None = None,  # [E], sigmoid scoring only
     routed_scaling_factor: float = 1.0,
     ids_dtype: torch.dtype = torch.int64,
-    norm: RouterNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits = hidden @ weight^T (float32 accumulation; `round_logits` rounds them to hidden's dtype as
     nn.Linear would), then softmax_topk (softmax=True) or grouped_topk_sigmoid semantics.
-    Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router.
-    With `norm` (one token), hidden is the un-normed stream and the router reads RMSNorm(hidden), which it
-    writes to norm.out."""
+    Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router."""
     t, d = hidden.shape
     e = weight.shape[0]
     grouped = not softmax and num_expert_group is not None and num_expert_group > 1
@@ -439,13 +411,9 @@ def fused_router_topk(
     sel_t = max(ROUTER_SEL_T, next_pow2(t))
     has_bias = correction_bias is not None and not softmax
     rounding = _ROUND.get(hidden.dtype, 0) if round_logits else 0
-    if norm is not None:
-        assert t == 1 and norm.ss.shape[0] == 1 and norm.weight.shape == (d,) and norm.out.shape == (1, d)
-    nrm = norm or RouterNorm(out_w, out_w, 0.0, hidden)  # placeholders: not read without NORM
     _fused_router_kernel[(e_blocks * n_split,)](
         hidden, weight, bias, part, counter, out_w, out_ids, t, d, hidden.stride(0), weight.stride(0),
-        float(routed_scaling_factor), nrm.ss, nrm.ss.numel(), nrm.ss.stride(-1), nrm.weight, float(nrm.eps), nrm.out,
-        NORM=norm is not None, BLOCK_SS=max(16, next_pow2(nrm.ss.numel())),
+        float(routed_scaling_factor),
         E=e, G=groups, S=e // groups, TOPK_GROUP=int(topk_group or groups) if grouped else 1, K=top_k,
         SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=grouped, WEIGHT_IS_BEST=WEIGHT_FROM_BEST and not has_bias,
         PACKED=PACKED_SELECT and softmax and rounding in (1, 2),

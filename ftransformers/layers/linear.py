@@ -107,23 +107,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-    def folds_residual(self, x: torch.Tensor) -> bool:
-        """Whether forward_residual on x runs as one kernel (an unquantized one-row GEMV without bias)."""
-        return self.quant_method is None and self.bias is None and one_row_gemv(x, self.weight)
-
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """(self(x) + residual as the RMSNorm after this layer adds them, that sum's squares in parts) in one kernel
-        where folds_residual says so (kernels.triton_gemv.gemv_residual); else (self(x), None), the sum not taken."""
-        if not self.folds_residual(x):
-            return self(x), None
-        from ftransformers.kernels.triton_gemv import gemv_residual
-
-        y, ss = gemv_residual(x.reshape(1, -1), self.weight, residual.reshape(1, -1))
-        return y.view(residual.shape), ss
-
-
 class ReplicatedLinear(LinearBase):
     pass
 

@@ -19,11 +19,6 @@ from ftransformers.layers.rotary import get_rope, rope_parameters_of, share_rota
 from ftransformers.layers.weight_utils import LoadTracker, load_with_mapping
 from ftransformers.models.registry import register_model
 
-# At one decode row the RMSNorm after attention runs inside its neighbours instead of as a launch: o_proj's GEMV
-# adds the residual and sums its squares in parts, and an MLP with `forward_normed` (the Qwen3-MoE block: the fused
-# router) normalises its input from them. 0 keeps the norm's launch (`set=models.llama.FOLD_POST_NORM=0`).
-FOLD_POST_NORM = 1
-
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -68,10 +63,8 @@ class LlamaAttention(nn.Module):
         """What `qk_norm` does, for the fused kernel: per-head RMSNorm weights and eps, or None."""
         return None
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        # hidden: [T, D] -> q [T, H*Dh], k/v [T, H_kv*Dh] -> [T, D]; with `residual`, o_proj's forward_residual
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, D] -> q [T, H*Dh], k/v [T, H_kv*Dh]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         early = self.o_proj.reads_ahead_of_wait(hidden.shape[0])  # then the attention lets o start early
         out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params(), early)
@@ -79,7 +72,7 @@ class LlamaAttention(nn.Module):
             q, k = self.qk_norm(q, k)
             q, k = self.rotary_emb(positions, q, k)
             out = self.attn(q, k, v)
-        return self.o_proj(out) if residual is None else self.o_proj.forward_residual(out, residual)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,27 +99,9 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden, early_trigger=early)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, early_trigger=early)
-        if self._folds_post_norm(hidden):  # o_proj adds the residual; the router normalises (FOLD_POST_NORM)
-            new_res, ss = self.self_attn(positions, hidden, residual)
-            if ss is not None:
-                return self.mlp.forward_normed(new_res, ss, self.post_attention_layernorm), new_res
-            hidden = new_res  # o_proj could not fold it (its input's layout): the norm's launch adds it
-        else:
-            hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def _folds_post_norm(self, hidden: torch.Tensor) -> bool:
-        # one row, an MLP that can take the stream un-normed, an o_proj that can add the residual
-        o_proj = getattr(self.self_attn, "o_proj", None)
-        return (
-            FOLD_POST_NORM
-            and hidden.shape[0] == 1
-            and callable(getattr(self.mlp, "forward_normed", None))
-            and isinstance(self.self_attn, LlamaAttention)
-            and o_proj is not None
-            and o_proj.folds_residual(hidden)  # its dtype and device: the attention output shares them
-        )
 
 
 class LlamaModel(nn.Module):

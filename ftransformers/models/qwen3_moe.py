@@ -11,7 +11,6 @@ from transformers import PretrainedConfig
 
 from ftransformers.layers.linear import ReplicatedLinear
 from ftransformers.layers.moe import FusedMoE, router_softmax_topk
-from ftransformers.layers.norm import RMSNorm
 from ftransformers.models.llama import LlamaMLP
 from ftransformers.models.moe_weights import load_moe_model_weights
 from ftransformers.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -44,21 +43,6 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         # hidden: [T, D] -> [T, D]. The gate is an unbiased linear [E, D]; at decode sizes its GEMV and
         # the softmax top-k run as one kernel.
         topk_weights, topk_ids = router_softmax_topk(hidden, self.gate.weight, self.top_k, self.renormalize)
-        return self.experts(hidden, topk_weights, topk_ids)
-
-    def forward_normed(self, stream: torch.Tensor, ss: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """forward(norm(stream)) for one row, with the stream's squares summed in parts (ss, from o_proj's
-        forward_residual): the fused router normalises it as it reads it, so the norm has no launch of its own."""
-        from ftransformers.kernels.triton_router import RouterNorm, can_fuse_router, fused_router_topk
-
-        if not can_fuse_router(stream, self.gate.weight):
-            return self(norm(stream))
-        dtype = torch.promote_types(norm.weight.dtype, stream.dtype)  # as the norm's kernel returns it
-        hidden = torch.empty(stream.shape, dtype=dtype, device=stream.device)
-        topk_weights, topk_ids = fused_router_topk(
-            stream, self.gate.weight, self.top_k, softmax=True, renormalize=self.renormalize, round_logits=True,
-            norm=RouterNorm(ss, norm.weight, norm.variance_epsilon, hidden),
-        )  # fmt: skip
         return self.experts(hidden, topk_weights, topk_ids)
 
 
