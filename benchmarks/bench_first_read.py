@@ -1,0 +1,126 @@
+"""What a kernel pays to read data the kernel before it has just written, against reading it a second time.
+
+Session 45 found MLA decode's stage 2 reading its partials in 3.3 us the first time and 1.4 the second; session 49
+found the fused router 3 us slower a layer once each of its 64 programs read a 4 KB vector that 1024 GEMV programs
+had just written 4 bytes each, and only 0.2 us slower with 256 writers (benchmarks/results/ab_fold*_s49_h200.log).
+This separates the suspects: how many programs wrote the lines, in what pieces, and how many programs read them.
+
+A CUDA graph of LAYERS links, each: `_write_kernel` (P programs, each storing its CHUNK contiguous bytes of an S-byte
+buffer; P = S / CHUNK), then `_read_kernel` twice (R programs; `all`: each loads all S bytes, `split`: each its S / R).
+A reader program stamps %globaltimer at entry and once its loads have landed (the stamp's asm takes the loaded
+sum as an operand, so it cannot run earlier); its load time is the difference. Figures are medians over the
+programs of every link, and the slowest program, of the last replay: "first" is the reader right after the writer,
+"again" the same reader launched once more on the same bytes.
+
+    PYTHONPATH=$PWD python benchmarks/bench_first_read.py --out $OUT/first_read_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ceilings import Report
+
+LAYERS = 8
+REPLAYS = 5
+# (mode, S bytes, writer's chunk bytes (0: one program writes it all), readers)
+CASES = [
+    *(("all", s, c, 64) for s in (1024, 4096, 16384) for c in (4, 16, 128, 0)),
+    ("all", 4096, 4, 1),
+    ("all", 4096, 4, 16),
+    ("all", 4096, 4, 132),
+    ("all", 4096, 0, 132),
+    *(("split", 4 << 20, c, 256) for c in (4, 1024, 32768)),  # stage 2's 4 MB of MLA partials, 16 KB a reader
+]
+
+
+@triton.jit
+def _write_kernel(buf, CHUNK: tl.constexpr, P_CHUNKS: tl.constexpr):
+    # program p writes floats [p * CHUNK * P_CHUNKS, (p + 1) * CHUNK * P_CHUNKS), CHUNK at a time
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNK)
+    for i in range(P_CHUNKS):
+        base = (p * P_CHUNKS + i) * CHUNK
+        tl.store(buf + base + offs, (base + offs).to(tl.float32) * 0.5)
+
+
+@triton.jit
+def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr):
+    # N floats a program: the whole buffer (SPLIT False) or program r's share
+    r = tl.program_id(0)
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    base = r.to(tl.int64) * N if SPLIT else 0
+    s = tl.sum(tl.load(buf + base + tl.arange(0, N)), axis=0)
+    t1 = tl.inline_asm_elementwise(
+        "{ .reg .f32 t; mov.f32 t, $1; mov.u64 $0, %globaltimer; }", "=l,f", [s], dtype=tl.int64, is_pure=False, pack=1
+    )
+    tl.store(stamps + r * 2, t0)
+    tl.store(stamps + r * 2 + 1, t1)
+    tl.store(out + r, s)
+
+
+def run_case(mode: str, size: int, chunk: int, readers: int, dev: torch.device) -> dict:
+    floats = size // 4
+    chunk_f = floats if chunk == 0 else chunk // 4
+    # one program writes at most 64 KB a store: longer whole-buffer writes loop over chunks of it
+    store_f = min(chunk_f, 16384)
+    writers = floats // chunk_f
+    per_reader = floats if mode == "all" else floats // readers
+    bufs = [torch.zeros(floats, device=dev) for _ in range(LAYERS)]
+    out = torch.empty(readers, device=dev)
+    stamps = [[torch.zeros(readers, 2, dtype=torch.int64, device=dev) for _ in range(2)] for _ in range(LAYERS)]
+
+    def step() -> None:
+        for buf, (first, again) in zip(bufs, stamps):
+            _write_kernel[(writers,)](buf, CHUNK=store_f, P_CHUNKS=chunk_f // store_f, num_warps=4)
+            _read_kernel[(readers,)](buf, out, first, N=per_reader, SPLIT=mode == "split", num_warps=4)
+            _read_kernel[(readers,)](buf, out, again, N=per_reader, SPLIT=mode == "split", num_warps=4)
+
+    step()  # compile
+    torch.cuda.synchronize()
+    expect = (torch.arange(floats, device=dev, dtype=torch.float32) * 0.5).view(-1, per_reader).sum(-1)
+    got = out if mode == "split" else out[:1]
+    assert torch.allclose(got, expect[: got.numel()], rtol=1e-4), (mode, size, chunk)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    row = {"mode": mode, "bytes": size, "chunk": chunk or size, "writers": writers, "readers": readers}
+    for k, name in enumerate(("first", "again")):
+        us = torch.cat([(s[k][:, 1] - s[k][:, 0]).float() / 1e3 for s in stamps]).tolist()
+        row[name] = {"median_us": statistics.median(us), "max_us": max(us)}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="result .json (a .log beside it)")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rep = Report("cuda", layers=LAYERS, replays=REPLAYS)
+    rows = []
+    for mode, size, chunk, readers in CASES:
+        r = run_case(mode, size, chunk, readers, dev)
+        rows.append(r)
+        f, a = r["first"], r["again"]
+        rep.log(f"{mode:5s} {size / 1024:7.0f} KB written {r['chunk']:6d} B a program by {r['writers']:5d}, "
+                f"read by {readers:3d}: first {f['median_us']:5.2f} us (max {f['max_us']:5.2f}), "
+                f"again {a['median_us']:5.2f} (max {a['max_us']:5.2f})")  # fmt: skip
+    rep.out["rows"] = rows
+    rep.save(args.out)
+
+
+if __name__ == "__main__":
+    main()
