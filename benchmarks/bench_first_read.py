@@ -6,7 +6,7 @@ had just written 4 bytes each, and only 0.2 us slower with 256 writers (benchmar
 This separates the suspects: how many programs wrote the lines, in what pieces, and how many programs read them.
 
 A CUDA graph of LAYERS links, each: `_write_kernel` (P programs, each storing its CHUNK contiguous bytes of an S-byte
-buffer; P = S / CHUNK), then `_read_kernel` twice (R programs; `all`: each loads all S bytes, `split`: each its S / R).
+buffer; P = S / CHUNK; in some cases 1024 programs first stream 16 MB from DRAM, as a GEMV would), then `_read_kernel` twice (R programs; `all`: each loads all S bytes, `split`: each its S / R).
 A reader program stamps %globaltimer at entry and once its loads have landed (the stamp's asm takes the loaded
 sum as an operand, so it cannot run earlier); its load time is the difference. Figures are medians over the
 programs of every link, and the slowest program, of the last replay: "first" is the reader right after the writer,
@@ -33,25 +33,35 @@ from ceilings import Report
 
 LAYERS = 8
 REPLAYS = 5
-# (mode, S bytes, writer's chunk bytes (0: one program writes it all), readers)
+# (mode, S bytes, writer's chunk bytes (0: one program writes it all), readers, MB the writer streams first)
 CASES = [
-    *(("all", s, c, 64) for s in (1024, 4096, 16384) for c in (4, 16, 128, 0)),
-    ("all", 4096, 4, 1),
-    ("all", 4096, 4, 16),
-    ("all", 4096, 4, 132),
-    ("all", 4096, 0, 132),
-    *(("split", 4 << 20, c, 256) for c in (4, 1024, 32768)),  # stage 2's 4 MB of MLA partials, 16 KB a reader
+    *(("all", s, c, 64, 0) for s in (1024, 4096, 16384) for c in (4, 16, 128, 0)),
+    ("all", 4096, 4, 1, 0),
+    ("all", 4096, 4, 16, 0),
+    ("all", 4096, 4, 132, 0),
+    ("all", 4096, 0, 132, 0),
+    *(("split", 4 << 20, c, 256, 0) for c in (4, 1024, 32768)),  # stage 2's 4 MB of MLA partials, 16 KB a reader
+    # the folded router's case after its GEMV: 1024 programs stream 16 MB, then write 4 B each
+    ("all", 4096, 4, 64, 16),
+    ("all", 4096, 0, 64, 16),
+    ("split", 4 << 20, 32768, 256, 16),
 ]
+STREAM_PROGRAMS = 1024
 
 
 @triton.jit
-def _write_kernel(buf, CHUNK: tl.constexpr, P_CHUNKS: tl.constexpr):
-    # program p writes floats [p * CHUNK * P_CHUNKS, (p + 1) * CHUNK * P_CHUNKS), CHUNK at a time
+def _write_kernel(buf, big, zero, writers, CHUNK: tl.constexpr, P_CHUNKS: tl.constexpr, STREAM: tl.constexpr):
+    # program p < writers writes floats [p * CHUNK * P_CHUNKS, (p + 1) * CHUNK * P_CHUNKS), CHUNK at a time; with
+    # STREAM > 0 every program first reads its STREAM floats of `big` (a GEMV's weight stream) into what it writes
     p = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
-    for i in range(P_CHUNKS):
-        base = (p * P_CHUNKS + i) * CHUNK
-        tl.store(buf + base + offs, (base + offs).to(tl.float32) * 0.5)
+    extra = 0.0
+    if STREAM > 0:
+        extra = tl.sum(tl.load(big + p * STREAM + tl.arange(0, STREAM)).to(tl.float32), axis=0) * zero
+    if p < writers:
+        for i in range(P_CHUNKS):
+            base = (p * P_CHUNKS + i) * CHUNK
+            tl.store(buf + base + offs, (base + offs).to(tl.float32) * 0.5 + extra)
 
 
 @triton.jit
@@ -69,20 +79,24 @@ def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr):
     tl.store(out + r, s)
 
 
-def run_case(mode: str, size: int, chunk: int, readers: int, dev: torch.device) -> dict:
+def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev: torch.device) -> dict:
     floats = size // 4
     chunk_f = floats if chunk == 0 else chunk // 4
     # one program writes at most 64 KB a store: longer whole-buffer writes loop over chunks of it
     store_f = min(chunk_f, 16384)
     writers = floats // chunk_f
     per_reader = floats if mode == "all" else floats // readers
+    grid = max(writers, STREAM_PROGRAMS) if stream_mb else writers
+    stream_f = (stream_mb << 20) // 2 // grid if stream_mb else 0  # bf16 elements a program
+    bigs = [torch.randn(max(1, stream_f * grid), device=dev).to(torch.bfloat16) for _ in range(LAYERS)]
     bufs = [torch.zeros(floats, device=dev) for _ in range(LAYERS)]
     out = torch.empty(readers, device=dev)
     stamps = [[torch.zeros(readers, 2, dtype=torch.int64, device=dev) for _ in range(2)] for _ in range(LAYERS)]
 
     def step() -> None:
-        for buf, (first, again) in zip(bufs, stamps):
-            _write_kernel[(writers,)](buf, CHUNK=store_f, P_CHUNKS=chunk_f // store_f, num_warps=4)
+        for buf, big, (first, again) in zip(bufs, bigs, stamps):
+            _write_kernel[(grid,)](buf, big, 0.0, writers, CHUNK=store_f, P_CHUNKS=chunk_f // store_f, STREAM=stream_f,
+                                   num_warps=4)  # fmt: skip
             _read_kernel[(readers,)](buf, out, first, N=per_reader, SPLIT=mode == "split", num_warps=4)
             _read_kernel[(readers,)](buf, out, again, N=per_reader, SPLIT=mode == "split", num_warps=4)
 
@@ -97,7 +111,8 @@ def run_case(mode: str, size: int, chunk: int, readers: int, dev: torch.device) 
     for _ in range(REPLAYS):
         graph.replay()
     torch.cuda.synchronize()
-    row = {"mode": mode, "bytes": size, "chunk": chunk or size, "writers": writers, "readers": readers}
+    row = {"mode": mode, "bytes": size, "chunk": chunk or size, "writers": writers, "readers": readers,
+           "stream_mb": stream_mb}  # fmt: skip
     for k, name in enumerate(("first", "again")):
         us = torch.cat([(s[k][:, 1] - s[k][:, 0]).float() / 1e3 for s in stamps]).tolist()
         row[name] = {"median_us": statistics.median(us), "max_us": max(us)}
@@ -111,11 +126,12 @@ def main() -> None:
     dev = torch.device("cuda")
     rep = Report("cuda", layers=LAYERS, replays=REPLAYS)
     rows = []
-    for mode, size, chunk, readers in CASES:
-        r = run_case(mode, size, chunk, readers, dev)
+    for mode, size, chunk, readers, stream_mb in CASES:
+        r = run_case(mode, size, chunk, readers, stream_mb, dev)
         rows.append(r)
         f, a = r["first"], r["again"]
-        rep.log(f"{mode:5s} {size / 1024:7.0f} KB written {r['chunk']:6d} B a program by {r['writers']:5d}, "
+        after = f" after {stream_mb} MB streamed" if stream_mb else ""
+        rep.log(f"{mode:5s} {size / 1024:7.0f} KB written{after} {r['chunk']:6d} B a program by {r['writers']:5d}, "
                 f"read by {readers:3d}: first {f['median_us']:5.2f} us (max {f['max_us']:5.2f}), "
                 f"again {a['median_us']:5.2f} (max {a['max_us']:5.2f})")  # fmt: skip
     rep.out["rows"] = rows
