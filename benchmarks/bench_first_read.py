@@ -12,7 +12,7 @@ sum as an operand, so it cannot run earlier); its load time is the difference. F
 programs of every link, and the slowest program, of the last replay: "first" is the reader right after the writer,
 "again" the same reader launched once more on the same bytes.
 
-    PYTHONPATH=$PWD python benchmarks/bench_first_read.py --out $OUT/first_read_h200.json
+    PYTHONPATH=$PWD python benchmarks/bench_first_read.py --out $OUT/first_read_h200.json [--pdl]
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ceilings import Report
 
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+
 LAYERS = 8
 REPLAYS = 5
 # (mode, S bytes, writer's chunk bytes (0: one program writes it all), readers, MB the writer streams first)
@@ -46,13 +48,19 @@ CASES = [
     ("all", 4096, 0, 64, 16),
     ("split", 4 << 20, 32768, 256, 16),
 ]
+# with --pdl: the writer and readers as the decode step launches its kernels (programmatic dependent launch: a
+# reader's programs may be resident before the writer ends, and are timed from their wait's return)
+PDL_CASES = [("all", 4096, 4, 64, 16), ("all", 4096, 0, 64, 16), ("split", 4 << 20, 32768, 256, 16),
+             ("split", 4 << 20, 32768, 256, 0), ("all", 4096, 4, 64, 0)]
 STREAM_PROGRAMS = 1024
 
 
 @triton.jit
-def _write_kernel(buf, big, zero, writers, CHUNK: tl.constexpr, P_CHUNKS: tl.constexpr, STREAM: tl.constexpr):
+def _write_kernel(buf, big, zero, writers, CHUNK: tl.constexpr, P_CHUNKS: tl.constexpr, STREAM: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):  # fmt: skip
     # program p < writers writes floats [p * CHUNK * P_CHUNKS, (p + 1) * CHUNK * P_CHUNKS), CHUNK at a time; with
     # STREAM > 0 every program first reads its STREAM floats of `big` (a GEMV's weight stream) into what it writes
+    pdl_enter(USE_PDL)
     p = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
     extra = 0.0
@@ -65,8 +73,9 @@ def _write_kernel(buf, big, zero, writers, CHUNK: tl.constexpr, P_CHUNKS: tl.con
 
 
 @triton.jit
-def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr):
-    # N floats a program: the whole buffer (SPLIT False) or program r's share
+def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False):
+    # N floats a program: the whole buffer (SPLIT False) or program r's share; timed from its PDL wait's return
+    pdl_enter(USE_PDL)
     r = tl.program_id(0)
     t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     base = r.to(tl.int64) * N if SPLIT else 0
@@ -79,7 +88,7 @@ def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr):
     tl.store(out + r, s)
 
 
-def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev: torch.device) -> dict:
+def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev: torch.device, pdl: bool) -> dict:
     floats = size // 4
     chunk_f = floats if chunk == 0 else chunk // 4
     # one program writes at most 64 KB a store: longer whole-buffer writes loop over chunks of it
@@ -93,12 +102,14 @@ def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev
     out = torch.empty(readers, device=dev)
     stamps = [[torch.zeros(readers, 2, dtype=torch.int64, device=dev) for _ in range(2)] for _ in range(LAYERS)]
 
+    launch = pdl_launch(dev) if pdl else {}
+
     def step() -> None:
         for buf, big, (first, again) in zip(bufs, bigs, stamps):
             _write_kernel[(grid,)](buf, big, 0.0, writers, CHUNK=store_f, P_CHUNKS=chunk_f // store_f, STREAM=stream_f,
-                                   num_warps=4)  # fmt: skip
-            _read_kernel[(readers,)](buf, out, first, N=per_reader, SPLIT=mode == "split", num_warps=4)
-            _read_kernel[(readers,)](buf, out, again, N=per_reader, SPLIT=mode == "split", num_warps=4)
+                                   num_warps=4, **launch)  # fmt: skip
+            _read_kernel[(readers,)](buf, out, first, N=per_reader, SPLIT=mode == "split", num_warps=4, **launch)
+            _read_kernel[(readers,)](buf, out, again, N=per_reader, SPLIT=mode == "split", num_warps=4, **launch)
 
     step()  # compile
     torch.cuda.synchronize()
@@ -112,7 +123,7 @@ def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev
         graph.replay()
     torch.cuda.synchronize()
     row = {"mode": mode, "bytes": size, "chunk": chunk or size, "writers": writers, "readers": readers,
-           "stream_mb": stream_mb}  # fmt: skip
+           "stream_mb": stream_mb, "pdl": bool(launch)}  # fmt: skip
     for k, name in enumerate(("first", "again")):
         us = torch.cat([(s[k][:, 1] - s[k][:, 0]).float() / 1e3 for s in stamps]).tolist()
         row[name] = {"median_us": statistics.median(us), "max_us": max(us)}
@@ -122,15 +133,17 @@ def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="result .json (a .log beside it)")
+    ap.add_argument("--pdl", action="store_true", help="also PDL_CASES with programmatic dependent launch")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rep = Report("cuda", layers=LAYERS, replays=REPLAYS)
     rows = []
-    for mode, size, chunk, readers, stream_mb in CASES:
-        r = run_case(mode, size, chunk, readers, stream_mb, dev)
+    cases = [(*c, False) for c in CASES] + ([(*c, True) for c in PDL_CASES] if args.pdl else [])
+    for mode, size, chunk, readers, stream_mb, pdl in cases:
+        r = run_case(mode, size, chunk, readers, stream_mb, dev, pdl)
         rows.append(r)
         f, a = r["first"], r["again"]
-        after = f" after {stream_mb} MB streamed" if stream_mb else ""
+        after = (f" after {stream_mb} MB streamed" if stream_mb else "") + (" (PDL)" if r["pdl"] else "")
         rep.log(f"{mode:5s} {size / 1024:7.0f} KB written{after} {r['chunk']:6d} B a program by {r['writers']:5d}, "
                 f"read by {readers:3d}: first {f['median_us']:5.2f} us (max {f['max_us']:5.2f}), "
                 f"again {a['median_us']:5.2f} (max {a['max_us']:5.2f})")  # fmt: skip
