@@ -6,7 +6,9 @@ had just written 4 bytes each, and only 0.2 us slower with 256 writers (benchmar
 This separates the suspects: how many programs wrote the lines, in what pieces, and how many programs read them.
 
 A CUDA graph of LAYERS links, each: `_write_kernel` (P programs, each storing its CHUNK contiguous bytes of an S-byte
-buffer; P = S / CHUNK; in some cases 1024 programs first stream 16 MB from DRAM, as a GEMV would), then `_read_kernel` twice (R programs; `all`: each loads all S bytes, `split`: each its S / R).
+buffer; P = S / CHUNK; in some cases 1024 programs first stream 16 MB from DRAM, as a GEMV would), then
+`_read_kernel` twice (R programs; `all`: each loads all S bytes, `split`: each its S / R contiguous, `rows`: each its
+[128, 32] tile of 2 KB rows, as MLA decode's stage 2 reads its partials).
 A reader program stamps %globaltimer at entry and once its loads have landed (the stamp's asm takes the loaded
 sum as an operand, so it cannot run earlier); its load time is the difference. Figures are medians over the
 programs of every link, and the slowest program, of the last replay: "first" is the reader right after the writer,
@@ -50,7 +52,10 @@ CASES = [
 ]
 # with --pdl: the writer and readers as the decode step launches its kernels (programmatic dependent launch: a
 # reader's programs may be resident before the writer ends, and are timed from their wait's return)
-PDL_CASES = [("all", 4096, 4, 64, 16), ("all", 4096, 0, 64, 16), ("split", 4 << 20, 32768, 256, 16),
+PDL_CASES = [
+    ("rows", 4 << 20, 2048, 256, 16),  # stage 2 itself: 16 heads x 128 splits x 512 floats, 2 KB rows written
+    ("split", 4 << 20, 2048, 256, 16),  # the same bytes with each reader's tile contiguous
+("all", 4096, 4, 64, 16), ("all", 4096, 0, 64, 16), ("split", 4 << 20, 32768, 256, 16),
              ("split", 4 << 20, 32768, 256, 0), ("all", 4096, 4, 64, 0)]
 STREAM_PROGRAMS = 1024
 
@@ -73,13 +78,23 @@ def _write_kernel(buf, big, zero, writers, CHUNK: tl.constexpr, P_CHUNKS: tl.con
 
 
 @triton.jit
-def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # N floats a program: the whole buffer (SPLIT False) or program r's share; timed from its PDL wait's return
+def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr = 0,
+                 USE_PDL: tl.constexpr = False):  # fmt: skip
+    # N floats a program: the whole buffer (SPLIT False) or program r's share; timed from its PDL wait's return.
+    # ROWS > 0: stage 2's pattern instead, the buffer a [H, ROWS, L] block of rows of L = 512 floats and program r
+    # the [ROWS, N / ROWS] tile of head r // chunks at column chunk r % chunks (a row of the tile a 128-byte line)
     pdl_enter(USE_PDL)
     r = tl.program_id(0)
     t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    base = r.to(tl.int64) * N if SPLIT else 0
-    s = tl.sum(tl.load(buf + base + tl.arange(0, N)), axis=0)
+    if ROWS > 0:
+        CW: tl.constexpr = N // ROWS
+        chunks: tl.constexpr = 512 // CW
+        base = (r // chunks).to(tl.int64) * ROWS * 512 + (r % chunks) * CW
+        offs = tl.arange(0, ROWS)[:, None] * 512 + tl.arange(0, CW)[None, :]
+        s = tl.sum(tl.sum(tl.load(buf + base + offs), axis=1), axis=0)
+    else:
+        base = r.to(tl.int64) * N if SPLIT else 0
+        s = tl.sum(tl.load(buf + base + tl.arange(0, N)), axis=0)
     t1 = tl.inline_asm_elementwise(
         "{ .reg .f32 t; mov.f32 t, $1; mov.u64 $0, %globaltimer; }", "=l,f", [s], dtype=tl.int64, is_pure=False, pack=1
     )
@@ -95,6 +110,7 @@ def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev
     store_f = min(chunk_f, 16384)
     writers = floats // chunk_f
     per_reader = floats if mode == "all" else floats // readers
+    rows = 128 if mode == "rows" else 0  # splits: the rows of a stage-2 tile
     grid = max(writers, STREAM_PROGRAMS) if stream_mb else writers
     stream_f = (stream_mb << 20) // 2 // grid if stream_mb else 0  # bf16 elements a program
     bigs = [torch.randn(max(1, stream_f * grid), device=dev).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -108,13 +124,17 @@ def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev
         for buf, big, (first, again) in zip(bufs, bigs, stamps):
             _write_kernel[(grid,)](buf, big, 0.0, writers, CHUNK=store_f, P_CHUNKS=chunk_f // store_f, STREAM=stream_f,
                                    num_warps=4, **launch)  # fmt: skip
-            _read_kernel[(readers,)](buf, out, first, N=per_reader, SPLIT=mode == "split", num_warps=4, **launch)
-            _read_kernel[(readers,)](buf, out, again, N=per_reader, SPLIT=mode == "split", num_warps=4, **launch)
+            for st in (first, again):
+                _read_kernel[(readers,)](buf, out, st, N=per_reader, SPLIT=mode == "split", ROWS=rows, num_warps=4,
+                                         **launch)  # fmt: skip
 
     step()  # compile
     torch.cuda.synchronize()
-    expect = (torch.arange(floats, device=dev, dtype=torch.float32) * 0.5).view(-1, per_reader).sum(-1)
-    got = out if mode == "split" else out[:1]
+    values = torch.arange(floats, device=dev, dtype=torch.float32) * 0.5
+    if rows:  # [H, rows, chunks, CW] -> [H, chunks, rows, CW]: a reader's tile contiguous
+        values = values.view(-1, rows, 512 // (per_reader // rows), per_reader // rows).transpose(1, 2)
+    expect = values.reshape(-1, per_reader).sum(-1)
+    got = out if mode != "all" else out[:1]
     assert torch.allclose(got, expect[: got.numel()], rtol=1e-4), (mode, size, chunk)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
