@@ -65,7 +65,10 @@ PDL_CASES = [
     ("all", 4096, 4, 64, 0),
     # 128 MB streamed first: more than the L2 holds, so the reader's code (and anything else not just written) is
     # fetched from DRAM again, as after MLA stage 1's 37.7 MB a layer
+    # (writers' pieces x readers' pattern: 2 KB rows or 32 KB blocks written, read as stage 2's tiles or contiguous)
     ("rows", 4 << 20, 2048, 256, 128),
+    ("rows", 4 << 20, 32768, 256, 128),
+    ("split", 4 << 20, 2048, 256, 128),
     ("split", 4 << 20, 32768, 256, 128),
     ("all", 4096, 4, 64, 128),
 ]
