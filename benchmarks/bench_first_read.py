@@ -79,7 +79,7 @@ STREAM_PROGRAMS = 1024
 
 @triton.jit
 def _write_kernel(buf, big, zero, writers, CHUNK: tl.constexpr, P_CHUNKS: tl.constexpr, STREAM: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):  # fmt: skip
+                  HINT: tl.constexpr = "", USE_PDL: tl.constexpr = False):  # fmt: skip
     # program p < writers writes floats [p * CHUNK * P_CHUNKS, (p + 1) * CHUNK * P_CHUNKS), CHUNK at a time; with
     # STREAM > 0 every program first reads its STREAM floats of `big` (a GEMV's weight stream) into what it writes
     pdl_enter(USE_PDL)
@@ -93,12 +93,18 @@ def _write_kernel(buf, big, zero, writers, CHUNK: tl.constexpr, P_CHUNKS: tl.con
     if p < writers:
         for i in range(P_CHUNKS):
             base = (p * P_CHUNKS + i) * CHUNK
-            tl.store(buf + base + offs, (base + offs).to(tl.float32) * 0.5 + extra)
+            val = (base + offs).to(tl.float32) * 0.5 + extra
+            if HINT == "evict_last":
+                tl.store(buf + base + offs, val, eviction_policy="evict_last")
+            elif HINT == "":
+                tl.store(buf + base + offs, val)
+            else:  # a cache modifier: .cg, .cs, .wt
+                tl.store(buf + base + offs, val, cache_modifier=HINT)
 
 
 @triton.jit
 def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr = 0,
-                 USE_PDL: tl.constexpr = False):  # fmt: skip
+                 HINT: tl.constexpr = "", USE_PDL: tl.constexpr = False):  # fmt: skip
     # N floats a program: the whole buffer (SPLIT False) or program r's share; timed from its PDL wait's return.
     # ROWS > 0: stage 2's pattern instead, the buffer a [H, ROWS, L] block of rows of L = 512 floats and program r
     # the [ROWS, N / ROWS] tile of head r // chunks at column chunk r % chunks (a row of the tile a 128-byte line)
@@ -110,7 +116,7 @@ def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr, ROWS: t
         chunks: tl.constexpr = 512 // CW
         base = (r // chunks).to(tl.int64) * ROWS * 512 + (r % chunks) * CW
         offs = tl.arange(0, ROWS)[:, None] * 512 + tl.arange(0, CW)[None, :]
-        s = tl.sum(tl.sum(tl.load(buf + base + offs), axis=1), axis=0)
+        s = tl.sum(tl.sum(tl.load(buf + base + offs, cache_modifier=HINT), axis=1), axis=0)
     else:
         base = r.to(tl.int64) * N if SPLIT else 0
         s = tl.sum(tl.load(buf + base + tl.arange(0, N)), axis=0)
@@ -122,7 +128,10 @@ def _read_kernel(buf, out, stamps, N: tl.constexpr, SPLIT: tl.constexpr, ROWS: t
     tl.store(out + r, s)
 
 
-def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev: torch.device, pdl: bool) -> dict:
+def run_case(
+    mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev: torch.device, pdl: bool,
+    hints: tuple[str, str] = ("", ""),
+) -> dict:  # fmt: skip
     floats = size // 4
     chunk_f = floats if chunk == 0 else chunk // 4
     # one program writes at most 64 KB a store: longer whole-buffer writes loop over chunks of it
@@ -142,10 +151,10 @@ def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev
     def step() -> None:
         for buf, big, (first, again) in zip(bufs, bigs, stamps):
             _write_kernel[(grid,)](buf, big, 0.0, writers, CHUNK=store_f, P_CHUNKS=chunk_f // store_f, STREAM=stream_f,
-                                   num_warps=4, **launch)  # fmt: skip
+                                   HINT=hints[0], num_warps=4, **launch)  # fmt: skip
             for st in (first, again):
-                _read_kernel[(readers,)](buf, out, st, N=per_reader, SPLIT=mode == "split", ROWS=rows, num_warps=4,
-                                         **launch)  # fmt: skip
+                _read_kernel[(readers,)](buf, out, st, N=per_reader, SPLIT=mode == "split", ROWS=rows, HINT=hints[1],
+                                         num_warps=4, **launch)  # fmt: skip
 
     step()  # compile
     torch.cuda.synchronize()
@@ -162,7 +171,7 @@ def run_case(mode: str, size: int, chunk: int, readers: int, stream_mb: int, dev
         graph.replay()
     torch.cuda.synchronize()
     row = {"mode": mode, "bytes": size, "chunk": chunk or size, "writers": writers, "readers": readers,
-           "stream_mb": stream_mb, "pdl": bool(launch)}  # fmt: skip
+           "stream_mb": stream_mb, "pdl": bool(launch), "store_hint": hints[0], "load_hint": hints[1]}  # fmt: skip
     for k, name in enumerate(("first", "again")):
         us = torch.cat([(s[k][:, 1] - s[k][:, 0]).float() / 1e3 for s in stamps]).tolist()
         row[name] = {"median_us": statistics.median(us), "max_us": max(us)}
@@ -173,16 +182,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="result .json (a .log beside it)")
     ap.add_argument("--pdl", action="store_true", help="also PDL_CASES with programmatic dependent launch")
+    ap.add_argument("--hints", default="", help="STORE/LOAD,...: only stage 2's case behind 128 MB (PDL), the writer's "
+                    "store hint (evict_last, .cg, .cs, .wt or none) and the reader's load modifier (.cg, .cv or none)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rep = Report("cuda", layers=LAYERS, replays=REPLAYS)
     rows = []
-    cases = [(*c, False) for c in CASES] + ([(*c, True) for c in PDL_CASES] if args.pdl else [])
-    for mode, size, chunk, readers, stream_mb, pdl in cases:
-        r = run_case(mode, size, chunk, readers, stream_mb, dev, pdl)
+    cases = [(*c, False, ("", "")) for c in CASES] + ([(*c, True, ("", "")) for c in PDL_CASES] if args.pdl else [])
+    if args.hints:
+        pairs = [tuple("" if h == "none" else h for h in pair.split("/")) for pair in args.hints.split(",")]
+        cases = [("rows", 4 << 20, 2048, 256, 128, True, pair) for pair in pairs]
+    for mode, size, chunk, readers, stream_mb, pdl, hints in cases:
+        r = run_case(mode, size, chunk, readers, stream_mb, dev, pdl, hints)
         rows.append(r)
         f, a = r["first"], r["again"]
         after = (f" after {stream_mb} MB streamed" if stream_mb else "") + (" (PDL)" if r["pdl"] else "")
+        after += f" [store {hints[0] or 'plain'}, load {hints[1] or 'plain'}]" if any(hints) else ""
         rep.log(f"{mode:5s} {size / 1024:7.0f} KB written{after} {r['chunk']:6d} B a program by {r['writers']:5d}, "
                 f"read by {readers:3d}: first {f['median_us']:5.2f} us (max {f['max_us']:5.2f}), "
                 f"again {a['median_us']:5.2f} (max {a['max_us']:5.2f})")  # fmt: skip
