@@ -19,7 +19,8 @@ right after the writer, "again" the same reader launched once more on the same b
 H200 (first_read*_s49_h200.log): no case pays more than 0.4 us on a first read over the second, stage 2's own tiles
 behind a PDL wait included (0.96 against 0.90 us), except one combination: behind a stream larger than the L2
 (128 MB), stage 2's tiles gathering 2 KB rows written by 2048 programs, 1.47-1.50 against 0.90 us (32 KB blocks by
-128 programs: 0.99). The folded router's +3 us is in no case here.
+128 programs: 0.99), whatever the store hint (evict_last, .cg, .cs, .wt) or load modifier (.cg): 1.47-1.54 us.
+The folded router's +3 us is in no case here.
 """
 
 from __future__ import annotations
