@@ -26,7 +26,7 @@ with max_padded = T*K + min(E, T*K) * (BLOCK_M - 1) rounded up to BLOCK_M.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,7 +37,7 @@ from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
-from ftransformers.kernels.triton_router import DeferredTopK, deferred_pick
+from ftransformers.kernels.triton_router import DeferredTopK, deferred_topk
 
 # Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
 # (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
@@ -76,7 +76,6 @@ class PairConfig:
     down_warps: int = 4
     down_stages: int = 4
     down_split: int = 1  # programs per (token, D block), each over TOP_K / down_split slots (a divisor)
-    up_tiles: int = 1  # consecutive N blocks a gate-up program (fewer programs, each looping over its blocks)
     # the down projection in triton_moe_token_down (its module tiles, all slots a program, first K tile before the
     # PDL wait) where it takes the call; the down_* tiles above are then unused
     token_down: bool = False
@@ -98,10 +97,6 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
 # (Qwen3-30B-A3B bf16 B=1 2.459 ms; K tiles of 2048, 4 or 16 rows, 8 warps: 2.47-2.73;
 # benchmarks/results/ab_pair_up_30b_bf16_h200.log)
 PAIR_UP_N, PAIR_UP_K, PAIR_UP_WARPS, PAIR_UP_STAGES = 8, 1024, 4, 2
-PAIR_UP_TILES = 1  # N blocks a gate-up program (PairConfig.up_tiles)
-# With a DeferredTopK the token down kernel selects its experts from the router's partials ahead of its wait
-# (False: it reads the ids the gate-up wrote, after its wait)
-DEFERRED_DOWN_SELECTS = True
 
 
 def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
@@ -112,8 +107,7 @@ def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
     split was best; DeepSeek width not measured, so not split)."""
     if num_tokens * hidden_size <= 4096:
         return PairConfig(up_n=PAIR_UP_N, up_k=PAIR_UP_K, down_n=2, up_warps=PAIR_UP_WARPS, up_stages=PAIR_UP_STAGES,
-                          up_tiles=PAIR_UP_TILES, down_stages=2, down_split=4 if num_tokens == 1 else 1,
-                          token_down=True)  # fmt: skip
+                          down_stages=2, down_split=4 if num_tokens == 1 else 1, token_down=True)  # fmt: skip
     return PairConfig(up_n=4, down_n=4, up_stages=2, down_stages=2, token_down=True)
 
 
@@ -301,10 +295,9 @@ def _pair_gate_up_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, tw_ptr, part_ptr, N, K, num_pairs, up_offset,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    N_TILES: tl.constexpr = 1, SELECT: tl.constexpr = False, SEL_E: tl.constexpr = 1, SEL_SPLIT: tl.constexpr = 1,
+    SELECT: tl.constexpr = False, SEL_E: tl.constexpr = 1, SEL_SPLIT: tl.constexpr = 1,
     SEL_PART_T: tl.constexpr = 1, SEL_ROUND: tl.constexpr = 1, SEL_RENORM: tl.constexpr = False,
-    SEL_BLOCK_E: tl.constexpr = 1, SEL_BLOCK_K: tl.constexpr = 1, SEL_BY_RANK: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    SEL_BLOCK_E: tl.constexpr = 1, SEL_BLOCK_K: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # act[pair, n] = w[pair] * silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, up_offset + n]), t = pair // TOP_K.
     # One row, so a GEMV on CUDA cores: [BLOCK_N, BLOCK_K] weight tiles times the x row, summed over
@@ -317,58 +310,36 @@ def _pair_gate_up_kernel(
     pair = pid % num_pairs
     pid_n = pid // num_pairs
     if SELECT:
-        expert, weight = deferred_pick(part_ptr, pair // TOP_K, pair % TOP_K, SEL_E, SEL_SPLIT, SEL_PART_T, SEL_ROUND,
-                                       SEL_RENORM, TOP_K, SEL_BLOCK_E, SEL_BLOCK_K, SEL_BY_RANK)  # fmt: skip
+        sel_w, sel_ids = deferred_topk(part_ptr, pair // TOP_K, SEL_E, SEL_SPLIT, SEL_PART_T, SEL_ROUND, SEL_RENORM,
+                                       TOP_K, SEL_BLOCK_E, SEL_BLOCK_K)  # fmt: skip
+        mine = tl.arange(0, SEL_BLOCK_K)[None, :] == pair % TOP_K  # [1, BK]
+        expert = tl.sum(tl.sum(tl.where(mine, sel_ids, 0), 1), 0).to(tl.int64)
+        weight = tl.sum(tl.sum(tl.where(mine, sel_w, 0.0), 1), 0)
         if pid_n == 0:
             tl.store(ids_ptr + pair, expert.to(ids_ptr.dtype.element_ty))
             tl.store(tw_ptr + pair, weight)
     else:
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if N_TILES > 1:  # N_TILES consecutive N blocks, one loop over (block, K step) so loads run a step ahead
-        if not SELECT:
-            weight = tl.load(tw_ptr + pair)
-        rows = tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        x_base = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k * stride_xk  # [BK]
-        w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk  # [1, BK]
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in range(N_TILES * K_TILES):
-            kt = i % K_TILES
-            offs_n = (pid_n * N_TILES + i // K_TILES) * BLOCK_N + rows
-            n_ok = offs_n < N
-            k_ok = offs_k < K - kt * BLOCK_K
-            x = tl.load(x_base + kt * BLOCK_K * stride_xk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w_ptrs = w_base + offs_n[:, None].to(tl.int64) * stride_wn + kt * BLOCK_K * stride_wk
-            g = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.load(w_ptrs + up_offset, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            step = rows * 0 + kt  # [BN], the K step as a vector (a mask of the interpreter needs one)
-            acc = tl.where(step == 0, 0.0, acc) + tl.sum(g * x, axis=1)
-            acc_up = tl.where(step == 0, 0.0, acc_up) + tl.sum(u * x, axis=1)
-            act = acc / (1.0 + tl.exp(-acc)) * acc_up * weight
-            tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty),
-                     mask=n_ok & (step == K_TILES - 1))  # fmt: skip
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k * stride_xk  # [BK]
-        w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in range(K_TILES):
-            k_ok = offs_k < K - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            g = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            u = tl.load(w_ptrs + up_offset, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(g * x, axis=1)
-            acc_up += tl.sum(u * x, axis=1)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-        if not SELECT:
-            weight = tl.load(tw_ptr + pair)
-        act = acc / (1.0 + tl.exp(-acc)) * acc_up * weight
-        tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xm + offs_k * stride_xk  # [BK]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(K_TILES):
+        k_ok = offs_k < K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.load(w_ptrs + up_offset, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(g * x, axis=1)
+        acc_up += tl.sum(u * x, axis=1)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    if not SELECT:
+        weight = tl.load(tw_ptr + pair)
+    act = acc / (1.0 + tl.exp(-acc)) * acc_up * weight
+    tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
 
 
 @cached_launch
@@ -429,12 +400,12 @@ def pair_gate_up(
     inter = w13.shape[1] // 2
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     block_k = min(cfg.up_k, next_pow2(d))
-    grid = (num_pairs * cdiv(cdiv(inter, cfg.up_n), cfg.up_tiles),)
-    part, select = (weights, {}) if deferred is None else (deferred.part, deferred.kernel_args())
+    grid = (num_pairs * cdiv(inter, cfg.up_n),)
+    part, select = (weights, {}) if deferred is None else (deferred.part, {"SELECT": True, **deferred.kernel_args()})
     _pair_gate_up_kernel[grid](
         hidden, w13, act, topk_ids, weights, part, inter, d, num_pairs, inter * w13.stride(1),
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=cdiv(d, block_k), N_TILES=cfg.up_tiles,
+        TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=cdiv(d, block_k),
         num_warps=cfg.up_warps, num_stages=cfg.up_stages, **select,
         **pdl_launch(hidden.device),
     )  # fmt: skip
@@ -525,8 +496,6 @@ def fused_moe(
         act = pair_gate_up(hidden, w13, ids, weights, cfg, deferred)  # [T*K, I]
         out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
         if cfg.token_down and token_down.takes(t, top_k):
-            if deferred is not None and not DEFERRED_DOWN_SELECTS:  # ids from the gate-up, after the wait
-                return token_down.moe_token_down(act, w2, ids, out, replace(token_down.default_config(), preload=False))
             return token_down.moe_token_down(act, w2, ids, out, deferred=deferred)
         return pair_down_sum(act, w2, ids, out, cfg)
     cfg = config or default_config(t, e, top_k)

@@ -63,7 +63,7 @@ def _moe_token_down_kernel(
     K_TILES: tl.constexpr, PRELOAD: tl.constexpr, SELECT: tl.constexpr = False, SEL_E: tl.constexpr = 1,
     SEL_SPLIT: tl.constexpr = 1, SEL_PART_T: tl.constexpr = 1, SEL_ROUND: tl.constexpr = 1,
     SEL_RENORM: tl.constexpr = False, SEL_BLOCK_E: tl.constexpr = 1, SEL_BLOCK_K: tl.constexpr = 1,
-    SEL_BY_RANK: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tiles are [BLOCK_N, SLOTS_P2, BLOCK_K]: rows of D, top-k slots (padded to a power of two, masked), K.
     # SELECT: the routing is the router's partials (triton_router.DeferredTopK), the slots' experts selected here;
@@ -79,7 +79,7 @@ def _moe_token_down_kernel(
     a_ptrs = act_ptr + (tok * TOP_K + s3).to(tl.int64) * stride_am + k3  # [1, S, BK]
     if PRELOAD and SELECT:
         expert = deferred_slots(part_ptr, tok, SEL_E, SEL_SPLIT, SEL_PART_T, SEL_ROUND, SEL_RENORM, TOP_K, SEL_BLOCK_E,
-                                SEL_BLOCK_K, SEL_BY_RANK)  # fmt: skip
+                                SEL_BLOCK_K)  # fmt: skip
     elif PRELOAD:
         expert = tl.load(ids_ptr + tok * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)  # [S]
     if PRELOAD:
@@ -88,7 +88,7 @@ def _moe_token_down_kernel(
     pdl_enter(USE_PDL)
     if not PRELOAD and SELECT:
         expert = deferred_slots(part_ptr, tok, SEL_E, SEL_SPLIT, SEL_PART_T, SEL_ROUND, SEL_RENORM, TOP_K, SEL_BLOCK_E,
-                                SEL_BLOCK_K, SEL_BY_RANK)  # fmt: skip
+                                SEL_BLOCK_K)  # fmt: skip
     elif not PRELOAD:
         expert = tl.load(ids_ptr + tok * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)  # [S]
     if not PRELOAD:
@@ -123,7 +123,7 @@ def moe_token_down(
         raise ValueError(f"moe_token_down: act [T*K, I] = [{t * top_k}, {inter}] unit-stride and top-k <= {MAX_TOP_K} "
                          f"expected, got act {tuple(act.shape)} stride {act.stride()}, top-k {top_k}")  # fmt: skip
     block_k = min(cfg.block_k, next_pow2(inter))
-    part, select = (ids, {}) if deferred is None else (deferred.part, deferred.kernel_args())
+    part, select = (ids, {}) if deferred is None else (deferred.part, {"SELECT": True, **deferred.kernel_args()})
     _moe_token_down_kernel[(cdiv(d, cfg.block_n), t)](
         act, w2, out, ids, part, d, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         TOP_K=top_k, SLOTS_P2=next_pow2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=block_k,

@@ -62,11 +62,8 @@ ROUTER_WARPS = 0
 # Softmax routing of at most DEFER_MAX_TOKENS rows runs its selection in the MoE kernels that read the routing
 # (`DeferredTopK`; the 16-bit pair path's gate-up and token down). False: the router selects (for an A/B,
 # `set=triton_router.SELECT_IN_MOE=0` in benchmarks/ab_decode.py)
-SELECT_IN_MOE = False
+SELECT_IN_MOE = True
 DEFER_MAX_TOKENS = 1
-# A deferred selection picks by one all-pairs rank count (`_ranks`) instead of K successive maxima, each a reduction
-# over the warps (Triton 3.6 spreads the experts over all warps, even of the router's [SEL_T, 1, E] tile)
-SELECT_BY_RANK = True
 
 
 @cached_launch
@@ -249,10 +246,10 @@ def _key_logit(key, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _packed_keys(logits, eid, ev, ROUND: tl.constexpr):
-    # logits holding 16-bit values (ROUND 1: bf16, 2: fp16) of experts eid (valid where ev) -> int32 keys,
-    # (the logit as an order-preserving signed 16-bit code) << 16 | (65535 - expert): distinct for distinct experts,
-    # higher for a higher logit and, on ties, for the lower expert; the lowest int32 where not ev
+def _packed_softmax_topk(logits, eid, ev, ROUND: tl.constexpr, RENORM: tl.constexpr, K: tl.constexpr,
+                         SEL_T: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # logits [SEL_T, BG, BS] float32 holding 16-bit values (ROUND 1: bf16, 2: fp16) of experts eid (valid where
+    # ev) -> softmax top-K (weights, ids) [SEL_T, BK], unscaled (PACKED_SELECT)
     if ROUND == 1:
         bits = (logits.to(tl.uint32, bitcast=True) >> 16).to(tl.int32)  # bf16 pattern
     else:
@@ -260,15 +257,7 @@ def _packed_keys(logits, eid, ev, ROUND: tl.constexpr):
     bits = tl.where(bits == 0x8000, 0, bits)  # -0 ranks as +0
     # order-preserving code, signed: positives 0x0000.. (bits), negatives ..-1 (descending magnitude)
     code = tl.where(bits >= 0x8000, 0x7FFF - bits, bits)  # [-32768, 32767]
-    return tl.where(ev, (code << 16) | (0xFFFF - eid), -2147483648)
-
-
-@triton.jit
-def _packed_softmax_topk(logits, eid, ev, ROUND: tl.constexpr, RENORM: tl.constexpr, K: tl.constexpr,
-                         SEL_T: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # logits [SEL_T, BG, BS] float32 holding 16-bit values (ROUND 1: bf16, 2: fp16) of experts eid (valid where
-    # ev) -> softmax top-K (weights, ids) [SEL_T, BK], unscaled (PACKED_SELECT)
-    key = _packed_keys(logits, eid, ev, ROUND)
+    key = tl.where(ev, (code << 16) | (0xFFFF - eid), -2147483648)  # distinct for distinct experts
     koffs = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
     picks = tl.zeros([SEL_T, BLOCK_K], dtype=tl.int32)
     first = tl.zeros([SEL_T], dtype=tl.int32)
@@ -303,65 +292,27 @@ def _round_logits(logits, ROUND: tl.constexpr):
 
 
 @triton.jit
-def _deferred_logits(part_ptr, tok, E: tl.constexpr, N_SPLIT: tl.constexpr, PART_T: tl.constexpr,
-                     ROUND: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
-    # token `tok`'s logits [BLOCK_E] float32 from the fused router's phase-1 partials part [N_SPLIT, PART_T, E]:
-    # summed in split order and rounded, as its phase 2 does (0 past E)
-    e = tl.arange(0, BLOCK_E)
-    logits = tl.zeros([BLOCK_E], dtype=tl.float32)
+def deferred_topk(part_ptr, tok, E: tl.constexpr, N_SPLIT: tl.constexpr, PART_T: tl.constexpr, ROUND: tl.constexpr,
+                  RENORM: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # The fused router's phase 2 for token `tok`, run by a consumer of `DeferredTopK`: its phase-1 partials part
+    # [N_SPLIT, PART_T, E] summed in split order, rounded, PACKED_SELECT -> (weights, ids) [1, BLOCK_K], the
+    # router's own picks. Loads and arithmetic only (a consumer may call it ahead of its PDL wait where the router
+    # is not its predecessor: tests/test_pdl.py).
+    e3 = tl.arange(0, BLOCK_E)[None, None, :]  # [1, 1, BE] expert index (one group)
+    ev = e3 < E
+    logits = tl.zeros([1, 1, BLOCK_E], dtype=tl.float32)
     for sp in tl.static_range(N_SPLIT):
-        logits += tl.load(part_ptr + (sp * PART_T + tok) * E + e, mask=e < E, other=0.0, cache_modifier=".cg")
-    return _round_logits(logits, ROUND)
-
-
-@triton.jit
-def _ranks(logits, E: tl.constexpr, ROUND: tl.constexpr, BLOCK_E: tl.constexpr):
-    # logits [BE] -> (rank [BE] int32: 0 for the highest logit, ties to the lower expert, _packed_softmax_topk's
-    # order; its logit [BE] float32 as the keys hold it). One all-pairs count instead of K successive maxima.
-    e = tl.arange(0, BLOCK_E)
-    key = _packed_keys(logits, e, e < E, ROUND)
-    rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), axis=1)
-    return rank, _key_logit(key, ROUND)
-
-
-@triton.jit
-def deferred_pick(part_ptr, tok, slot, E: tl.constexpr, N_SPLIT: tl.constexpr, PART_T: tl.constexpr,
-                  ROUND: tl.constexpr, RENORM: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BY_RANK: tl.constexpr):  # fmt: skip
-    # The fused router's phase 2 for pick `slot` of token `tok`, run by a consumer of `DeferredTopK`: (expert int64,
-    # weight float32) scalars, the router's pick (the weight within float32 rounding where BY_RANK sums the picks
-    # in another order). Loads and arithmetic only (tests/test_deferred_routing.py).
-    logits = _deferred_logits(part_ptr, tok, E, N_SPLIT, PART_T, ROUND, BLOCK_E)
-    e = tl.arange(0, BLOCK_E)
-    if BY_RANK:
-        rank, lg = _ranks(logits, E, ROUND, BLOCK_E)
-        top = tl.max(tl.where(e < E, lg, float("-inf")))
-        p = tl.where(e < E, tl.exp(lg - top), 0.0)
-        mine = rank == slot
-        z = tl.sum(tl.where(rank < K, p, 0.0)) if RENORM else tl.sum(p)
-        return tl.sum(tl.where(mine, e, 0)).to(tl.int64), tl.sum(tl.where(mine, p, 0.0)) / z
-    w, ids = _packed_softmax_topk(tl.reshape(logits, [1, 1, BLOCK_E]), tl.reshape(e, [1, 1, BLOCK_E]),
-                                  tl.reshape(e < E, [1, 1, BLOCK_E]), ROUND, RENORM, K, 1, BLOCK_K)  # fmt: skip
-    mine = tl.arange(0, BLOCK_K)[None, :] == slot  # [1, BK]
-    return tl.sum(tl.sum(tl.where(mine, ids, 0), 1), 0).to(tl.int64), tl.sum(tl.sum(tl.where(mine, w, 0.0), 1), 0)
+        logits += tl.load(part_ptr + (sp * PART_T + tok) * E + e3, mask=ev, other=0.0, cache_modifier=".cg")
+    return _packed_softmax_topk(_round_logits(logits, ROUND), e3, ev, ROUND, RENORM, K, 1, BLOCK_K)
 
 
 @triton.jit
 def deferred_slots(part_ptr, tok, E: tl.constexpr, N_SPLIT: tl.constexpr, PART_T: tl.constexpr, ROUND: tl.constexpr,
-                   RENORM: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BY_RANK: tl.constexpr):  # fmt: skip
-    # deferred_pick's experts of all of token `tok`'s slots: [BLOCK_K] int64 (0 past K)
-    logits = _deferred_logits(part_ptr, tok, E, N_SPLIT, PART_T, ROUND, BLOCK_E)
-    e = tl.arange(0, BLOCK_E)
-    k = tl.arange(0, BLOCK_K)
-    if BY_RANK:
-        rank, _ = _ranks(logits, E, ROUND, BLOCK_E)
-        ids = tl.sum(tl.where(rank[:, None] == k[None, :], e[:, None], 0), axis=0)  # [BK]
-    else:
-        _, ids2 = _packed_softmax_topk(tl.reshape(logits, [1, 1, BLOCK_E]), tl.reshape(e, [1, 1, BLOCK_E]),
-                                       tl.reshape(e < E, [1, 1, BLOCK_E]), ROUND, RENORM, K, 1, BLOCK_K)  # fmt: skip
-        ids = tl.reshape(ids2, [BLOCK_K])
-    return tl.where(k < K, ids, 0).to(tl.int64)
+                   RENORM: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # deferred_topk's experts of token `tok`'s slots as a [BLOCK_K] int64 vector (0 past K)
+    _, ids = deferred_topk(part_ptr, tok, E, N_SPLIT, PART_T, ROUND, RENORM, K, BLOCK_E, BLOCK_K)
+    ids = tl.reshape(ids, [BLOCK_K])
+    return tl.where(tl.arange(0, BLOCK_K) < K, ids, 0).to(tl.int64)
 
 
 @cached_launch
@@ -495,11 +446,11 @@ class DeferredTopK:
     rounding: int  # _ROUND's code of the logits' dtype (1 bf16, 2 fp16)
 
     def kernel_args(self) -> dict[str, int | bool]:
-        """A consumer kernel's SELECT and the constexprs of `deferred_topk` (prefixed SEL_)."""
+        """The constexprs of `deferred_topk` (prefixed SEL_ in the consumer kernels)."""
         n_split, part_t, e = self.part.shape
-        return {"SELECT": True, "SEL_E": e, "SEL_SPLIT": n_split, "SEL_PART_T": part_t, "SEL_ROUND": self.rounding,
+        return {"SEL_E": e, "SEL_SPLIT": n_split, "SEL_PART_T": part_t, "SEL_ROUND": self.rounding,
                 "SEL_RENORM": self.renormalize, "SEL_BLOCK_E": next_pow2(e),
-                "SEL_BLOCK_K": next_pow2(self.ids.shape[1]), "SEL_BY_RANK": SELECT_BY_RANK}  # fmt: skip
+                "SEL_BLOCK_K": next_pow2(self.ids.shape[1])}  # fmt: skip
 
 
 def can_defer_router(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
