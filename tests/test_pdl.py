@@ -62,8 +62,7 @@ READ_BEFORE_WAIT = {
     "_w4a16_mma_kernel": "with PRELOAD the first chunk of its (constant) words",
     "_w4a16_wgmma_kernel": "the first chunk of its (constant) words",
     "_moe_token_down_kernel": "with PRELOAD the routing (ids: read by its predecessor, the pair gate-up kernel, after "
-    "that kernel's wait; with SELECT the router's partials, which that kernel read after its wait too) and the first K "
-    "tile of its experts' (constant) 16-bit rows",
+    "that kernel's wait) and the first K tile of its experts' (constant) 16-bit rows",
     "_token_down_w8_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after that "
     "kernel's wait) and its rows of the experts' (constant) weights and scales",
 }
@@ -97,8 +96,6 @@ READ_ONLY_CALLS = {
     "tl.static_range", "_split_len", "gl.load", "gl.program_id", "gl.num_programs",
     "word_offsets",  # gluon_moe_w4_mma's index tensors of a chunk's words: aranges and expand_dims only
     "chunk_words",  # gluon_w4a16_wgmma's, the same
-    "deferred_slots",  # triton_router's selection from the router's partials: loads and arithmetic only
-    # (tests/test_deferred_routing.py checks it and its helpers store nothing)
 }
 
 

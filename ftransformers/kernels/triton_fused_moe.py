@@ -37,7 +37,6 @@ from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
-from ftransformers.kernels.triton_router import DeferredTopK, deferred_topk
 
 # Up to this many (token, slot) pairs fused_moe takes the pair path by default. On the H100
 # (benchmarks/results/moe_pair_h100.json, experts only) it wins at one token of top-8: Qwen3-30B-A3B
@@ -292,34 +291,20 @@ def moe_gemm(
 @cached_launch
 @triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, ids_ptr, tw_ptr, part_ptr, N, K, num_pairs, up_offset,
+    x_ptr, w_ptr, act_ptr, ids_ptr, tw_ptr, N, K, num_pairs, up_offset,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-    SELECT: tl.constexpr = False, SEL_E: tl.constexpr = 1, SEL_SPLIT: tl.constexpr = 1,
-    SEL_PART_T: tl.constexpr = 1, SEL_ROUND: tl.constexpr = 1, SEL_RENORM: tl.constexpr = False,
-    SEL_BLOCK_E: tl.constexpr = 1, SEL_BLOCK_K: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
-):  # fmt: skip
+    USE_PDL: tl.constexpr = False,
+):
     # act[pair, n] = w[pair] * silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, up_offset + n]), t = pair // TOP_K.
     # One row, so a GEMV on CUDA cores: [BLOCK_N, BLOCK_K] weight tiles times the x row, summed over
     # K in float32. Pair fastest in the grid: programs sharing an N block (and so an expert's rows) run
     # together, and an expert hit by several tokens is re-read from L2.
-    # SELECT: the routing is the router's partials (triton_router.DeferredTopK); each program selects its pair's
-    # expert and weight, and the programs of N block 0 store them to ids / tw.
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     pair = pid % num_pairs
     pid_n = pid // num_pairs
-    if SELECT:
-        sel_w, sel_ids = deferred_topk(part_ptr, pair // TOP_K, SEL_E, SEL_SPLIT, SEL_PART_T, SEL_ROUND, SEL_RENORM,
-                                       TOP_K, SEL_BLOCK_E, SEL_BLOCK_K)  # fmt: skip
-        mine = tl.arange(0, SEL_BLOCK_K)[None, :] == pair % TOP_K  # [1, BK]
-        expert = tl.sum(tl.sum(tl.where(mine, sel_ids, 0), 1), 0).to(tl.int64)
-        weight = tl.sum(tl.sum(tl.where(mine, sel_w, 0.0), 1), 0)
-        if pid_n == 0:
-            tl.store(ids_ptr + pair, expert.to(ids_ptr.dtype.element_ty))
-            tl.store(tw_ptr + pair, weight)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -336,9 +321,7 @@ def _pair_gate_up_kernel(
         acc_up += tl.sum(u * x, axis=1)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-    if not SELECT:
-        weight = tl.load(tw_ptr + pair)
-    act = acc / (1.0 + tl.exp(-acc)) * acc_up * weight
+    act = acc / (1.0 + tl.exp(-acc)) * acc_up * tl.load(tw_ptr + pair)
     tl.store(act_ptr + pair.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -393,20 +376,17 @@ def pair_gate_up(
     topk_ids: torch.Tensor,  # [T, K] contiguous
     weights: torch.Tensor,  # [T*K] float32
     cfg: PairConfig,
-    deferred: DeferredTopK | None = None,
 ) -> torch.Tensor:  # act [T*K, I], routing weight applied
-    """With `deferred`, topk_ids and weights are its ids and weights, which this kernel selects and writes."""
     num_pairs, d = topk_ids.numel(), hidden.shape[1]
     inter = w13.shape[1] // 2
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     block_k = min(cfg.up_k, next_pow2(d))
     grid = (num_pairs * cdiv(inter, cfg.up_n),)
-    part, select = (weights, {}) if deferred is None else (deferred.part, {"SELECT": True, **deferred.kernel_args()})
     _pair_gate_up_kernel[grid](
-        hidden, w13, act, topk_ids, weights, part, inter, d, num_pairs, inter * w13.stride(1),
+        hidden, w13, act, topk_ids, weights, inter, d, num_pairs, inter * w13.stride(1),
         hidden.stride(0), hidden.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         TOP_K=topk_ids.shape[1], BLOCK_N=cfg.up_n, BLOCK_K=block_k, K_TILES=cdiv(d, block_k),
-        num_warps=cfg.up_warps, num_stages=cfg.up_stages, **select,
+        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
         **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
@@ -460,15 +440,6 @@ def moe_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def takes_deferred(
-    num_tokens: int, hidden_size: int, top_k: int, config: MoEConfig | PairConfig | None = None
-) -> bool:
-    """Whether fused_moe can run the selection of a DeferredTopK: the pair path with the token down kernel."""
-    if config is None and 0 < num_tokens * top_k <= PAIR_MAX_PAIRS:
-        config = default_pair_config(num_tokens, hidden_size)
-    return isinstance(config, PairConfig) and config.token_down and token_down.takes(num_tokens, top_k)
-
-
 def fused_moe(
     hidden: torch.Tensor,  # [T, D]
     w13: torch.Tensor,  # [E, 2I, D]
@@ -476,14 +447,8 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, K]
     topk_ids: torch.Tensor,  # [T, K]
     config: MoEConfig | PairConfig | None = None,
-    deferred: DeferredTopK | None = None,
 ) -> torch.Tensor:  # [T, D]
-    """The pair path for a PairConfig (or T*K <= PAIR_MAX_PAIRS), else the aligned path. With `deferred` (the
-    router's partials; `takes_deferred` must hold), topk_weights and topk_ids are its unwritten outputs: the pair
-    path's kernels select from the partials and the gate-up writes them."""
-    if deferred is not None:
-        assert takes_deferred(hidden.shape[0], hidden.shape[1], topk_ids.shape[1], config)
-        assert topk_weights is deferred.weights and topk_ids is deferred.ids
+    """The pair path for a PairConfig (or T*K <= PAIR_MAX_PAIRS), else the aligned path."""
     t, d = hidden.shape
     e, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
@@ -493,10 +458,10 @@ def fused_moe(
     if isinstance(config, PairConfig) or (config is None and t * top_k <= PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, PairConfig) else default_pair_config(t, d)
         ids = topk_ids.contiguous()
-        act = pair_gate_up(hidden, w13, ids, weights, cfg, deferred)  # [T*K, I]
+        act = pair_gate_up(hidden, w13, ids, weights, cfg)  # [T*K, I]
         out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)  # [T, D]
         if cfg.token_down and token_down.takes(t, top_k):
-            return token_down.moe_token_down(act, w2, ids, out, deferred=deferred)
+            return token_down.moe_token_down(act, w2, ids, out)
         return pair_down_sum(act, w2, ids, out, cfg)
     cfg = config or default_config(t, e, top_k)
     sorted_ids, expert_ids, num_post = moe_align(topk_ids, e, cfg.block_m)

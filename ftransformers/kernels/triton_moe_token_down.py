@@ -25,7 +25,6 @@ import triton.language as tl
 
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.triton_router import DeferredTopK, deferred_slots
 
 # The pair path of fused_moe runs its down projection here (`set=triton_moe_token_down.ENABLED=0` in
 # benchmarks/ab_decode.py restores pair_down_sum for an A/B).
@@ -57,17 +56,12 @@ def takes(num_tokens: int, top_k: int) -> bool:
 @cached_launch
 @triton.jit
 def _moe_token_down_kernel(
-    act_ptr, w_ptr, out_ptr, ids_ptr, part_ptr, N, K,
+    act_ptr, w_ptr, out_ptr, ids_ptr, N, K,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     TOP_K: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_TILES: tl.constexpr, PRELOAD: tl.constexpr, SELECT: tl.constexpr = False, SEL_E: tl.constexpr = 1,
-    SEL_SPLIT: tl.constexpr = 1, SEL_PART_T: tl.constexpr = 1, SEL_ROUND: tl.constexpr = 1,
-    SEL_RENORM: tl.constexpr = False, SEL_BLOCK_E: tl.constexpr = 1, SEL_BLOCK_K: tl.constexpr = 1,
-    USE_PDL: tl.constexpr = False,
+    K_TILES: tl.constexpr, PRELOAD: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Tiles are [BLOCK_N, SLOTS_P2, BLOCK_K]: rows of D, top-k slots (padded to a power of two, masked), K.
-    # SELECT: the routing is the router's partials (triton_router.DeferredTopK), the slots' experts selected here;
-    # the router ran two launches back, so that too may be read ahead of the wait (SLOTS_P2 == SEL_BLOCK_K).
     pid_n = tl.program_id(0)
     tok = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,21 +71,13 @@ def _moe_token_down_kernel(
     k3 = tl.arange(0, BLOCK_K)[None, None, :]  # [1, 1, BK]
     row_ok = (n3 < N) & (s3 < TOP_K)  # [BN, S, 1]
     a_ptrs = act_ptr + (tok * TOP_K + s3).to(tl.int64) * stride_am + k3  # [1, S, BK]
-    if PRELOAD and SELECT:
-        expert = deferred_slots(part_ptr, tok, SEL_E, SEL_SPLIT, SEL_PART_T, SEL_ROUND, SEL_RENORM, TOP_K, SEL_BLOCK_E,
-                                SEL_BLOCK_K)  # fmt: skip
-    elif PRELOAD:
-        expert = tl.load(ids_ptr + tok * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)  # [S]
     if PRELOAD:
+        expert = tl.load(ids_ptr + tok * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)  # [S]
         w_ptrs = w_ptr + expert[None, :, None] * stride_we + n3.to(tl.int64) * stride_wn + k3 * stride_wk
         w0 = tl.load(w_ptrs, mask=row_ok & (k3 < K), other=0.0)
     pdl_enter(USE_PDL)
-    if not PRELOAD and SELECT:
-        expert = deferred_slots(part_ptr, tok, SEL_E, SEL_SPLIT, SEL_PART_T, SEL_ROUND, SEL_RENORM, TOP_K, SEL_BLOCK_E,
-                                SEL_BLOCK_K)  # fmt: skip
-    elif not PRELOAD:
-        expert = tl.load(ids_ptr + tok * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)  # [S]
     if not PRELOAD:
+        expert = tl.load(ids_ptr + tok * TOP_K + slots, mask=slots < TOP_K, other=0).to(tl.int64)  # [S]
         w_ptrs = w_ptr + expert[None, :, None] * stride_we + n3.to(tl.int64) * stride_wn + k3 * stride_wk
         w0 = tl.load(w_ptrs, mask=row_ok & (k3 < K), other=0.0)
     a = tl.load(a_ptrs, mask=(s3 < TOP_K) & (k3 < K), other=0.0)
@@ -111,11 +97,9 @@ def moe_token_down(
     ids: torch.Tensor,  # [T, K] contiguous
     out: torch.Tensor,  # [T, D], unit stride along D
     cfg: TokenDownConfig | None = None,
-    deferred: DeferredTopK | None = None,
 ) -> torch.Tensor:
     """out = the pair path's down projection and top-k sum. With cfg.preload, ids must not be written by the kernel
-    launched just before this one (fused_moe's pair_gate_up reads them after its own wait, so they qualify). With
-    `deferred` the experts are selected from its partials (the router's, two launches back) and ids is not read."""
+    launched just before this one (fused_moe's pair_gate_up reads them after its own wait, so they qualify)."""
     cfg = cfg or default_config()
     t, top_k = ids.shape
     d, inter = w2.shape[1], w2.shape[2]
@@ -123,10 +107,9 @@ def moe_token_down(
         raise ValueError(f"moe_token_down: act [T*K, I] = [{t * top_k}, {inter}] unit-stride and top-k <= {MAX_TOP_K} "
                          f"expected, got act {tuple(act.shape)} stride {act.stride()}, top-k {top_k}")  # fmt: skip
     block_k = min(cfg.block_k, next_pow2(inter))
-    part, select = (ids, {}) if deferred is None else (deferred.part, {"SELECT": True, **deferred.kernel_args()})
     _moe_token_down_kernel[(cdiv(d, cfg.block_n), t)](
-        act, w2, out, ids, part, d, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+        act, w2, out, ids, d, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
         TOP_K=top_k, SLOTS_P2=next_pow2(top_k), BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        K_TILES=cdiv(inter, block_k), PRELOAD=cfg.preload, num_warps=cfg.warps, **select, **pdl_launch(act.device),
+        K_TILES=cdiv(inter, block_k), PRELOAD=cfg.preload, num_warps=cfg.warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out

@@ -23,7 +23,6 @@ pick (PACKED_SELECT; same picks and tie rule, weights within float32 rounding).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -59,11 +58,6 @@ PACKED_SELECT = True
 ROUTER_PROGRAMS = 128
 ROUTER_SEL_T = 4
 ROUTER_WARPS = 0
-# Softmax routing of at most DEFER_MAX_TOKENS rows runs its selection in the MoE kernels that read the routing
-# (`DeferredTopK`; the 16-bit pair path's gate-up and token down). False: the router selects (for an A/B,
-# `set=triton_router.SELECT_IN_MOE=0` in benchmarks/ab_decode.py)
-SELECT_IN_MOE = True
-DEFER_MAX_TOKENS = 1
 
 
 @cached_launch
@@ -278,43 +272,6 @@ def _packed_softmax_topk(logits, eid, ev, ROUND: tl.constexpr, RENORM: tl.conste
     return w, ids
 
 
-@triton.jit
-def _round_logits(logits, ROUND: tl.constexpr):
-    # float32 sums -> the logits a 16-bit nn.Linear returns (ROUND 1: bf16, round to nearest even in bits, exact on
-    # the GPU and in the interpreter, whose float casts truncate; 2: fp16; 0: unchanged)
-    if ROUND == 1:
-        bits = logits.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        logits = bits.to(tl.float32, bitcast=True)
-    elif ROUND == 2:
-        logits = logits.to(tl.float16).to(tl.float32)
-    return logits
-
-
-@triton.jit
-def deferred_topk(part_ptr, tok, E: tl.constexpr, N_SPLIT: tl.constexpr, PART_T: tl.constexpr, ROUND: tl.constexpr,
-                  RENORM: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # The fused router's phase 2 for token `tok`, run by a consumer of `DeferredTopK`: its phase-1 partials part
-    # [N_SPLIT, PART_T, E] summed in split order, rounded, PACKED_SELECT -> (weights, ids) [1, BLOCK_K], the
-    # router's own picks. Loads and arithmetic only (a consumer may call it ahead of its PDL wait where the router
-    # is not its predecessor: tests/test_pdl.py).
-    e3 = tl.arange(0, BLOCK_E)[None, None, :]  # [1, 1, BE] expert index (one group)
-    ev = e3 < E
-    logits = tl.zeros([1, 1, BLOCK_E], dtype=tl.float32)
-    for sp in tl.static_range(N_SPLIT):
-        logits += tl.load(part_ptr + (sp * PART_T + tok) * E + e3, mask=ev, other=0.0, cache_modifier=".cg")
-    return _packed_softmax_topk(_round_logits(logits, ROUND), e3, ev, ROUND, RENORM, K, 1, BLOCK_K)
-
-
-@triton.jit
-def deferred_slots(part_ptr, tok, E: tl.constexpr, N_SPLIT: tl.constexpr, PART_T: tl.constexpr, ROUND: tl.constexpr,
-                   RENORM: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # deferred_topk's experts of token `tok`'s slots as a [BLOCK_K] int64 vector (0 past K)
-    _, ids = deferred_topk(part_ptr, tok, E, N_SPLIT, PART_T, ROUND, RENORM, K, BLOCK_E, BLOCK_K)
-    ids = tl.reshape(ids, [BLOCK_K])
-    return tl.where(tl.arange(0, BLOCK_K) < K, ids, 0).to(tl.int64)
-
-
 @cached_launch
 @triton.jit
 def _fused_router_kernel(
@@ -325,11 +282,10 @@ def _fused_router_kernel(
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, D_TILES: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
     PF_STRIDE: tl.constexpr, PF_LINES: tl.constexpr,
-    WEIGHT_IS_BEST: tl.constexpr = False, PACKED: tl.constexpr = False, SELECT: tl.constexpr = True,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    WEIGHT_IS_BEST: tl.constexpr = False, PACKED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     # PACKED (SOFTMAX, ROUND 1 or 2, not GROUPED): the key selection of PACKED_SELECT.
-    # SELECT False: phase 1 only, no ticket; the MoE kernels select from the partials (`DeferredTopK`).
     # WEIGHT_IS_BEST (softmax, or sigmoid without a bias): a pick's weight is the selection score it won with.
     # Phase 1, every program: part[pid_d, t, e] = x[t, d-range] . w[e, d-range] for one expert block.
     E_BLOCKS: tl.constexpr = (E + BLOCK_E - 1) // BLOCK_E
@@ -358,8 +314,6 @@ def _fused_router_kernel(
         x_ptrs += BLOCK_D
         w_ptrs += BLOCK_D
     tl.store(part_ptr + (pid_d * BLOCK_T + offs_t[:, None]) * E + offs_e[None, :], acc, mask=offs_e[None, :] < E)
-    if not SELECT:
-        return
     # Phase 2, the last program only
     if last_one_out(counter_ptr, E_BLOCKS * N_SPLIT):
         t3 = tl.arange(0, SEL_T)[:, None, None]
@@ -371,7 +325,13 @@ def _fused_router_kernel(
         logits = tl.zeros([SEL_T, BLOCK_G, BLOCK_S], dtype=tl.float32)
         for sp in tl.static_range(N_SPLIT):
             logits += tl.load(part_ptr + (sp * BLOCK_T + t3) * E + eid, mask=ld, other=0.0, cache_modifier=".cg")
-        logits = _round_logits(logits, ROUND)
+        if ROUND == 1:  # the logits a bf16 nn.Linear returns: round to nearest even, in bits (exact
+            # on the GPU and in the interpreter, whose float casts truncate)
+            bits = logits.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            logits = bits.to(tl.float32, bitcast=True)
+        elif ROUND == 2:
+            logits = logits.to(tl.float16).to(tl.float32)
         if PACKED:
             w_out, ids = _packed_softmax_topk(logits, eid, ev, ROUND, RENORM, K, SEL_T, BLOCK_K)
         else:
@@ -425,60 +385,6 @@ def fused_router_topk(
     """logits = hidden @ weight^T (float32 accumulation; `round_logits` rounds them to hidden's dtype as
     nn.Linear would), then softmax_topk (softmax=True) or grouped_topk_sigmoid semantics.
     Returns topk_weights [T, top_k] float32 and topk_ids [T, top_k] ids_dtype. Caller checks can_fuse_router."""
-    routing = _launch(hidden, weight, top_k, softmax, renormalize, round_logits, num_expert_group, topk_group,
-                      correction_bias, routed_scaling_factor, ids_dtype, select=True)  # fmt: skip
-    return routing.weights, routing.ids
-
-
-@dataclass(frozen=True)
-class DeferredTopK:
-    """Softmax top-k routing whose selection the MoE kernels run (`fused_router_deferred`).
-
-    The router launch stops after its GEMV phase: no ticket, no last program. Each consumer kernel sums the
-    partials and selects with `deferred_topk`, the router's own code, so the picks are the router's. The MoE's
-    gate-up stores `weights` and `ids` for everything after it. At batch 1 this takes the ticket, the last
-    program's read of the partials and its selection off the router's end (SELECT_IN_MOE)."""
-
-    part: torch.Tensor  # [n_split, PART_T, E] float32 partial logits
-    weights: torch.Tensor  # [T, K] float32, written by the MoE's gate-up kernel
-    ids: torch.Tensor  # [T, K], written by the MoE's gate-up kernel
-    renormalize: bool
-    rounding: int  # _ROUND's code of the logits' dtype (1 bf16, 2 fp16)
-
-    def kernel_args(self) -> dict[str, int | bool]:
-        """The constexprs of `deferred_topk` (prefixed SEL_ in the consumer kernels)."""
-        n_split, part_t, e = self.part.shape
-        return {"SEL_E": e, "SEL_SPLIT": n_split, "SEL_PART_T": part_t, "SEL_ROUND": self.rounding,
-                "SEL_RENORM": self.renormalize, "SEL_BLOCK_E": next_pow2(e),
-                "SEL_BLOCK_K": next_pow2(self.ids.shape[1])}  # fmt: skip
-
-
-def can_defer_router(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether fused_router_deferred takes this softmax routing: SELECT_IN_MOE, at most DEFER_MAX_TOKENS rows of
-    16-bit logits (the packed selection) on a fused-router size."""
-    return (
-        SELECT_IN_MOE
-        and PACKED_SELECT
-        and hidden.dim() == 2
-        and hidden.shape[0] <= DEFER_MAX_TOKENS
-        and hidden.dtype in _ROUND
-        and can_fuse_router(hidden, weight)
-    )
-
-
-def fused_router_deferred(
-    hidden: torch.Tensor, weight: torch.Tensor, top_k: int, *, renormalize: bool, ids_dtype: torch.dtype = torch.int64
-) -> DeferredTopK:
-    """The fused router's GEMV phase of softmax routing over rounded 16-bit logits (as fused_router_topk with
-    softmax=True, round_logits=True); the selection is left to the MoE kernels. Caller checks can_defer_router."""
-    return _launch(hidden, weight, top_k, True, renormalize, True, None, None, None, 1.0, ids_dtype, select=False)
-
-
-def _launch(
-    hidden: torch.Tensor, weight: torch.Tensor, top_k: int, softmax: bool, renormalize: bool, round_logits: bool,
-    num_expert_group: int | None, topk_group: int | None, correction_bias: torch.Tensor | None,
-    routed_scaling_factor: float, ids_dtype: torch.dtype, select: bool,
-) -> DeferredTopK:  # fmt: skip
     t, d = hidden.shape
     e = weight.shape[0]
     grouped = not softmax and num_expert_group is not None and num_expert_group > 1
@@ -513,8 +419,8 @@ def _launch(
         PACKED=PACKED_SELECT and softmax and rounding in (1, 2),
         RENORM=bool(renormalize), ROUND=rounding, IEEE=ieee,
         BLOCK_T=block_t, SEL_T=sel_t, BLOCK_E=block_e, BLOCK_D=block_d, D_TILES=tiles_per_split,
-        N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=next_pow2(top_k), SELECT=select,
+        N_SPLIT=n_split, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=next_pow2(top_k),
         num_warps=ROUTER_WARPS or (8 if sel_t * block_g * block_s >= 4096 else 4),
         **prefetch_lines(tiles_per_split * block_d, weight.element_size()), **pdl_launch(hidden.device, prefetch="router"),
     )  # fmt: skip
-    return DeferredTopK(part, out_w, out_ids, bool(renormalize), rounding)
+    return out_w, out_ids

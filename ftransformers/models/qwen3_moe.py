@@ -10,7 +10,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ftransformers.layers.linear import ReplicatedLinear
-from ftransformers.layers.moe import FusedMoE, router_softmax_deferred, router_softmax_topk
+from ftransformers.layers.moe import FusedMoE, router_softmax_topk
 from ftransformers.models.llama import LlamaMLP
 from ftransformers.models.moe_weights import load_moe_model_weights
 from ftransformers.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
@@ -41,11 +41,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> [T, D]. The gate is an unbiased linear [E, D]; at decode sizes its GEMV and
-        # the softmax top-k run as one kernel, or at one token the GEMV alone, the MoE kernels selecting.
-        if self.experts.takes_deferred_routing(hidden, self.top_k):
-            routing = router_softmax_deferred(hidden, self.gate.weight, self.top_k, self.renormalize)
-            if routing is not None:
-                return self.experts(hidden, routing.weights, routing.ids, deferred=routing)
+        # the softmax top-k run as one kernel.
         topk_weights, topk_ids = router_softmax_topk(hidden, self.gate.weight, self.top_k, self.renormalize)
         return self.experts(hidden, topk_weights, topk_ids)
 

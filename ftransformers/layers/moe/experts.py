@@ -130,30 +130,12 @@ class FusedMoE(nn.Module):
         dst = shard_view(param, param.data[expert_id], shards, int(shard_id == "w3"), what)
         copy_checked(param, dst, loaded_weight, what)
 
-    def forward(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, deferred: Any = None
-    ) -> torch.Tensor:
-        # hidden: [T, D]; topk_weights: [T, K]; topk_ids: [T, K] -> [T, D]. deferred: a DeferredTopK
-        # (kernels/triton_router.py) whose unwritten outputs are topk_weights and topk_ids; only where
-        # takes_deferred_routing said so.
-        if deferred is not None:
-            from ftransformers.kernels.triton_fused_moe import fused_moe
-
-            return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, deferred=deferred)
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, D]; topk_weights: [T, K]; topk_ids: [T, K] -> [T, D]
         name = self.backend if self.backend is not None else get_forward_batch().moe_backend
         if self.w13_qw is not None and self.w2_qw is not None:
             return get_quant_moe_backend(name)(hidden, self.w13_qw, self.w2_qw, topk_weights, topk_ids)
         return get_moe_backend(name)(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-
-    def takes_deferred_routing(self, hidden: torch.Tensor, top_k: int) -> bool:
-        """Whether forward can run the selection of a DeferredTopK: the triton backend over 16-bit experts of
-        hidden's dtype, on the pair path with the token down kernel (kernels/triton_fused_moe.takes_deferred)."""
-        name = self.backend if self.backend is not None else get_forward_batch().moe_backend
-        if name != "triton" or self.w13_qw is not None or not hidden.is_cuda or self.w13_weight.dtype != hidden.dtype:
-            return False
-        from ftransformers.kernels.triton_fused_moe import takes_deferred
-
-        return takes_deferred(hidden.shape[0], hidden.shape[1], top_k)
 
     @staticmethod
     def make_expert_params_mapping(

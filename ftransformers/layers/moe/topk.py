@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -22,19 +20,6 @@ def router_softmax_topk(
                 hidden, gate_weight, top_k, softmax=True, renormalize=renormalize, round_logits=True
             )
     return select_experts_softmax(F.linear(hidden, gate_weight), top_k, renormalize)
-
-
-def router_softmax_deferred(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool) -> Any:
-    """router_softmax_topk's GEMV alone, its selection left to the MoE kernels: a DeferredTopK
-    (kernels/triton_router.py) where the fused router takes the call and defers (triton_router.can_defer_router),
-    else None. Only for experts whose takes_deferred_routing holds."""
-    if not hidden.is_cuda:
-        return None
-    from ftransformers.kernels.triton_router import can_defer_router, fused_router_deferred
-
-    if not can_defer_router(hidden, gate_weight):
-        return None
-    return fused_router_deferred(hidden, gate_weight, top_k, renormalize=renormalize)
 
 
 def select_experts_softmax(
