@@ -5,7 +5,8 @@ graph replay: Qwen3-8B at B=128 on an H200 took 8.47 ms a step against a 7.87 ms
 session 50). This serves a batch through the `Scheduler` as those rows do (random prompts of `--context` tokens,
 greedy, ignore_eos), lets it reach steady decode, then records `--steps` steps with torch.profiler (CPU and CUDA)
 and prints, per step:
-- its wall time, the GPU's busy time (the union of its kernels and copies) and the GPU's idle time;
+- its wall time (and the median beside the floor bench_decode divides its engine rows by, bytes over the copy
+  bandwidth measured now), the GPU's busy time (the union of its kernels and copies) and the GPU's idle time;
 - every idle gap of at least `--gap-us`, with the kernels on each side and the scheduler phases the host was in
   (`Scheduler.step`'s phases and the worker's launch, wrapped in record_function ranges for this run only).
 
@@ -17,8 +18,6 @@ and prints, per step:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd
+from ceilings import Report
 
 # Scheduler methods and worker calls timed as host ranges (name in the trace: "host:<name>")
 HOST_PHASES = ("step", "_schedule", "_launch", "_read", "_build_seq")
@@ -101,7 +101,8 @@ def analyse(events: Any, gap_us: float) -> list[dict[str, Any]]:
     return rows
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, rep: Report) -> None:
+    """Serve the batch twice (the first warms up), record `--steps` steady steps of the second into rep.out."""
     from ftransformers.config.sampling_params import SamplingParams
     from ftransformers.scheduler.io_struct import GenerateReq
     from ftransformers.scheduler.scheduler import Scheduler
@@ -110,9 +111,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp()) / args.model.replace(":", "-")
     cfg = bd.write_config(name, int(layers), root, args.dry_run)
     runner = bd.make_runner(root, args.batch, args, max(2048, args.context + args.new_tokens + 64))
+    # bench_decode's floor of a step at `context` (its engine rows' divisor): bytes read / copy bandwidth now
+    acc = bd.accounting(runner.model, cfg, int(layers))
+    rep.out["floor_us"] = bd.decode_bytes(acc, args.batch, args.context) / (rep.copy_gbs * 1e9) * 1e6
     prompts = torch.randint(0, cfg["vocab_size"], (args.batch, args.context)).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-    out: dict[str, Any] = {"model": args.model, "batch": args.batch, "context": args.context}
+    out = rep.out
     for attempt in range(2):  # the first serves the batch once to compile and warm everything
         sched = Scheduler(runner, runner.server_args, [], overlap=not args.sync)
         for i, p in enumerate(prompts):
@@ -134,7 +138,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["steps"] = analyse(prof.events(), args.gap_us)
         while sched.has_work():
             sched.step()
-    return out
 
 
 def main() -> None:
@@ -155,18 +158,18 @@ def main() -> None:
     if args.steps + args.warm_steps + 2 > args.new_tokens:
         raise SystemExit("profile_engine: --new-tokens must exceed --warm-steps + --steps + 2 (steady decode steps)")
     bd.DEV = "cpu" if args.dry_run else "cuda"
-    res = run(args)
-    res.update(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if bd.DEV == "cuda" else "cpu")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
+    rep = Report(bd.DEV, model=args.model, batch=args.batch, context=args.context, overlap=not args.sync)
+    run(args, rep)
+    res, floor = rep.out, rep.out["floor_us"]
     recorded = statistics.median(s["wall_us"] for s in res["steps"][1:]) if len(res["steps"]) > 1 else float("nan")
-    print(f"{res['device']}  {args.model}  B={args.batch} ctx {args.context}  overlap {not args.sync}  "
-          f"step {res['unprofiled_wall_us']:.1f} us unprofiled (median of the last warm steps), "
-          f"{recorded:.1f} profiled (median past the first)")  # fmt: skip
+    rep.log(f"{args.model}  B={args.batch} ctx {args.context}  overlap {not args.sync}  floor {floor:.1f} us  "
+            f"step {res['unprofiled_wall_us']:.1f} us (x{res['unprofiled_wall_us'] / floor:.2f}) unprofiled, the median "
+            f"of the last warm steps; {recorded:.1f} (x{recorded / floor:.2f}) profiled, the median past the first")  # fmt: skip
     for i, s in enumerate(res["steps"]):
-        print(f"step {i}: wall {s['wall_us']:8.1f} us  GPU busy {s['gpu_busy_us']:8.1f}  idle {s['gpu_idle_us']:7.1f}")
+        rep.log(f"step {i}: wall {s['wall_us']:8.1f} us  GPU busy {s['gpu_busy_us']:8.1f}  idle {s['gpu_idle_us']:7.1f}")
         for g in s["gaps"]:
-            print(f"    idle {g['us']:7.1f} us  after {g['after']!r}  before {g['before']!r}  host in {g['host']}")
+            rep.log(f"    idle {g['us']:7.1f} us  after {g['after']!r}  before {g['before']!r}  host in {g['host']}")
+    rep.save(str(args.out))
 
 
 if __name__ == "__main__":
