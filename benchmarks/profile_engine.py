@@ -161,12 +161,15 @@ def main() -> None:
     rep = Report(bd.DEV, model=args.model, batch=args.batch, context=args.context, overlap=not args.sync)
     run(args, rep)
     res, floor = rep.out, rep.out["floor_us"]
-    recorded = statistics.median(s["wall_us"] for s in res["steps"][1:]) if len(res["steps"]) > 1 else float("nan")
-    rep.log(f"{args.model}  B={args.batch} ctx {args.context}  overlap {not args.sync}  floor {floor:.1f} us  "
-            f"step {res['unprofiled_wall_us']:.1f} us (x{res['unprofiled_wall_us'] / floor:.2f}) unprofiled, the median "
-            f"of the last warm steps; {recorded:.1f} (x{recorded / floor:.2f}) profiled, the median past the first")  # fmt: skip
-    for i, s in enumerate(res["steps"]):
-        rep.log(f"step {i}: wall {s['wall_us']:8.1f} us  GPU busy {s['gpu_busy_us']:8.1f}  idle {s['gpu_idle_us']:7.1f}")
+    steps = res["steps"]
+    recorded = statistics.median(s["wall_us"] for s in steps[1:]) if len(steps) > 1 else float("nan")
+    unprofiled = res["unprofiled_wall_us"]
+    rep.log(f"{args.model}  B={args.batch} ctx {args.context}  overlap {not args.sync}  floor {floor:.1f} us")
+    rep.log(f"step {unprofiled:.1f} us (x{unprofiled / floor:.2f}) unprofiled, the median of the last warm steps; "
+            f"{recorded:.1f} (x{recorded / floor:.2f}) profiled, the median past the first")  # fmt: skip
+    for i, s in enumerate(steps):
+        rep.log(f"step {i}: wall {s['wall_us']:8.1f} us  GPU busy {s['gpu_busy_us']:8.1f}  "
+                f"idle {s['gpu_idle_us']:7.1f}")  # fmt: skip
         for g in s["gaps"]:
             rep.log(f"    idle {g['us']:7.1f} us  after {g['after']!r}  before {g['before']!r}  host in {g['host']}")
     rep.save(str(args.out))
