@@ -18,7 +18,9 @@ Engine rows (`engine_overlap_ms`, `engine_sync_ms`): the same batch served throu
 loop (requests of `context` prompt tokens, greedy or `--engine-sampling`, ignore_eos, 64 new tokens), with overlap
 scheduling on and off: the median wall time of the `Scheduler.step()` calls that launch a decode of
 all B sequences right after another one (steady decode; prefill steps excluded). This is the step
-time a server or `LLM.generate` user sees, host scheduling included.
+time a server or `LLM.generate` user sees, host scheduling included. `engine_*_steps_ms` lists those steps in
+order: a drift over the run is the GPU's clock, not the host (Qwen3-8B at B=128 on an H200 held its 700 W power cap
+at 1.4-1.7 GHz and its steps went from 8.1 to 8.8 ms: benchmarks/results/decode_8b_s51_h200.*, smi_s51d.csv).
 
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --out $OUT/decode_h100.json \
         --models qwen3-30b-a3b:48,qwen3-8b:36,deepseek-v3:3
@@ -43,6 +45,7 @@ from model_shapes import FULL_DENSE, FULL_DEPTH, SHAPES, write_config  # noqa: F
 RUN_CONTEXT = 9216  # positions a runner is sized for: the default contexts and the engine's new tokens
 DEV = "cuda"
 ENGINE_SAMPLING: dict[str, float | int] = {}  # SamplingParams of the engine rows beyond greedy (--engine-sampling)
+ENGINE_STEPS: list[float] = []  # ms of each steady step engine_step_ms timed in its last run, in step order
 
 
 def sync() -> None:
@@ -197,6 +200,7 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
         if ms is not None:
             key = "overlap" if overlap else "sync"
             row[f"engine_{key}_ms"], row[f"engine_{key}_ratio"] = ms, ms / floor
+            row[f"engine_{key}_steps_ms"] = [round(t, 4) for t in ENGINE_STEPS]  # in step order
     return row
 
 
@@ -236,6 +240,7 @@ def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool,
                     times.append(time.perf_counter() - t0)
     finally:
         del runner.launch_step
+    ENGINE_STEPS[:] = [t * 1e3 for t in times]
     return statistics.median(times) * 1e3 if len(times) >= 8 else None
 
 
