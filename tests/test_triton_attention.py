@@ -82,17 +82,22 @@ def test_decode_gqa(group: int, head_dim: int) -> None:
     scale = head_dim**-0.5
     ref = decode_attention_ref(q, k_buf, v_buf, r2t, rows, seq_lens, scale)
     block_n = 16 if not CUDA else 64
-    cases = [(1, 0, True, 1), (4, 0, True, 1), (4, 0, False, 1), (4, 32, True, 1)]
+    # (splits, min_split_len, direct, cluster, block_n, stages); 3 and 6: split counts of no power of two, as the
+    # backend's gqa_decode_launch takes them
+    cases = [(1, 0, True, 1, block_n, 2), (4, 0, True, 1, block_n, 2), (4, 0, False, 1, block_n, 2)]
+    cases += [(4, 32, True, 1, block_n, 2), (3, 0, True, 1, block_n, 2)]
     if CUDA:
-        cases = [(s, m, True, 1) for s in (1, 8, 64) for m in (0, 512)] + [(64, 0, False, 1)]
+        cases = [(s, m, True, 1, 64, 2) for s in (1, 3, 6, 8, 64) for m in (0, 512)] + [(64, 0, False, 1, 64, 2)]
+        cases += [(s, 0, True, 1, n, 3) for s in (1, 3) for n in (32, 64)]  # the launch rule's other tiles
     if cluster_supported(DEV):  # the splits merged in thread-block clusters (kernels/cluster.py), 16 non-portable
-        cases += [(c, m, True, c) for c in (2, 4, 8, 16) for m in (0, 512)]
-    for splits, min_split_len, direct, cluster in cases:
+        cases += [(c, m, True, c, block_n, 2) for c in (2, 4, 8, 16) for m in (0, 512)]
+    for splits, min_split_len, direct, cluster, tile, stages in cases:
         mid_o, mid_lse = decode_scratch(B, H, head_dim, splits, DEV)
         out = torch.full_like(q, float("nan"))
-        decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale,
-                             block_n=block_n, min_split_len=min_split_len, direct=direct, cluster=cluster)  # fmt: skip
-        assert rel_err(out, ref) <= TOL, (splits, min_split_len, direct, cluster, rel_err(out, ref))
+        decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, scale, block_n=tile,
+                             num_stages=stages, min_split_len=min_split_len, direct=direct,
+                             cluster=cluster)  # fmt: skip
+        assert rel_err(out, ref) <= TOL, (splits, min_split_len, direct, cluster, tile, stages, rel_err(out, ref))
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -230,6 +235,36 @@ def test_mla_few_heads_stamps_keep_the_output_and_their_order() -> None:
         steps = t.diff(dim=1)  # [programs, slots - 1, (ns, cycles)]
         assert (steps[..., 0] >= -skew[0]).all() and (steps[..., 1] >= -skew[1]).all()
     assert b[:, 1, 0].min() >= a[done, 6, 0].max()
+
+
+def test_gqa_decode_launch_rule() -> None:
+    """From 2 rows on, the GQA decode's splits give one program an SM (a power of two); 64-token tiles over 3 stages
+    without the first-tile preload, 2 with it; 32-token tiles where the (row, head block) pairs alone outnumber the
+    SMs' 3-an-SM programs. One row keeps the rule of GQA_WAVES."""
+    from ftransformers.attention import triton_backend as tb
+
+    sms = 132
+    assert tb.gqa_decode_launch(1, 8, sms) == (tb.num_kv_splits(1, 8, sms, tb.GQA_WAVES), tb.GQA_BLOCK_N, tb.GQA_STAGES)
+    assert tb.gqa_decode_launch(8, 8, sms) == (4, 64, 2)  # Qwen3-8B: preload up to batch 8
+    assert tb.gqa_decode_launch(8, 4, sms) == (8, 64, 2)  # Qwen3-30B-A3B
+    assert tb.gqa_decode_launch(16, 8, sms) == (2, 64, 3)
+    assert tb.gqa_decode_launch(32, 8, sms) == (1, 64, 3)
+    assert tb.gqa_decode_launch(64, 4, sms) == (1, 64, 3)  # 256 pairs: 3 programs an SM hold them
+    assert tb.gqa_decode_launch(64, 8, sms) == (1, 32, 2)  # 512 pairs > 396: 32-token tiles
+    assert tb.gqa_decode_launch(128, 4, sms) == (1, 32, 2)
+    assert tb.gqa_decode_launch(2, 1, sms) == (tb.MAX_KV_SPLITS, 64, 2)  # capped
+    for b in range(2, 257):
+        for hb in (1, 2, 4, 8, 16):
+            splits, tile, stages = tb.gqa_decode_launch(b, hb, sms)
+            assert splits == 1 or b * hb * splits < 2 * sms, (b, hb, splits)  # about one program an SM
+            assert tile == 64 or (splits == 1 and b * hb > tb.GQA_SLOTS * sms), (b, hb, tile)
+            assert stages == (3 if tile == 64 and b > tb.GQA_PRELOAD_MAX_BS else 2), (b, hb, stages)
+    tb_fill = tb.GQA_FILL
+    try:
+        tb.GQA_FILL = 0
+        assert tb.gqa_decode_launch(8, 8, sms) == (tb.num_kv_splits(8, 8, sms, tb.GQA_WAVES), 64, tb.GQA_STAGES)
+    finally:
+        tb.GQA_FILL = tb_fill
 
 
 def test_mla_split_rule() -> None:

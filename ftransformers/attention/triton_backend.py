@@ -53,7 +53,27 @@ GQA_STAGES = 2
 # Qwen3-8B (8 KV heads, 128 programs) 4.202 -> 4.228 ms, slower, hence the head-block cap. Not where the next
 # kernel reads ahead of its PDL wait (early_trigger: a 4-bit o projection, which stage 2 launches early): Qwen3-30B-A3B
 # W4A16 1.631 -> 1.706 ms (ab_final_30b_w4a16_s47_h200). Longer contexts and batch 2+ not measured: they keep the
-# 64-split launch and stage 2.
+# split launch (below) and stage 2.
+# From 2 rows on, a GQA decode launch fills the SMs once (`gqa_decode_launch`): splits for one program an SM
+# (GQA_FILL_WAVES, a power of two as before), at 64-token tiles over 3 pipeline stages without the first-tile
+# preload; where the (row, head block) pairs alone outnumber the programs the SMs hold at 64-token tiles
+# (GQA_SLOTS an SM: 156 registers in an offline sm_90 compile with Triton 3.6), 32-token tiles (116 registers, 4
+# an SM), so that one split a pair runs in one wave. GQA_FILL = 0: the rule before, GQA_WAVES programs an SM at
+# 64-token tiles and 2 stages everywhere, so that at batch 8 one program in two waited for a second wave.
+# H200, bf16 graph replay in one process each, 3 rounds (benchmarks/results/ab_fill2_*_s51_h200.log; the knobs
+# one by one in ab_gqa_launch_*_s51_h200.log), step ms and decode attention's critical path (us a step), before -> now:
+#   Qwen3-8B      B=8 5.328 -> 5.252 (627 -> 567), B=16 5.331 -> 5.179 (757 -> 604), B=32 5.700 -> 5.474 (1086 -> 833),
+#                 B=64 6.444 -> 6.184 (1694 -> 1447), B=128 8.065 -> 8.064 (2880 -> 2844);
+#   Qwen3-30B-A3B B=8 8.089 -> 7.993 (692 -> 610), B=16 11.588 -> 11.535 (826 -> 791), B=32 14.742 -> 14.550
+#                 (1046 -> 871), B=64 16.822 -> 16.481 (1480 -> 1132), B=128 18.158 -> 17.863 (2304 -> 1959).
+# Splits for the programs the SMs hold in any count (3 at Qwen3-8B B=16) were slower than 2 (ab_fill_*_s51_h200.log);
+# 2 or 4 programs an SM slower everywhere; at B=64-128, 3 or 4 stages at 32-token tiles level, 8 warps slower
+# (ab_tile32_8b_bf16_s51_h200.log).
+GQA_FILL = 1
+GQA_FILL_WAVES = 1
+GQA_FILL_STAGES = 3
+GQA_SLOTS = 3
+GQA_SMALL_TILE = 32
 GQA_CLUSTER = 16
 GQA_CLUSTER_MAX_BS = 1
 GQA_CLUSTER_MAX_HEAD_BLOCKS = 4
@@ -119,6 +139,18 @@ def num_kv_splits(batch_size: int, head_blocks: int, num_sms: int, waves: int = 
     kernel's split length (a multiple of BLOCK_N) makes short sequences use fewer."""
     want = cdiv(waves * num_sms, max(1, batch_size * head_blocks))
     return max(1, min(MAX_KV_SPLITS, next_pow2(want)))
+
+
+def gqa_decode_launch(batch_size: int, head_blocks: int, num_sms: int) -> tuple[int, int, int]:
+    """(splits, KV tokens a tile, pipeline stages) of a GQA decode launch without clusters (see GQA_FILL)."""
+    if batch_size <= 1 or not GQA_FILL:
+        return num_kv_splits(batch_size, head_blocks, num_sms, GQA_WAVES), GQA_BLOCK_N, GQA_STAGES
+    splits = num_kv_splits(batch_size, head_blocks, num_sms, GQA_FILL_WAVES)
+    if batch_size <= GQA_PRELOAD_MAX_BS:  # the first tile read before the PDL wait: 2 stages
+        return splits, GQA_BLOCK_N, GQA_STAGES
+    if batch_size * head_blocks <= GQA_SLOTS * num_sms:
+        return splits, GQA_BLOCK_N, GQA_FILL_STAGES
+    return splits, GQA_SMALL_TILE, GQA_STAGES
 
 
 def gqa_clusters(batch_size: int, head_blocks: int) -> bool:
@@ -402,9 +434,9 @@ class TritonAttentionBackend(AttentionBackend):
             sms, _ = self._gpu(q.device)
 
             def rule(b: int) -> int:
-                return num_kv_splits(b, head_blocks, sms, GQA_WAVES)
+                return gqa_decode_launch(b, head_blocks, sms)[0]
 
-            splits = rule(T)
+            splits, block_n, stages = gqa_decode_launch(T, head_blocks, sms)
             cluster = 1
             if cluster_supported(q.device) and not early_trigger:  # (see GQA_CLUSTER)
                 self._gqa_clustered = head_blocks
@@ -413,8 +445,8 @@ class TritonAttentionBackend(AttentionBackend):
             mid_o, mid_lse = self._decode_scratch(T, H, v_buf.shape[-1], splits, rule, q.device)
             return decode_attention_fwd(
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                mid_o, mid_lse, splits, scaling, block_n=GQA_BLOCK_N if q.is_cuda else 16, num_warps=GQA_WARPS,
-                num_stages=GQA_STAGES, rope=rope, preload=None if T <= GQA_PRELOAD_MAX_BS else False,
+                mid_o, mid_lse, splits, scaling, block_n=block_n if q.is_cuda else 16, num_warps=GQA_WARPS,
+                num_stages=stages, rope=rope, preload=None if T <= GQA_PRELOAD_MAX_BS else False,
                 early_trigger=early_trigger, cluster=cluster,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)
