@@ -20,7 +20,10 @@ scheduling on and off: the median wall time of the `Scheduler.step()` calls that
 all B sequences right after another one (steady decode; prefill steps excluded). This is the step
 time a server or `LLM.generate` user sees, host scheduling included. `engine_*_steps_ms` lists those steps in
 order: a drift over the run is the GPU's clock, not the host (Qwen3-8B at B=128 on an H200 held its 700 W power cap
-at 1.4-1.7 GHz and its steps went from 8.1 to 8.8 ms: benchmarks/results/decode_8b_s51_h200.*, smi_s51d.csv).
+at 1.4-1.7 GHz and its steps went from 8.1 to 8.8 ms: benchmarks/results/decode_8b_s51_h200.*, smi_s51d.csv;
+benchmarks/bench_sustained.py replays a graph for seconds). The steps decode positions `context` to
+`context` + 63, so `engine_*_own_ratio` divides them by the floor of the middle one (`engine_floor_ms`: the KV
+of `context` + 32 tokens a sequence); `engine_*_ratio` by the row's floor at `context`, as before session 51.
 
     PYTHONPATH=$PWD python benchmarks/bench_decode.py --out $OUT/decode_h100.json \
         --models qwen3-30b-a3b:48,qwen3-8b:36,deepseek-v3:3
@@ -46,6 +49,7 @@ RUN_CONTEXT = 9216  # positions a runner is sized for: the default contexts and 
 DEV = "cuda"
 ENGINE_SAMPLING: dict[str, float | int] = {}  # SamplingParams of the engine rows beyond greedy (--engine-sampling)
 ENGINE_STEPS: list[float] = []  # ms of each steady step engine_step_ms timed in its last run, in step order
+ENGINE_NEW_TOKENS = 64  # tokens each request of an engine row generates
 
 
 def sync() -> None:
@@ -195,11 +199,15 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
         g = graphs.graph_for(batch, ctx + 1)  # the graph the timed step replayed (its sequences hold ctx + 1)
         row["replay_ms"] = median_ms(g.replay, iters)  # the graph alone, buffers as the timed step left them
         row["tok_per_s"] = batch / row["graph_ms"] * 1e3
+    # the engine's steady steps decode positions ctx .. ctx + ENGINE_NEW_TOKENS - 1: the middle one reads the KV
+    # of ctx + ENGINE_NEW_TOKENS / 2 tokens a sequence (the `_own_ratio`s' floor; the `_ratio`s keep the row's)
+    engine_floor = decode_bytes(acc, batch, ctx + ENGINE_NEW_TOKENS // 2) / bw * 1e3
     for overlap in (True, False) if engine else ():  # last: the engine runs refill the graph buffers
-        ms = engine_step_ms(runner, acc["vocab"], batch, ctx, overlap)
+        ms = engine_step_ms(runner, acc["vocab"], batch, ctx, overlap, ENGINE_NEW_TOKENS)
         if ms is not None:
             key = "overlap" if overlap else "sync"
             row[f"engine_{key}_ms"], row[f"engine_{key}_ratio"] = ms, ms / floor
+            row["engine_floor_ms"], row[f"engine_{key}_own_ratio"] = engine_floor, ms / engine_floor
             row[f"engine_{key}_steps_ms"] = [round(t, 4) for t in ENGINE_STEPS]  # in step order
     return row
 
@@ -532,7 +540,7 @@ def print_table(out: dict[str, Any]) -> None:
             continue
         print(f"{m['model']} ({m['layers']} layers; capture {m.get('graph_capture_s') or 0:.1f} s)")
         print("  decode  B    ctx  floor_ms  graph_ms  ratio  eager_ms  ratio  replay_ms  tok/s"
-              "  engine_overlap  ratio  engine_sync  ratio")
+              "  engine_overlap  ratio  own_kv  engine_sync  ratio")
         for r in m["decode"]:
             if "skipped" in r:
                 print(f"         {r['batch']:<4} {r['context']:<5} {r['floor_ms']:8.3f}  skipped: {r['skipped']}")
@@ -541,6 +549,7 @@ def print_table(out: dict[str, Any]) -> None:
                   f"{r.get('graph_ratio', 0):6.2f} {r['eager_ms']:9.3f} {r['eager_ratio']:6.2f} "
                   f"{r.get('replay_ms', 0):9.3f} {r.get('tok_per_s', 0):7.0f} "
                   f"{r.get('engine_overlap_ms', 0):14.3f} {r.get('engine_overlap_ratio', 0):6.2f} "
+                  f"{r.get('engine_overlap_own_ratio', 0):7.2f} "
                   f"{r.get('engine_sync_ms', 0):12.3f} {r.get('engine_sync_ratio', 0):6.2f}")  # fmt: skip
         for r in m["prefill"]:
             if "skipped" not in r:
