@@ -525,6 +525,14 @@ def main() -> None:
     print_table(out)
 
 
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """The arguments of the scripts that study one decode step shape: --out, --model (NAME:LAYERS), --batch, --context."""
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="qwen3-8b:36", help="NAME:LAYERS of bench_decode's shapes")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--context", type=int, default=512)
+
+
 def logging_setup() -> None:
     import logging
 

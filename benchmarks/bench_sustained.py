@@ -96,10 +96,7 @@ def replay_times(replay: Any, n: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default="qwen3-8b:36", help="NAME:LAYERS of bench_decode's shapes")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--context", type=int, default=512)
+    bd.add_step_args(p)
     p.add_argument("--seconds", type=float, default=3.0, help="length of the sustained run")
     p.add_argument("--burst", type=int, default=20, help="replays of the burst median (bench_decode's iters: 10)")
     p.add_argument("--idle", type=float, default=2.0, help="seconds the GPU idles before the burst")

@@ -142,10 +142,7 @@ def run(args: argparse.Namespace, rep: Report) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default="qwen3-8b:36", help="NAME:LAYERS of bench_decode's shapes")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--context", type=int, default=512)
+    bd.add_step_args(p)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens a request; steps past the recorded ones finish")
     p.add_argument("--warm-steps", type=int, default=30,
                    help="steps before the recorded ones (the prompts' chunked prefill among them)")  # fmt: skip
