@@ -237,7 +237,7 @@ def test_mla_few_heads_stamps_keep_the_output_and_their_order() -> None:
     assert b[:, 1, 0].min() >= a[done, 6, 0].max()
 
 
-def test_gqa_decode_launch_rule() -> None:
+def test_gqa_decode_launch_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """From 2 rows on, the GQA decode's splits give one program an SM (a power of two); 64-token tiles over 3 stages
     without the first-tile preload, 2 with it; 32-token tiles where the (row, head block) pairs alone outnumber the
     SMs' 3-an-SM programs. One row keeps the rule of GQA_WAVES."""
@@ -259,12 +259,8 @@ def test_gqa_decode_launch_rule() -> None:
             assert splits == 1 or b * hb * splits < 2 * sms, (b, hb, splits)  # about one program an SM
             assert tile == 64 or (splits == 1 and b * hb > tb.GQA_SLOTS * sms), (b, hb, tile)
             assert stages == (3 if tile == 64 and b > tb.GQA_PRELOAD_MAX_BS else 2), (b, hb, stages)
-    tb_fill = tb.GQA_FILL
-    try:
-        tb.GQA_FILL = 0
-        assert tb.gqa_decode_launch(8, 8, sms) == (tb.num_kv_splits(8, 8, sms, tb.GQA_WAVES), 64, tb.GQA_STAGES)
-    finally:
-        tb.GQA_FILL = tb_fill
+    monkeypatch.setattr(tb, "GQA_FILL", 0)  # the rule before: GQA_WAVES programs an SM, 64-token tiles, 2 stages
+    assert tb.gqa_decode_launch(8, 8, sms) == (8, 64, 2)
 
 
 def test_mla_split_rule() -> None:
