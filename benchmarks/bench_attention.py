@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceilings import copy_bandwidth, matmul_rate
 
 from ftransformers.attention.triton_backend import (
+    gqa_decode_launch,
     mla_block_h,
     mla_decode_launch,
     mla_max_kv_splits,
@@ -77,7 +78,8 @@ L2_MULT = 200 << 20  # bytes touched per timed call, ~4x the H100's 50 MB L2
 GQA_VARIANTS = {
     "old": dict(direct=False, waves=4),  # the backend's launch before 2026-11-22
     "new": dict(waves=4),  # rows of one split written by stage 1; stage 2 skipped at 1 split
-    "new_w2": dict(waves=2),  # + half the programs (fewer splits from batch ~32 up): the backend's default
+    "new_w2": dict(waves=2),  # + half the programs (fewer splits from batch ~32 up): the backend's rule to session 50
+    "fill": {},  # the backend's launch since session 51: triton_backend.gqa_decode_launch's splits, tile, stages
 }
 MLA_VARIANTS = {
     "old": dict(block_h=32, block_n=32, num_warps=4),  # the generic GQA kernel on the latent views
@@ -144,17 +146,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # launchers ---------------------------------------------------------------------------------------
-def gqa_splits(var: str, B: int, H: int, H_kv: int, sms: int) -> int:
+def gqa_launch(var: str, B: int, H: int, H_kv: int, sms: int) -> tuple[int, dict]:
+    """A variant's splits and its other decode_attention_fwd keywords at this batch ("fill": the backend's rule;
+    the kernel's fused rope and first-tile preload are not used here)."""
     group = H // H_kv
     head_blocks = H_kv * triton.cdiv(group, max(16, triton.next_power_of_2(group)))
-    return num_kv_splits(B, head_blocks, sms, waves=GQA_VARIANTS[var]["waves"])
-
-
-def gqa_call(var: str, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> None:
-    mid_o, mid_lse = scratch
     kw = {k: v for k, v in GQA_VARIANTS[var].items() if k != "waves"}
-    decode_attention_fwd(q, k, v, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, q.shape[-1] ** -0.5,
-                         block_n=64, **kw)  # fmt: skip
+    if var == "fill":
+        splits, block_n, stages = gqa_decode_launch(B, head_blocks, sms)
+        return splits, dict(kw, block_n=block_n, num_stages=stages)
+    return num_kv_splits(B, head_blocks, sms, waves=GQA_VARIANTS[var]["waves"]), dict(kw, block_n=64)
+
+
+def gqa_call(kw: dict, q, k, v, out, r2t, rows, seq_lens, scratch, splits) -> None:
+    mid_o, mid_lse = scratch
+    decode_attention_fwd(q, k, v, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, q.shape[-1] ** -0.5, **kw)
 
 
 def mla_splits(var: str, B: int, sms: int, H: int = MLA_SHAPE[0]) -> int:
@@ -244,10 +250,11 @@ def check_gqa(sms: int, reps: int) -> dict:
         live = [i for i, x in enumerate(lens) if x > 0]
         ref = decode_attention_ref(q[live], k, v, r2t, rows[live], seq_lens[live], D**-0.5)
         for var in GQA_VARIANTS:
-            for splits in (gqa_splits(var, B, H, H_kv, sms), 64, 1):
+            own, kw = gqa_launch(var, B, H, H_kv, sms)
+            for splits in (own, 64, 1):
                 scratch = decode_scratch(B, H, D, splits, DEV)
                 out = torch.full_like(q, float("nan"))
-                gqa_call(var, q, k, v, out, r2t, rows, seq_lens, scratch, splits)
+                gqa_call(kw, q, k, v, out, r2t, rows, seq_lens, scratch, splits)
                 torch.cuda.synchronize()
                 e = rel_err(out[live], ref)
                 zero = bool((out[1] == 0).all())
@@ -300,15 +307,15 @@ def bench_gqa(name: str, B: int, ctx: int, sms: int, copy_gbps: float) -> list[d
     ref = decode_attention_ref(q, ks[0], vs[0], r2t, rows, seq_lens, D**-0.5) if B * ctx <= 64 * 4096 else None
     res = []
     for var in GQA_VARIANTS:
-        splits = gqa_splits(var, B, H, H_kv, sms)
+        splits, kw = gqa_launch(var, B, H, H_kv, sms)
         scratch = decode_scratch(B, H, D, splits, DEV)
 
-        def run(var: str = var, splits: int = splits, scratch: tuple = scratch) -> None:
+        def run(kw: dict = kw, splits: int = splits, scratch: tuple = scratch) -> None:
             for k, v in zip(ks, vs):
-                gqa_call(var, q, k, v, out, r2t, rows, seq_lens, scratch, splits)
+                gqa_call(kw, q, k, v, out, r2t, rows, seq_lens, scratch, splits)
 
         out.fill_(float("nan"))
-        gqa_call(var, q, ks[0], vs[0], out, r2t, rows, seq_lens, scratch, splits)
+        gqa_call(kw, q, ks[0], vs[0], out, r2t, rows, seq_lens, scratch, splits)
         torch.cuda.synchronize()
         err = rel_err(out, ref) if ref is not None else None
         ms = graph_ms(run, layers)
