@@ -48,7 +48,6 @@ from model_shapes import FULL_DENSE, FULL_DEPTH, SHAPES, write_config  # noqa: F
 RUN_CONTEXT = 9216  # positions a runner is sized for: the default contexts and the engine's new tokens
 DEV = "cuda"
 ENGINE_SAMPLING: dict[str, float | int] = {}  # SamplingParams of the engine rows beyond greedy (--engine-sampling)
-ENGINE_STEPS: list[float] = []  # ms of each steady step engine_step_ms timed in its last run, in step order
 ENGINE_NEW_TOKENS = 64  # tokens each request of an engine row generates
 
 
@@ -203,17 +202,26 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
     # of ctx + ENGINE_NEW_TOKENS / 2 tokens a sequence (the `_own_ratio`s' floor; the `_ratio`s keep the row's)
     engine_floor = decode_bytes(acc, batch, ctx + ENGINE_NEW_TOKENS // 2) / bw * 1e3
     for overlap in (True, False) if engine else ():  # last: the engine runs refill the graph buffers
-        ms = engine_step_ms(runner, acc["vocab"], batch, ctx, overlap, ENGINE_NEW_TOKENS)
-        if ms is not None:
-            key = "overlap" if overlap else "sync"
+        steps = engine_steps_ms(runner, acc["vocab"], batch, ctx, overlap, ENGINE_NEW_TOKENS)
+        if steps is not None:
+            key, ms = "overlap" if overlap else "sync", statistics.median(steps)
             row[f"engine_{key}_ms"], row[f"engine_{key}_ratio"] = ms, ms / floor
             row["engine_floor_ms"], row[f"engine_{key}_own_ratio"] = engine_floor, ms / engine_floor
-            row[f"engine_{key}_steps_ms"] = [round(t, 4) for t in ENGINE_STEPS]  # in step order
+            row[f"engine_{key}_steps_ms"] = [round(t, 4) for t in steps]  # in step order
     return row
 
 
 def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool, new_tokens: int = 64) -> float | None:
     """Median wall time of steady decode steps through the Scheduler loop (see the module doc)."""
+    steps = engine_steps_ms(runner, vocab, batch, ctx, overlap, new_tokens)
+    return statistics.median(steps) if steps is not None else None
+
+
+def engine_steps_ms(
+    runner: Any, vocab: int, batch: int, ctx: int, overlap: bool, new_tokens: int = 64
+) -> list[float] | None:
+    """Wall ms of each steady decode step through the Scheduler loop, in order (None: the batch does not fit, or
+    fewer than 8 steady steps)."""
     from ftransformers.config.sampling_params import SamplingParams
     from ftransformers.scheduler.io_struct import GenerateReq
     from ftransformers.scheduler.scheduler import Scheduler
@@ -248,8 +256,7 @@ def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool,
                     times.append(time.perf_counter() - t0)
     finally:
         del runner.launch_step
-    ENGINE_STEPS[:] = [t * 1e3 for t in times]
-    return statistics.median(times) * 1e3 if len(times) >= 8 else None
+    return [t * 1e3 for t in times] if len(times) >= 8 else None
 
 
 def eager_with_moe_hook(runner: Any, step: Any, pre: Any) -> None:
@@ -531,6 +538,17 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3-8b:36", help="NAME:LAYERS of bench_decode's shapes")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--context", type=int, default=512)
+
+
+def step_model(args: argparse.Namespace, context_length: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The runner of add_step_args' --model (NAME[:LAYERS], dummy weights) for --batch rows, with its config and its
+    byte accounting (`decode_bytes`'s input); `args.dry_run`, where present, shrinks it for the CPU."""
+    name, _, layers = args.model.partition(":")
+    depth = int(layers or FULL_DEPTH[name])
+    root = Path(tempfile.mkdtemp()) / f"{name}-{depth}"
+    cfg = write_config(name, depth, root, getattr(args, "dry_run", False))
+    runner = make_runner(root, args.batch, args, context_length)
+    return runner, cfg, accounting(runner.model, cfg, depth)
 
 
 def logging_setup() -> None:

@@ -22,7 +22,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -109,12 +108,7 @@ def main() -> None:
         raise SystemExit("bench_sustained: --seconds must be positive, --burst at least 1, --idle not negative")
     bd.DEV = "cuda"
     rep = Report("cuda", model=args.model, batch=args.batch, context=args.context)
-    name, _, layers = args.model.partition(":")
-    depth = int(layers or bd.FULL_DEPTH[name])
-    root = Path(tempfile.mkdtemp()) / f"{name}-{depth}"
-    cfg = bd.write_config(name, depth, root, False)
-    runner = bd.make_runner(root, args.batch, args, max(2048, args.context + 64))
-    acc = bd.accounting(runner.model, cfg, depth)
+    runner, cfg, acc = bd.step_model(args, max(2048, args.context + 64))
     floor = bd.decode_bytes(acc, args.batch, args.context) / (rep.copy_gbs * 1e9) * 1e3
     step = bd.decode_batch(runner, cfg["vocab_size"], args.batch, args.context)
     runner.forward_step(step)  # fills the graph's buffers with this batch

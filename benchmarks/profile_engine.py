@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -107,12 +106,8 @@ def run(args: argparse.Namespace, rep: Report) -> None:
     from ftransformers.scheduler.io_struct import GenerateReq
     from ftransformers.scheduler.scheduler import Scheduler
 
-    name, layers = args.model.split(":")
-    root = Path(tempfile.mkdtemp()) / args.model.replace(":", "-")
-    cfg = bd.write_config(name, int(layers), root, args.dry_run)
-    runner = bd.make_runner(root, args.batch, args, max(2048, args.context + args.new_tokens + 64))
+    runner, cfg, acc = bd.step_model(args, max(2048, args.context + args.new_tokens + 64))
     # bench_decode's floor of a step at `context` (its engine rows' divisor): bytes read / copy bandwidth now
-    acc = bd.accounting(runner.model, cfg, int(layers))
     rep.out["floor_us"] = bd.decode_bytes(acc, args.batch, args.context) / (rep.copy_gbs * 1e9) * 1e6
     prompts = torch.randint(0, cfg["vocab_size"], (args.batch, args.context)).tolist()
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
