@@ -55,7 +55,6 @@ READ_BEFORE_WAIT = {
     "mla_decode_stage1_few_heads": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
     "_mla_rope_kernel": "the constant inv_freq",
-    "_gemv_kernel": "with PRELOAD the first K tile of its (constant) 16-bit weight rows",
     "_w4a16_gemv_kernel": "the first K tile of its (constant) words, with PRELOAD_SZ that of its scale_zero copy",
     "_token_down_kernel": "with PRELOAD the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",
@@ -81,7 +80,6 @@ PREFETCH_BEFORE_WAIT = {
 EARLY_TRIGGER = {
     "triton_norm._rmsnorm_kernel": "a projection (GEMV or GEMM), the fused router, the LM head",
     "triton_decode_attention._decode_stage2_kernel": "the o projection",
-    "triton_decode_attention._decode_stage1_kernel": "the o projection (only where no stage 2 follows it)",
 }
 # Kernels that read, ahead of their wait, a tensor that a kernel of the step writes, and the one kernel that is
 # ever launched just before them (its wait returned, so the writer had completed before they could start).

@@ -120,21 +120,3 @@ def test_lm_head_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
         assert got.dtype == torch.float32 and rel_err(got, ref) < tol(torch.bfloat16)
         assert into.data_ptr() == buf.data_ptr() and torch.equal(into.float(), got)
     assert calls == [(1, 256), (1, 256)]
-
-
-@pytest.mark.parametrize("K", [96, 2048, 5000])
-def test_gemv_first_tile_read_before_the_wait(monkeypatch: pytest.MonkeyPatch, K: int) -> None:
-    """PRELOAD (GEMV_PRELOAD): the first K tile loaded ahead of the PDL wait, then the same sum: a whole row in one
-    step, two steps, and a masked last step."""
-    from ftransformers.kernels import triton_gemv
-
-    gen = torch.Generator().manual_seed(K)
-    x = torch.randn(1, K, generator=gen).to(DEV, torch.bfloat16)
-    w = (torch.randn(40, K, generator=gen) / K**0.5).to(DEV, torch.bfloat16)
-    b = torch.randn(40, generator=gen).to(DEV, torch.bfloat16)
-    plain = gemv(x, w, b)
-    assert not triton_gemv.gemv_reads_ahead(1, w.cpu())  # the rule: CUDA weights only
-    monkeypatch.setattr(triton_gemv, "gemv_reads_ahead", lambda rows, weight: rows == 1)
-    early = gemv(x, w, b)
-    assert rel_err(early, gemv_ref(x, w, b)) < 1e-2
-    assert torch.equal(early, plain)  # the same products in the same order

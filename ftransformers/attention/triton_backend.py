@@ -15,7 +15,6 @@ import torch
 from ftransformers.attention.backend import AttentionBackend, register_attention_backend
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode
 from ftransformers.cache.kv_pool import MHAKVPool, MLAKVPool
-from ftransformers.kernels import triton_decode_attention as tda
 from ftransformers.kernels.cluster import cluster_supported, max_cluster_size
 from ftransformers.kernels.launch import cdiv, next_pow2
 from ftransformers.kernels.triton_decode_attention import DecodeRope, can_fuse_rope, decode_attention_fwd
@@ -439,7 +438,7 @@ class TritonAttentionBackend(AttentionBackend):
 
             splits, block_n, stages = gqa_decode_launch(T, head_blocks, sms)
             cluster = 1
-            if cluster_supported(q.device) and (not early_trigger or tda.STAGE1_EARLY_TRIGGER):  # (GQA_CLUSTER)
+            if cluster_supported(q.device) and not early_trigger:  # (see GQA_CLUSTER)
                 self._gqa_clustered = head_blocks
                 if gqa_clusters(T, head_blocks) and self._decode_context(batch) < GQA_CLUSTER_BELOW:
                     cluster = splits = min(GQA_CLUSTER, max_cluster_size(q.device))

@@ -66,10 +66,6 @@ EARLY_TRIGGER = 1
 # (ab_combine_30b_bf16_s45_h200.log). 8 warps or 2048 were slower
 COMBINE_TILE = 4096
 COMBINE_WARPS = 4
-# Stage 1 triggers the o projection's launch before its PDL wait where no stage 2 follows it (clusters) and the
-# caller says the o projection reads ahead (decode_attention_fwd's early_trigger); False: never, and the triton
-# backend then runs such a decode without clusters, through stage 2, which triggers early (for an A/B)
-STAGE1_EARLY_TRIGGER = False
 # stamps (kernels/stamps.py) of stage 2, a program: entry, after the PDL wait, its output stored
 COMBINE_STAMP_SLOTS = tl.constexpr(3)
 
@@ -107,9 +103,7 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, smem_off=0, CLUSTER: tl.constexpr = 1, GROUP_H: tl.constexpr = 1,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_trigger(EARLY_TRIGGER)
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
     # ROPE: Q and KNEW / VNEW are the new token's raw projections (q [B, H, D], k [B, H_kv, D], v); this
@@ -484,18 +478,16 @@ def decode_attention_fwd(
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    stage2 = cluster == 1 and (num_kv_splits > 1 or not direct)
-    early = early_trigger and STAGE1_EARLY_TRIGGER and not stage2  # (the o projection follows stage 1)
     if cluster > 1:  # the splits merge in their cluster: no partials, no stage 2
         group_h = min(block_h, next_pow2(group))  # the heads of a block that may be in the group
         assert num_kv_splits == cluster and (group_h * block_dv) % cluster == 0, (num_kv_splits, cluster, group_h)
         scratch = cluster_scratch_bytes(block_h, block_dv)
         grid = (H_kv * blocks_per_kv, 1, B)  # clusters; cluster_launch multiplies axis 0 by the cluster size
         cluster_launch(_decode_stage1_kernel, grid, cluster, scratch, *args, **consts, smem_off=0, CLUSTER=cluster,
-                       GROUP_H=group_h, **pdl_launch(q.device, early=early))  # fmt: skip
+                       GROUP_H=group_h, **pdl_launch(q.device))  # fmt: skip
         return out
-    _decode_stage1_kernel[grid](*args, **consts, **pdl_launch(q.device, early=early))
-    if stage2:
+    _decode_stage1_kernel[grid](*args, **consts, **pdl_launch(q.device))
+    if num_kv_splits > 1 or not direct:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct, early_trigger)
     return out
 

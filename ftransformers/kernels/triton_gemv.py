@@ -41,21 +41,7 @@ GEMV_BLOCK_K = 2048  # K elements a one-row program loads per step (2-4 rows: 10
 GEMV_WHOLE_ROW_K = 4096
 GEMV_WARPS = 4
 GEMV_STAGES = 4
-# One-row products read their first K tile of the weight before the PDL wait (the weight is constant), and say so
-# (`gemv_reads_ahead`), so that the kernel before them (the input RMSNorm before qkv, decode attention before o)
-# triggers early and their first programs stream while it runs (kernels/pdl.py). 0: after the wait
-GEMV_PRELOAD = 0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _gemv_step(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr):
-    # acc [BM, BN] += x [BM, BK] @ w [BN, BK]^T
-    if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
-        if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
-            return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(x, tl.trans(w), acc)
-    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # CUDA cores
 
 
 @cached_launch
@@ -63,11 +49,11 @@ def _gemv_step(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PRELOAD: tl.constexpr = False,
+    EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
-    # PRELOAD: the first K tile of w is loaded before the PDL wait (constant weights, GEMV_PRELOAD)
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,18 +62,8 @@ def _gemv_kernel(
     mask_n = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
-    if PRELOAD:
-        w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)
-    pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    start = 0
-    if PRELOAD:  # the first step, on the tile read before the wait
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc = _gemv_step(acc, x, w_first, DOT, IEEE)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        start = BLOCK_K
-    for k0 in range(start, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
@@ -95,7 +71,13 @@ def _gemv_kernel(
             mask_k = (k0 + offs_k) < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        acc = _gemv_step(acc, x, w, DOT, IEEE)
+        if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
+            if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:  # CUDA cores: [BM, BN, BK] products summed over K
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -141,17 +123,11 @@ def gemv(
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
-        IEEE=x.dtype == torch.float32 or _INTERPRET, PRELOAD=gemv_reads_ahead(M, weight),
+        IEEE=x.dtype == torch.float32 or _INTERPRET,
         **cfg,
         **pdl_launch(x.device),
     )  # fmt: skip
     return y
-
-
-def gemv_reads_ahead(rows: int, weight: torch.Tensor) -> bool:
-    """Whether `gemv` on `rows` rows of this weight reads its first weight tile before its PDL wait (GEMV_PRELOAD),
-    so that the kernel before it may trigger early (LinearBase.reads_ahead_of_wait)."""
-    return bool(GEMV_PRELOAD) and rows == 1 and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

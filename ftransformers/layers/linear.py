@@ -92,13 +92,7 @@ class LinearBase(nn.Module):
     def reads_ahead_of_wait(self, rows: int) -> bool:
         """Whether this layer's kernel on `rows` rows reads its weight ahead of its PDL wait (kernels/pdl.py), so
         that the kernel just before it should trigger early (RMSNorm, decode attention's stage 2)."""
-        if self.quant_method is None:
-            if not self.weight.is_cuda:
-                return False
-            from ftransformers.kernels.triton_gemv import gemv_reads_ahead  # here: CPU needs no triton
-
-            return gemv_reads_ahead(rows, self.weight)
-        return self.quant_method.reads_ahead_of_wait(self, rows)
+        return self.quant_method is not None and self.quant_method.reads_ahead_of_wait(self, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
