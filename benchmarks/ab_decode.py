@@ -23,6 +23,10 @@ step's critical path: each kernel is charged the time by which it moved the stre
 a kernel starts before its predecessor ends, so its own duration overstates what it costs the step),
 summed by kernel name per step.
 
+`--stamps` adds, per variant, decode attention stage 1 phase by phase at the first batch size: one more graph,
+captured with every stage-1 launch writing its programs' timestamps (kernels/stamps.py), each phase timed from the
+layer's first program past its PDL wait, and the gap from a layer's last stamp to the next layer's first wait.
+
 Per variant and batch: median graph-replay ms over `--iters` replays, per round; the table gives the
 median over rounds and each round's figure, beside the step's byte floor (bench_decode's accounting and
 the shared copy ceiling). `--format` builds the model with quantized weights as bench_quant_decode does
@@ -143,6 +147,60 @@ def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
                     for k, v in top[:16]]}  # fmt: skip
 
 
+def stage1_stamps(runner: Any, setup: Callable[[], Callable[[], None]], step: Any, batches: list[int], ctx: int,
+                  dummy_req_row: int) -> dict[str, Any]:
+    """Decode attention stage 1, phase by phase, in a graph of batches[0] captured with every launch's timestamps
+    (triton_decode_attention.STAGE1_STAMP_SINK): for each phase of STAGE1_PHASES, us from the layer's first
+    program past its PDL wait (about when the kernel before it completed), the median over the layers of the
+    programs' median and latest; and the layer's end (its last stamp) to the next layer's first wait."""
+    from ftransformers.kernels import triton_decode_attention as tda
+    from ftransformers.kernels.stamps import StampSink
+    from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner
+
+    undo = setup()
+    try:
+        sink = tda.STAGE1_STAMP_SINK = StampSink(1 << 20, int(tda.STAGE1_STAMP_SLOTS), torch.device("cuda"))
+        graphs = CudaGraphRunner(runner, max(batches), dummy_req_row)
+        graphs.capture()
+        runner.graph_runner = graphs
+        runner.forward_step(step)
+        graph = graphs.graph_for(batches[0], ctx + 1)
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        sink.buf.fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        layers = [w.cpu() for w in sink.views if bool((w[:, 0, 0] >= 0).any())]  # the replayed graph's launches
+    finally:
+        tda.STAGE1_STAMP_SINK = None
+        undo()
+    waits = [float(w[:, 1, 0][w[:, 1, 0] >= 0].min()) for w in layers]
+    per_phase: dict[str, dict[str, float]] = {}
+    for s, phase in enumerate(tda.STAGE1_PHASES):
+        med, late = [], []
+        for w, t0 in zip(layers, waits):
+            t = w[:, s, 0][w[:, s, 0] >= 0].double()
+            if t.numel():
+                med.append((float(t.median()) - t0) / 1e3)
+                late.append((float(t.max()) - t0) / 1e3)
+        if med:
+            per_phase[phase] = {"median_us": statistics.median(med), "latest_us": statistics.median(late)}
+    ends = [float(w[..., 0].max()) for w in layers]
+    gaps = [(waits[i + 1] - ends[i]) / 1e3 for i in range(len(layers) - 1)]
+    return {"layers": len(layers), "programs": int(layers[0].shape[0]) if layers else 0, "phases": per_phase,
+            "end_to_next_wait_us": statistics.median(gaps) if gaps else None}  # fmt: skip
+
+
+def print_phases(ph: dict[str, Any]) -> None:
+    print(f"  stage 1 phases ({ph['layers']} layers x {ph['programs']} programs; us from the first program past "
+          f"its wait, median over layers of the programs' median / latest):")  # fmt: skip
+    for phase, t in ph["phases"].items():
+        print(f"    {phase:18s} {t['median_us']:7.2f} / {t['latest_us']:7.2f}")
+    if ph["end_to_next_wait_us"] is not None:
+        print(f"    last stamp to the next layer's first wait: {ph['end_to_next_wait_us']:.2f} us")
+
+
 def variant_setup(name: str) -> Callable[[], Callable[[], None]]:
     """name (parts joined by '+') -> a function that applies the variant and returns its undo."""
     if "+" in name:
@@ -185,6 +243,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--mem-fraction", type=float, default=0.92)
     p.add_argument("--timeline", action="store_true", help="critical path by kernel name (last round)")
+    p.add_argument("--stamps", action="store_true",
+                   help="after the rounds, each variant's decode attention stage 1 phase by phase (its programs' "
+                        "timestamps, kernels/stamps.py) in one more graph of the first batch size")  # fmt: skip
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     names = args.variants.split(",")
@@ -227,13 +288,16 @@ def main() -> None:
                         lines[v][b] = timeline(graphs.graph_for(b, ctx + 1).replay)
             finally:
                 undo()
+    phases = {v: stage1_stamps(runner, setups[v], steps[batches[0]], batches, ctx, dummy_req_row) for v in names} \
+        if args.stamps else {}
     rows: list[dict[str, Any]] = []
     for v in names:
         for b in batches:
             floor = decode_bytes(acc, b, ctx) / (ceil["copy_GBps"] * 1e9) * 1e3
             med = statistics.median(times[v][b])
             rows.append({"variant": v, "batch": b, "context": ctx, "floor_ms": floor, "replay_ms": med,
-                         "ratio": med / floor, "rounds_ms": times[v][b], "timeline": lines[v].get(b)})  # fmt: skip
+                         "ratio": med / floor, "rounds_ms": times[v][b], "timeline": lines[v].get(b),
+                         "stage1_phases": phases.get(v) if b == batches[0] else None})  # fmt: skip
     out = {"device": torch.cuda.get_device_name(), "args": vars(args), "ceilings": ceil, "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\n{out['device']}  copy {ceil['copy_GBps']:.0f} GB/s   {args.model} {args.format} ctx {ctx}")
@@ -241,6 +305,8 @@ def main() -> None:
         rounds = " ".join(f"{t:.3f}" for t in row["rounds_ms"])
         print(f"{row['variant']:40s} B={row['batch']:3d} replay {row['replay_ms']:.3f} ms "
               f"(x{row['ratio']:.2f} of floor {row['floor_ms']:.3f}; rounds {rounds})")  # fmt: skip
+        if row["stage1_phases"]:
+            print_phases(row["stage1_phases"])
         if row["timeline"]:
             tl = row["timeline"]
             print(f"  timeline: {tl['kernels_per_step']:.0f} kernels, critical path {tl['critical_us']:.1f} us a step")

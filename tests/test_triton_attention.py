@@ -530,3 +530,52 @@ def test_mla_decode_kernel_choice() -> None:
         queries = [torch.zeros(1, h, 512, dtype=torch.bfloat16, device="cuda") for h in (8, 32, 64)]
         assert [mla_decode_kernel(q, latent) for q in queries] == ["gluon_few", "gluon_few", "gluon"]
         assert mla_decode_kernel(queries[2], latent, "auto", 32) == "gluon_few"  # 64 heads in blocks of 32
+
+
+@pytest.mark.skipif(not (CUDA and cluster_supported(DEV)), reason="the stamps' asm and clusters need a Hopper GPU")
+def test_gqa_stage1_stamps_keep_the_output_and_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's clustered batch-1 GQA decode with stage 1's diagnostic timestamps (STAGE1_STAMP_SINK,
+    benchmarks/ab_decode.py --stamps): the output bit for bit as without them, and every program (clusters run each
+    to the end) stamps all STAGE1_PHASES in order, within a skew between warps."""
+    from ftransformers.attention import triton_backend as tb
+    from ftransformers.kernels import triton_decode_attention as tda
+    from ftransformers.kernels.cluster import max_cluster_size
+    from ftransformers.kernels.stamps import StampSink
+
+    gen = torch.Generator().manual_seed(52)
+    prefix, H_kv, group, D = [300], 4, 8, 128
+    be = create_attention_backend("triton")
+    q, k, v = randn(1, H_kv * group, D, gen=gen), randn(1, H_kv, D, gen=gen), randn(1, H_kv, D, gen=gen)
+    pool = MHAKVPool(MHAKVSpec(1, H_kv, D, D), 320, DTYPE, DEV)
+    for buf in (*pool.k_buffers, *pool.v_buffers):
+        buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(buf.numel())))
+    fb = _batch(ForwardMode.DECODE, prefix, [1], pool, be, torch.Generator().manual_seed(99))
+    be.init_forward_metadata(fb)
+    plain = be.forward_mha(q, k, v, 0, D**-0.5, fb).clone()
+    sink = StampSink(4096, int(tda.STAGE1_STAMP_SLOTS), torch.device(DEV))
+    monkeypatch.setattr(tda, "STAGE1_STAMP_SINK", sink)
+    stamped = be.forward_mha(q, k, v, 0, D**-0.5, fb)
+    torch.cuda.synchronize()
+    assert torch.equal(plain, stamped) and len(sink.views) == 1
+    t = sink.views[0].cpu()  # [programs, slots, (ns, cycles)]
+    assert t.shape[0] == H_kv * min(tb.GQA_CLUSTER, max_cluster_size(torch.device(DEV)))  # head blocks x splits
+    assert (t >= 0).all(), "a program skipped a phase"
+    steps = t.diff(dim=1)
+    assert (steps[..., 0] >= -200).all() and (steps[..., 1] >= -400).all()
+
+
+def test_stamp_sink_gives_each_launch_its_own_rows() -> None:
+    """StampSink (kernels/stamps.py): consecutive views of one buffer, in launch order, filled with -1; a launch that
+    does not fit, or asks for other slots, is refused."""
+    from ftransformers.kernels.stamps import StampSink
+
+    sink = StampSink(10, 3, torch.device("cpu"))
+    a, b = sink.take(4, 3), sink.take(6, 3)
+    assert a.shape == (4, 3, 2) and b.shape == (6, 3, 2) and (a == -1).all() and (b == -1).all()
+    b.fill_(7)
+    assert (sink.buf[4:] == 7).all() and (sink.buf[:4] == -1).all() and [v.data_ptr() for v in sink.views] == [
+        a.data_ptr(), b.data_ptr()]  # fmt: skip
+    with pytest.raises(ValueError, match="do not fit"):
+        sink.take(1, 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        StampSink(4, 3, torch.device("cpu")).take(2, 5)

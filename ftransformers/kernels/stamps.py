@@ -26,6 +26,26 @@ def stamp_buffer(programs: int, slots: int, device: torch.device) -> torch.Tenso
     return torch.full((programs, slots, 2), -1, dtype=torch.int64, device=device)
 
 
+class StampSink:
+    """Stamp buffers for every launch of a kernel in a captured step: `take` gives each launch its own zero-copy
+    [programs, slots, 2] view of one preallocated buffer (so a CUDA graph captured with them writes each launch's
+    stamps to its own place on every replay), and `views` keeps them in launch order."""
+
+    def __init__(self, programs: int, slots: int, device: torch.device) -> None:
+        self.buf = stamp_buffer(programs, slots, device)
+        self.used = 0
+        self.views: list[torch.Tensor] = []
+
+    def take(self, programs: int, slots: int) -> torch.Tensor:
+        if slots != self.buf.shape[1] or self.used + programs > self.buf.shape[0]:
+            raise ValueError(f"StampSink: {programs} programs x {slots} slots do not fit {tuple(self.buf.shape)} "
+                             f"with {self.used} programs taken")  # fmt: skip
+        view = self.buf[self.used : self.used + programs]
+        self.used += programs
+        self.views.append(view)
+        return view
+
+
 @triton.jit
 def tl_stamp(stamps, program, slot: tl.constexpr, SLOTS: tl.constexpr):
     ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)

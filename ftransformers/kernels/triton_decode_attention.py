@@ -48,7 +48,7 @@ from ftransformers.kernels.cluster import (
 )
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import early_trigger_on, pdl_enter, pdl_launch, pdl_trigger
-from ftransformers.kernels.stamps import tl_stamp
+from ftransformers.kernels.stamps import StampSink, tl_stamp
 from ftransformers.kernels.triton_rope_store import norm_rope
 
 # With the fused rope (DecodeRope), stage 1 reads its first K/V tile before the PDL wait
@@ -68,6 +68,16 @@ COMBINE_TILE = 4096
 COMBINE_WARPS = 4
 # stamps (kernels/stamps.py) of stage 2, a program: entry, after the PDL wait, its output stored
 COMBINE_STAMP_SLOTS = tl.constexpr(3)
+# stamps of stage 1, a program: entry, after the PDL wait, q normed and rotated, the new token's k / v stored and
+# its score in the softmax, the first tile in the softmax, the last tile in; with clusters then every peer's state
+# published (past the cluster barrier) and the output stored (past the last barrier), without them the partial or
+# output stored, twice
+STAGE1_STAMP_SLOTS = tl.constexpr(8)
+STAGE1_PHASES = ("entry", "after wait", "q normed+roped", "new k/v stored", "tile 0 in", "last tile in",
+                 "peers published", "stored")
+# A diagnostic hook (benchmarks/ab_decode.py --stamps): a StampSink (kernels/stamps.py) that gives every stage-1
+# launch its own stamps; None: no stamps compiled
+STAGE1_STAMP_SINK: StampSink | None = None
 
 
 @triton.jit
@@ -103,6 +113,7 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, smem_off=0, CLUSTER: tl.constexpr = 1, GROUP_H: tl.constexpr = 1,
+    stamps=None, STAMPS: tl.constexpr = False,
 ):  # fmt: skip
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
@@ -121,6 +132,10 @@ def _decode_stage1_kernel(
     # CLUSTER > 1 (kernels/cluster.py): the CLUSTER splits of a (head block, sequence) are one cluster of consecutive
     #   programs along axis 0 (num_kv_splits == CLUSTER) and merge through distributed shared memory at the end
     #   (_cluster_merge), so no partials and no stage 2. Every program then runs to the end, an empty split too.
+    # STAMPS: STAGE1_PHASES into stamps [programs, STAGE1_STAMP_SLOTS, 2] (a diagnostic, kernels/stamps.py)
+    stamp_id = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 0, STAGE1_STAMP_SLOTS)
     if CLUSTER > 1:
         pid_hb, split_id, b = tl.program_id(0) // CLUSTER, tl.program_id(0) % CLUSTER, tl.program_id(2)
     else:
@@ -153,6 +168,8 @@ def _decode_stage1_kernel(
         second = start + BLOCK_N + offs_n
         loc = tl.load(r2t_row + second, mask=second < end, other=0)  # the second tile's KV slots
     pdl_enter(USE_PDL)
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 1, STAGE1_STAMP_SLOTS)
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
     h_mask = local < group
     heads = kv_head * group + local  # [BLOCK_H]
@@ -177,6 +194,8 @@ def _decode_stage1_kernel(
         qpe = tl.load(QPE + b * s_qpe_t + heads[:, None] * s_qpe_h + offs_pe[None, :],
                       mask=h_mask[:, None] & (offs_pe[None, :] < DPE), other=0.0)  # [BLOCK_H, BLOCK_DPE]
     qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 2, STAGE1_STAMP_SLOTS)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -201,12 +220,16 @@ def _decode_stage1_kernel(
         l_i = tl.where(has_new, 1.0, l_i)
         acc = tl.where(has_new, acc + v_new.to(tl.float32)[None, :], acc)
         loop_end = end - has_new.to(tl.int32)
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 3, STAGE1_STAMP_SLOTS)
     first = start
     if PRELOAD:  # the first tile, read before the wait
         qk = tl.dot(q, k_first.to(q.dtype), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N]
         qk = tl.where(first_ok[None, :], qk * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v_first, m_i, l_i, acc, DOT_PREC)
         first = start + BLOCK_N
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 4, STAGE1_STAMP_SLOTS)
     for start_n in range(first, loop_end, BLOCK_N):
         pos = start_n + offs_n
         n_mask = pos < loop_end
@@ -230,9 +253,12 @@ def _decode_stage1_kernel(
         nxt = pos + BLOCK_N
         loc = tl.load(r2t_row + nxt, mask=nxt < end, other=0)  # [BLOCK_N] the next tile's KV slots
 
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 5, STAGE1_STAMP_SLOTS)
     if CLUSTER > 1:
         _cluster_merge(acc, m_i, l_i, start < end, split_id, smem_off, O + b * s_o_t + kv_head * group * s_o_h,
-                       (pid_hb % heads_per_kv_blocks) * BLOCK_H, group, s_o_h, DV, BLOCK_H, BLOCK_DV, GROUP_H, CLUSTER)
+                       (pid_hb % heads_per_kv_blocks) * BLOCK_H, group, s_o_h, DV, BLOCK_H, BLOCK_DV, GROUP_H, CLUSTER,
+                       stamps, stamp_id, STAMPS)  # fmt: skip
     else:
         hd_mask = h_mask[:, None] & dv_mask[None, :]
         o_ptr = O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :]
@@ -243,6 +269,10 @@ def _decode_stage1_kernel(
             tl.store(mid_o_ptr, acc / l_i[:, None], mask=hd_mask)
             # log-sum-exp in base 2 of this split's scores
             tl.store(mid_lse + b * s_ml_b + heads * s_ml_h + split_id, m_i + tl.log2(l_i), mask=h_mask)
+        if STAMPS:
+            tl_stamp(stamps, stamp_id, 6, STAGE1_STAMP_SLOTS)
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 7, STAGE1_STAMP_SLOTS)
 
 
 def cluster_scratch_bytes(block_h: int, block_dv: int) -> int:
@@ -255,6 +285,7 @@ def cluster_scratch_bytes(block_h: int, block_dv: int) -> int:
 def _cluster_merge(
     acc, m_i, l_i, valid, rank, smem_off, O_group, first_local, group, s_o_h,
     DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP_H: tl.constexpr, CLUSTER: tl.constexpr,
+    stamps=None, stamp_id=0, STAMPS: tl.constexpr = False,
 ):  # fmt: skip
     # acc [BLOCK_H, BLOCK_DV] (unnormalised), m_i / l_i [BLOCK_H]: this split's online softmax state (NaN or garbage
     # where not `valid`: an empty split). Each CTA publishes its state in its shared memory, then finishes
@@ -272,6 +303,8 @@ def _cluster_merge(
     st_shared_f32(base + (BLOCK_H + offs_h) * 4, l_i)
     st_shared_f32(base + (2 * BLOCK_H + offs_h[:, None] * BLOCK_DV + offs_dv[None, :]) * 4, acc)
     cluster_sync()
+    if STAMPS:
+        tl_stamp(stamps, stamp_id, 6, STAGE1_STAMP_SLOTS)
     E: tl.constexpr = GROUP_H * BLOCK_DV // CLUSTER
     idx = rank * E + tl.arange(0, E)
     h = idx // BLOCK_DV
@@ -478,6 +511,9 @@ def decode_attention_fwd(
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    sink = STAGE1_STAMP_SINK
+    if sink is not None:  # a diagnostic run: this launch's own stamps
+        consts.update(stamps=sink.take(grid[0] * grid[1] * grid[2], int(STAGE1_STAMP_SLOTS)), STAMPS=True)
     if cluster > 1:  # the splits merge in their cluster: no partials, no stage 2
         group_h = min(block_h, next_pow2(group))  # the heads of a block that may be in the group
         assert num_kv_splits == cluster and (group_h * block_dv) % cluster == 0, (num_kv_splits, cluster, group_h)
