@@ -193,11 +193,18 @@ DECODE_FUSED = [  # (lens, H, H_kv, D, splits); 0 = a padded CUDA-graph row
 @pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.float32])  # the interpreter's bf16 dot is wrong
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("case", range(len(DECODE_FUSED)))
-def test_decode_attention_fused_rope(dtype: torch.dtype, norm: bool, case: int) -> None:
+@pytest.mark.parametrize("new_tile", [False, True])
+def test_decode_attention_fused_rope(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, norm: bool, case: int, new_tile: bool
+) -> None:
     """decode_attention_fwd(rope=...) == rope_store then decode_attention_fwd: output, pool, and the
     new token's K/V slot; a padded row (seq_len 0) gives zeros and stores nothing. The fused kernel with its
-    first K/V tile read before the PDL wait (the default) and after it."""
+    first K/V tile read before the PDL wait (the default) and after it; the new token's k and v as vectors and as
+    tiles of identical rows (NEW_TOKEN_TILE)."""
+    from ftransformers.kernels import triton_decode_attention as tda
     from ftransformers.kernels.triton_decode_attention import DecodeRope, decode_attention_fwd, decode_scratch
+
+    monkeypatch.setattr(tda, "NEW_TOKEN_TILE", new_tile)
 
     lens, H, H_kv, D, splits = DECODE_FUSED[case]
     B, N = len(lens), sum(lens) + 8

@@ -18,8 +18,8 @@ Fused rope (`rope=DecodeRope(...)`, the triton backend's decode path for Qwen3 /
 stage 1 also does what kernels/triton_rope_store.py does in its own launch otherwise: per-head q/k
 RMSNorm, neox rotary and the new token's K/V store. Each program rotates its own query heads; the
 program whose split holds position seq_len - 1 rotates the new k, stores k and v, and seeds its online
-softmax with that token (score q . k_new, weight 1, value v_new) instead of reading it back. One
-launch a layer less at every batch size.
+softmax with that token (score q . k_new, weight 1, value v_new) instead of reading it back (k and v
+as tiles of identical rows in q's layout, NEW_TOKEN_TILE). One launch a layer less at every batch size.
 
 PDL (kernels/pdl.py): stage 1 reads the batch metadata (seq_lens, req_pool_indices, the first tile of
 req_to_token; with rope also positions, out_cache_loc and the constant cos|sin cache) before its wait,
@@ -58,6 +58,14 @@ PRELOAD_FIRST_TILE = True
 # projection's programs become resident, and read ahead of their own wait, while stage 1 runs: 0 never, 1 where
 # the caller says the o projection reads ahead (decode_attention_fwd's early_trigger), 2 always
 EARLY_TRIGGER = 1
+# With the fused rope, stage 1 handles the new token's k and v as [BLOCK_H, D] tiles of identical rows, in the layout
+# q's tile has, so that k's norm and its score against each query head reduce within a warp (as q's norm does)
+# instead of across the warps of a [D] vector: 7 CTA barriers between q's rotation and the first tile instead of 16,
+# 9 fewer in all, and no more registers (offline sm_90 compile, Triton 3.6). H200, bf16 graph replay
+# (benchmarks/results/ab_newtile_*_s52_h200.log): Qwen3-30B-A3B B=1 2.398 -> 2.379 ms (decode attention's critical
+# path 288 -> 267 us a step), B=8 7.864 -> 7.849; Qwen3-8B B=1 4.176 -> 4.145, B=64 6.039 -> 6.062 (2 rounds, within
+# their spread). False: the vector form (an A/B)
+NEW_TOKEN_TILE = True
 # Stage 2's launch: a program's tile holds at most COMBINE_TILE elements (splits x CHUNK_DV floats), over
 # COMBINE_WARPS warps (module constants for benchmarks' `set=`). H200, session 45 (benchmarks/diag_mla_phases.py,
 # three runs; benchmarks/results/diag_mla_{knobs,again,prefetch}_s45_h200.log): 4096 against 8192, MLA decode at
@@ -113,8 +121,9 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, smem_off=0, CLUSTER: tl.constexpr = 1, GROUP_H: tl.constexpr = 1,
-    stamps=None, STAMPS: tl.constexpr = False,
+    stamps=None, STAMPS: tl.constexpr = False, NEW_TILE: tl.constexpr = False,
 ):  # fmt: skip
+    # NEW_TILE (with ROPE): NEW_TOKEN_TILE
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
     # ROPE: Q and KNEW / VNEW are the new token's raw projections (q [B, H, D], k [B, H_kv, D], v); this
@@ -205,20 +214,39 @@ def _decode_stage1_kernel(
         has_new = end == seq_len  # this split holds the new token, position seq_len - 1
         if CLUSTER > 1:
             has_new = has_new & (start < end)  # not an empty split past the end
-        k1, k2 = norm_rope(KNEW + b * s_kn_t + kv_head * s_kn_h, KW, eps_k, cos, sin, offs_half,
-                            offs_half < tl.where(has_new, HALF, 0), HALF, QK_NORM)  # fmt: skip
-        k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), [BLOCK_D]).to(KNEW.dtype.element_ty)
-        k_new = k_new.to(K.dtype.element_ty)
-        v_new = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv, mask=offs_dv < tl.where(has_new, DV, 0),
-                        other=0.0)  # (a scalar & a vector mask is an int array in Triton's interpreter)
-        v_new = v_new.to(V.dtype.element_ty)
         store = has_new & (pid_hb % heads_per_kv_blocks == 0)
-        tl.store(K + new_slot * s_k_n + kv_head * s_k_h + offs_d, k_new, mask=offs_d < tl.where(store, D, 0))
-        tl.store(V + new_slot * s_v_n + kv_head * s_v_h + offs_dv, v_new, mask=offs_dv < tl.where(store, DV, 0))
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
+        if NEW_TILE:  # k and v as [BLOCK_H, .] tiles of identical rows, q's layout: row-wise reductions in a warp
+            rows = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+            k1, k2 = norm_rope(KNEW + b * s_kn_t + kv_head * s_kn_h + 0 * rows, KW, eps_k, cos[None, :], sin[None, :],
+                                offs_half[None, :], (offs_half < tl.where(has_new, HALF, 0))[None, :] & (rows >= 0),
+                                HALF, QK_NORM)  # fmt: skip
+            k_rows = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), [BLOCK_H, BLOCK_D]).to(KNEW.dtype.element_ty)
+            k_rows = k_rows.to(K.dtype.element_ty)
+            v_rows = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv[None, :] + 0 * rows,
+                             mask=(offs_dv < tl.where(has_new, DV, 0))[None, :] & (rows >= 0), other=0.0)
+            v_rows = v_rows.to(V.dtype.element_ty)
+            first_row = rows < tl.where(store, 1, 0)  # row 0 where this program stores (no scalar & tensor mask: the
+            # interpreter makes that an int array)
+            tl.store(K + new_slot * s_k_n + kv_head * s_k_h + offs_d[None, :] + 0 * rows, k_rows,
+                     mask=first_row & (offs_d < D)[None, :])  # fmt: skip
+            tl.store(V + new_slot * s_v_n + kv_head * s_v_h + offs_dv[None, :] + 0 * rows, v_rows,
+                     mask=first_row & dv_mask[None, :])  # fmt: skip
+            s_new = tl.sum(q.to(tl.float32) * k_rows.to(tl.float32), 1) * qk_scale  # [BLOCK_H]
+            acc = tl.where(has_new, acc + v_rows.to(tl.float32), acc)
+        else:
+            k1, k2 = norm_rope(KNEW + b * s_kn_t + kv_head * s_kn_h, KW, eps_k, cos, sin, offs_half,
+                                offs_half < tl.where(has_new, HALF, 0), HALF, QK_NORM)  # fmt: skip
+            k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), [BLOCK_D]).to(KNEW.dtype.element_ty)
+            k_new = k_new.to(K.dtype.element_ty)
+            v_new = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv, mask=offs_dv < tl.where(has_new, DV, 0),
+                            other=0.0)  # (a scalar & a vector mask is an int array in Triton's interpreter)
+            v_new = v_new.to(V.dtype.element_ty)
+            tl.store(K + new_slot * s_k_n + kv_head * s_k_h + offs_d, k_new, mask=offs_d < tl.where(store, D, 0))
+            tl.store(V + new_slot * s_v_n + kv_head * s_v_h + offs_dv, v_new, mask=offs_dv < tl.where(store, DV, 0))
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
+            acc = tl.where(has_new, acc + v_new.to(tl.float32)[None, :], acc)
         m_i = tl.where(has_new, s_new, m_i)
         l_i = tl.where(has_new, 1.0, l_i)
-        acc = tl.where(has_new, acc + v_new.to(tl.float32)[None, :], acc)
         loop_end = end - has_new.to(tl.int32)
     if STAMPS:
         tl_stamp(stamps, stamp_id, 3, STAGE1_STAMP_SLOTS)
@@ -509,6 +537,7 @@ def decode_attention_fwd(
         BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
+        NEW_TILE=NEW_TOKEN_TILE and rope is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     sink = STAGE1_STAMP_SINK
