@@ -78,8 +78,8 @@ COMBINE_WARPS = 4
 COMBINE_STAMP_SLOTS = tl.constexpr(3)
 # stamps of stage 1, a program: entry, after the PDL wait, q normed and rotated, the new token's k / v stored and
 # its score in the softmax, the first tile in the softmax, the last tile in; with clusters then every peer's state
-# published (past the cluster barrier) and the output stored (past the last barrier), without them the partial or
-# output stored, twice
+# published (past the cluster barrier) and the output stored (past the last barrier); without them the split's
+# partial stored (slot 6, unstamped where a row's only split stores its output itself) and the program's end
 STAGE1_STAMP_SLOTS = tl.constexpr(8)
 STAGE1_PHASES = ("entry", "after wait", "q normed+roped", "new k/v stored", "tile 0 in", "last tile in",
                  "peers published", "stored")
