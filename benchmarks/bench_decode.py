@@ -202,7 +202,7 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
     # of ctx + ENGINE_NEW_TOKENS / 2 tokens a sequence (the `_own_ratio`s' floor; the `_ratio`s keep the row's)
     engine_floor = decode_bytes(acc, batch, ctx + ENGINE_NEW_TOKENS // 2) / bw * 1e3
     for overlap in (True, False) if engine else ():  # last: the engine runs refill the graph buffers
-        steps = engine_steps_ms(runner, acc["vocab"], batch, ctx, overlap, ENGINE_NEW_TOKENS)
+        steps = engine_steps_ms(runner, acc["vocab"], batch, ctx, overlap)
         if steps is not None:
             key, ms = "overlap" if overlap else "sync", statistics.median(steps)
             row[f"engine_{key}_ms"], row[f"engine_{key}_ratio"] = ms, ms / floor
@@ -211,14 +211,16 @@ def bench_decode(runner: Any, acc: dict[str, Any], bw: float, batch: int, ctx: i
     return row
 
 
-def engine_step_ms(runner: Any, vocab: int, batch: int, ctx: int, overlap: bool, new_tokens: int = 64) -> float | None:
+def engine_step_ms(
+    runner: Any, vocab: int, batch: int, ctx: int, overlap: bool, new_tokens: int = ENGINE_NEW_TOKENS
+) -> float | None:
     """Median wall time of steady decode steps through the Scheduler loop (see the module doc)."""
     steps = engine_steps_ms(runner, vocab, batch, ctx, overlap, new_tokens)
     return statistics.median(steps) if steps is not None else None
 
 
 def engine_steps_ms(
-    runner: Any, vocab: int, batch: int, ctx: int, overlap: bool, new_tokens: int = 64
+    runner: Any, vocab: int, batch: int, ctx: int, overlap: bool, new_tokens: int = ENGINE_NEW_TOKENS
 ) -> list[float] | None:
     """Wall ms of each steady decode step through the Scheduler loop, in order (None: the batch does not fit, or
     fewer than 8 steady steps)."""
