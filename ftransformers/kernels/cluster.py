@@ -49,15 +49,6 @@ def cluster_arrive():
 
 
 @triton.jit
-def cluster_arrive_relaxed():
-    # the first half of a cluster barrier that publishes nothing: "this CTA has started". A CTA may write a peer's
-    # shared memory only once the peer runs; the matching cluster_wait, later, says every peer does
-    tl.inline_asm_elementwise(
-        "barrier.cluster.arrive.relaxed.aligned; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-    )  # fmt: skip
-
-
-@triton.jit
 def cluster_wait():
     tl.inline_asm_elementwise(
         "barrier.cluster.wait.aligned; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
@@ -88,26 +79,6 @@ def ld_cluster_f32(addr, rank):
     return tl.inline_asm_elementwise(
         "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }",
         "=r,r,r", [addr, rank.to(tl.int32)], dtype=tl.float32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def st_cluster_f32(addr, rank, value, pred):
-    # the shared memory of the cluster's CTA `rank` at `addr` (smem_addr) := value where pred != 0, elementwise; a
-    # store, so nothing waits for it here (a releasing cluster barrier makes it visible to the peer)
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 a; setp.ne.s32 p, $4, 0; mapa.shared::cluster.u32 a, $1, $2; "
-        "@p st.shared::cluster.f32 [a], $3; } // $0",
-        "=r,r,r,r,r", [addr, rank.to(tl.int32), value.to(tl.float32), pred.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def ld_shared_f32(addr):
-    # this CTA's shared memory at `addr` (smem_addr), elementwise
-    return tl.inline_asm_elementwise(
-        "ld.shared.f32 $0, [$1];", "=r,r", [addr], dtype=tl.float32, is_pure=False, pack=1
     )  # fmt: skip
 
 

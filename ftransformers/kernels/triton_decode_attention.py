@@ -39,14 +39,11 @@ import triton.language as tl
 
 from ftransformers.kernels.cluster import (
     cluster_arrive,
-    cluster_arrive_relaxed,
     cluster_launch,
     cluster_sync,
     cluster_wait,
     ld_cluster_f32,
-    ld_shared_f32,
     smem_addr,
-    st_cluster_f32,
     st_shared_f32,
 )
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
@@ -69,16 +66,6 @@ EARLY_TRIGGER = 1
 # path 288 -> 267 us a step), B=8 7.864 -> 7.849; Qwen3-8B B=1 4.176 -> 4.145, B=64 6.039 -> 6.062 (2 rounds, within
 # their spread). False: the vector form (an A/B)
 NEW_TOKEN_TILE = True
-# The cluster merge (CLUSTER > 1) by pushes: each CTA stores every peer's share of its state into that peer's shared
-# memory (remote stores, nothing waited for), meets its cluster once, and merges its share from its own shared
-# memory, with no read across the cluster and no barrier before leaving. Correct, and slower: H200, Qwen3-30B-A3B bf16
-# B=1 graph replay 2.560-2.594 ms against 2.373-2.388 with the reads, stage 1's critical path 448-452 us a step
-# against 263 (benchmarks/results/ab_push*_s53_h200.log; leaving through a barrier too, PUSH_EXIT_SYNC, or HEAD's
-# scratch size, PUSH_SCRATCH_MIN, did not change it). False (the default): each CTA publishes its state in its own
-# shared memory and reads its share from every peer
-CLUSTER_PUSH = False
-PUSH_EXIT_SYNC = False  # diagnostic: the push merge leaves through a cluster barrier too
-PUSH_SCRATCH_MIN = 0  # diagnostic: at least this many scratch bytes
 # Stage 2's launch: a program's tile holds at most COMBINE_TILE elements (splits x CHUNK_DV floats), over
 # COMBINE_WARPS warps (module constants for benchmarks' `set=`). H200, session 45 (benchmarks/diag_mla_phases.py,
 # three runs; benchmarks/results/diag_mla_{knobs,again,prefetch}_s45_h200.log): 4096 against 8192, MLA decode at
@@ -134,10 +121,9 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, smem_off=0, CLUSTER: tl.constexpr = 1, GROUP_H: tl.constexpr = 1,
-    stamps=None, STAMPS: tl.constexpr = False, NEW_TILE: tl.constexpr = False, PUSH: tl.constexpr = False,
-    EXIT_SYNC: tl.constexpr = False,
+    stamps=None, STAMPS: tl.constexpr = False, NEW_TILE: tl.constexpr = False,
 ):  # fmt: skip
-    # NEW_TILE (with ROPE): NEW_TOKEN_TILE; PUSH (with CLUSTER > 1): CLUSTER_PUSH
+    # NEW_TILE (with ROPE): NEW_TOKEN_TILE
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
     # ROPE: Q and KNEW / VNEW are the new token's raw projections (q [B, H, D], k [B, H_kv, D], v); this
@@ -160,8 +146,6 @@ def _decode_stage1_kernel(
     if STAMPS:
         tl_stamp(stamps, stamp_id, 0, STAGE1_STAMP_SLOTS)
     if CLUSTER > 1:
-        if PUSH:  # started: the merge's wait on this, long after, lets peers store into this CTA's shared memory
-            cluster_arrive_relaxed()
         pid_hb, split_id, b = tl.program_id(0) // CLUSTER, tl.program_id(0) % CLUSTER, tl.program_id(2)
     else:
         pid_hb, split_id, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -300,14 +284,9 @@ def _decode_stage1_kernel(
     if STAMPS:
         tl_stamp(stamps, stamp_id, 5, STAGE1_STAMP_SLOTS)
     if CLUSTER > 1:
-        if PUSH:
-            _cluster_push_merge(acc, m_i, l_i, start < end, split_id, smem_off, O + b * s_o_t + kv_head * group * s_o_h,
-                                (pid_hb % heads_per_kv_blocks) * BLOCK_H, group, s_o_h, DV, BLOCK_H, BLOCK_DV, GROUP_H,
-                                CLUSTER, stamps, stamp_id, STAMPS, EXIT_SYNC)  # fmt: skip
-        else:
-            _cluster_merge(acc, m_i, l_i, start < end, split_id, smem_off, O + b * s_o_t + kv_head * group * s_o_h,
-                           (pid_hb % heads_per_kv_blocks) * BLOCK_H, group, s_o_h, DV, BLOCK_H, BLOCK_DV, GROUP_H,
-                           CLUSTER, stamps, stamp_id, STAMPS)  # fmt: skip
+        _cluster_merge(acc, m_i, l_i, start < end, split_id, smem_off, O + b * s_o_t + kv_head * group * s_o_h,
+                       (pid_hb % heads_per_kv_blocks) * BLOCK_H, group, s_o_h, DV, BLOCK_H, BLOCK_DV, GROUP_H, CLUSTER,
+                       stamps, stamp_id, STAMPS)  # fmt: skip
     else:
         hd_mask = h_mask[:, None] & dv_mask[None, :]
         o_ptr = O + b * s_o_t + heads[:, None] * s_o_h + offs_dv[None, :]
@@ -324,79 +303,10 @@ def _decode_stage1_kernel(
         tl_stamp(stamps, stamp_id, 7, STAGE1_STAMP_SLOTS)
 
 
-def cluster_scratch_bytes(block_h: int, block_dv: int, group_h: int = 0, cluster: int = 0, push: bool = False) -> int:
-    """Shared bytes a CTA of the merge needs, float32. _cluster_merge publishes m and l of each head, then the head
-    block's [BLOCK_H, BLOCK_DV] unnormalised output. _cluster_push_merge receives every peer's share: E = GROUP_H x
-    BLOCK_DV / CLUSTER outputs, and m and l of the heads they lie in, from each of the CLUSTER CTAs."""
-    if not push:
-        return (2 * block_h + block_h * block_dv) * 4
-    e = group_h * block_dv // cluster
-    return (e + 2 * max(1, e // block_dv)) * cluster * 4
-
-
-@triton.jit
-def _cluster_push_merge(
-    acc, m_i, l_i, valid, rank, smem_off, O_group, first_local, group, s_o_h,
-    DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, GROUP_H: tl.constexpr, CLUSTER: tl.constexpr,
-    stamps=None, stamp_id=0, STAMPS: tl.constexpr = False, EXIT_SYNC: tl.constexpr = False,
-):  # fmt: skip
-    # The same merge as _cluster_merge's, the other way round. CTA j finishes the flattened outputs [j E, (j + 1) E)
-    # of the first GROUP_H heads (E = GROUP_H BLOCK_DV / CLUSTER, a power of two), in heads first_head(j) = j E /
-    # BLOCK_DV onwards (HPO of them: E / BLOCK_DV, or 1 where E < BLOCK_DV). Its scratch, float32:
-    #   a[e, w] at e CLUSTER + w: output e of its share from CTA w;
-    #   m[hh, w] at E CLUSTER + hh CLUSTER + w, l[hh, w] HPO CLUSTER further: CTA w's max and sum of head
-    #   first_head(j) + hh.
-    # Every CTA stores those into every peer (remote stores, fire and forget), meets the cluster once (release /
-    # acquire: the stores are visible after it), then merges from its own shared memory only. No CTA reads a peer,
-    # so none waits for its peers before leaving. The peers run before anything is stored into them: the kernel's
-    # entry arrived (cluster_arrive_relaxed) and the wait here completes that barrier.
-    E: tl.constexpr = GROUP_H * BLOCK_DV // CLUSTER
-    HPO: tl.constexpr = E // BLOCK_DV if E >= BLOCK_DV else 1
-    ML: tl.constexpr = E * CLUSTER  # m's first float, l's HPO * CLUSTER further
-    m_i = tl.where(valid, m_i, float("-inf"))
-    l_i = tl.where(valid, l_i, 0.0)
-    acc = tl.where(valid, acc, 0.0)
-    base = smem_addr(smem_off)
-    offs_h = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    offs_dv = tl.arange(0, BLOCK_DV)[None, :]  # [1, BLOCK_DV]
-    flat = offs_h * BLOCK_DV + offs_dv  # [BLOCK_H, BLOCK_DV]
-    owner = tl.minimum(flat // E, CLUSTER - 1)  # a rank for the rows past the group too (their stores are off)
-    e = flat % E
-    in_group = (offs_h < GROUP_H) & (offs_dv >= 0)
-    # each head's first output in an owner's share carries the head's m and l there
-    lead = in_group & ((e == 0) | (offs_dv == 0))
-    hh = offs_h - owner * E // BLOCK_DV
-    cluster_wait()  # every peer has started (the entry's arrive)
-    st_cluster_f32(base + (e * CLUSTER + rank) * 4, owner, acc, in_group)
-    m_rows = tl.broadcast_to(m_i[:, None], [BLOCK_H, BLOCK_DV])
-    l_rows = tl.broadcast_to(l_i[:, None], [BLOCK_H, BLOCK_DV])
-    st_cluster_f32(base + (ML + hh * CLUSTER + rank) * 4, owner, m_rows, lead)
-    st_cluster_f32(base + (ML + (HPO + hh) * CLUSTER + rank) * 4, owner, l_rows, lead)
-    cluster_sync()  # release: this CTA's stores; acquire: every peer's into this one
-    if STAMPS:
-        tl_stamp(stamps, stamp_id, 6, STAGE1_STAMP_SLOTS)
-    # [E, 1] and [E, CLUSTER] tensors throughout, the sums kept 2-D: no layout change between loads and stores
-    own = tl.arange(0, E)[:, None]  # [E, 1] this CTA's outputs
-    idx = rank * E + own  # flattened over the group's heads
-    h = idx // BLOCK_DV
-    d = idx % BLOCK_DV
-    w = tl.arange(0, CLUSTER)[None, :]  # [1, CLUSTER] the peer a value came from
-    own_h = h - rank * E // BLOCK_DV
-    a = ld_shared_f32(base + (own * CLUSTER + w) * 4)  # [E, CLUSTER]
-    m = ld_shared_f32(base + (ML + own_h * CLUSTER + w) * 4)
-    lsum = ld_shared_f32(base + (ML + (HPO + own_h) * CLUSTER + w) * 4)
-    top = tl.max(m, 1, keep_dims=True)
-    safe = tl.where(top == float("-inf"), 0.0, top)
-    wgt = tl.exp2(m - safe)  # 0 for a split that holds no token
-    den = tl.sum(wgt * lsum, 1, keep_dims=True)
-    num = tl.sum(wgt * a, 1, keep_dims=True)
-    out = num / tl.where(den > 0, den, 1.0)  # [E, 1]
-    if EXIT_SYNC:
-        cluster_arrive()
-    local = first_local + h
-    tl.store(O_group + local * s_o_h + d, out.to(O_group.dtype.element_ty), mask=(local < group) & (d < DV))
-    if EXIT_SYNC:
-        cluster_wait()
+def cluster_scratch_bytes(block_h: int, block_dv: int) -> int:
+    """Shared bytes _cluster_merge publishes a CTA: m and l of each head, then the head block's [BLOCK_H, BLOCK_DV]
+    unnormalised output, float32."""
+    return (2 * block_h + block_h * block_dv) * 4
 
 
 @triton.jit
@@ -636,11 +546,10 @@ def decode_attention_fwd(
     if cluster > 1:  # the splits merge in their cluster: no partials, no stage 2
         group_h = min(block_h, next_pow2(group))  # the heads of a block that may be in the group
         assert num_kv_splits == cluster and (group_h * block_dv) % cluster == 0, (num_kv_splits, cluster, group_h)
-        scratch = max(cluster_scratch_bytes(block_h, block_dv, group_h, cluster, CLUSTER_PUSH), PUSH_SCRATCH_MIN)
+        scratch = cluster_scratch_bytes(block_h, block_dv)
         grid = (H_kv * blocks_per_kv, 1, B)  # clusters; cluster_launch multiplies axis 0 by the cluster size
         cluster_launch(_decode_stage1_kernel, grid, cluster, scratch, *args, **consts, smem_off=0, CLUSTER=cluster,
-                       GROUP_H=group_h, PUSH=CLUSTER_PUSH, EXIT_SYNC=PUSH_EXIT_SYNC and CLUSTER_PUSH,
-                       **pdl_launch(q.device))  # fmt: skip
+                       GROUP_H=group_h, **pdl_launch(q.device))  # fmt: skip
         return out
     _decode_stage1_kernel[grid](*args, **consts, **pdl_launch(q.device))
     if num_kv_splits > 1 or not direct:
