@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")  # conftest runs it through the interpreter without a GPU
 
-from ftransformers.kernels.triton_gemv import GEMV_MAX_M, gemv, gemv_config, gemv_ref
+from ftransformers.kernels.triton_gemv import GEMV_MAX_M, can_fold_norm, gemv, gemv_config, gemv_ref, gemv_rmsnorm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (N, K): K not a multiple of any BLOCK_K exercises the masked path; N not a multiple of BLOCK_N too.
@@ -120,3 +120,101 @@ def test_lm_head_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
         assert got.dtype == torch.float32 and rel_err(got, ref) < tol(torch.bfloat16)
         assert into.data_ptr() == buf.data_ptr() and torch.equal(into.float(), got)
     assert calls == [(1, 256), (1, 256)]
+
+
+def _norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # layers/norm.py's RMSNorm on the CPU path: the sum rounded to x's dtype, statistics in float32, the normed row
+    # rounded before the weight multiplies
+    s = (x.float() + residual.float()).to(x.dtype)
+    s32 = s.float()
+    y = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * y, s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_rmsnorm_matches_norm_then_gemv(dtype: torch.dtype, bias: bool) -> None:
+    """The input RMSNorm folded into the one-row GEMV: y against the norm's reference then gemv_ref (the tolerances
+    above; the kernel's float32 sum of squares may differ from the reference's in its last bits, and so round a
+    normed element the other way), and x + residual bit for bit (on the GPU; the interpreter truncates casts)."""
+    gen = torch.Generator().manual_seed(21 + bias)
+    shapes = [(5120, 2048), (6144, 4096), (129, 1000)] if DEV == "cuda" else [(37, 96), (20, 512)]
+    for N, K in shapes:
+        x = torch.randn(1, K, generator=gen).to(DEV, dtype)
+        r = (3 * torch.randn(1, K, generator=gen)).to(DEV, dtype)
+        nw = (1 + 0.3 * torch.randn(K, generator=gen)).to(DEV, dtype)
+        w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEV, dtype)
+        b = torch.randn(N, generator=gen).to(DEV, dtype) if bias else None
+        assert can_fold_norm(x, r, nw, w)
+        y, new_res = gemv_rmsnorm(x, r, nw, 1e-6, w, b)
+        xn, s = _norm_ref(x, r, nw, 1e-6)
+        if DEV == "cuda" or dtype == torch.float32:
+            assert torch.equal(new_res, s), (N, K)
+        else:  # the interpreter's casts to bfloat16 truncate: within one bf16 step
+            assert torch.allclose(new_res.float(), s.float(), rtol=2**-7, atol=0), (N, K)
+        assert rel_err(y, gemv_ref(xn, w, b)) < tol(dtype), (N, K, rel_err(y, gemv_ref(xn, w, b)))
+
+
+def test_gemv_rmsnorm_takes_one_whole_row_only() -> None:
+    """can_fold_norm: one contiguous row of at most GEMV_WHOLE_ROW_K, one dtype throughout."""
+    from ftransformers.kernels.triton_gemv import GEMV_WHOLE_ROW_K
+
+    k = 64
+    x, w, nw = torch.randn(1, k), torch.randn(8, k), torch.randn(k)
+    assert can_fold_norm(x, x.clone(), nw, w)
+    assert not can_fold_norm(torch.randn(2, k), torch.randn(2, k), nw, w)  # two rows
+    assert not can_fold_norm(x, x.clone(), nw.to(torch.bfloat16), w)  # the norm's weight in another dtype
+    assert not can_fold_norm(x, x.clone(), torch.randn(k + 1), w)
+    big = GEMV_WHOLE_ROW_K * 2
+    assert not can_fold_norm(torch.randn(1, big), torch.randn(1, big), torch.randn(big), torch.randn(4, big))
+
+
+def test_norm_then_linear_leaves_quantized_and_cpu_layers_alone() -> None:
+    """norm_then_linear returns None (the norm's own launch) for a quantized layer, whose weight tensors are its
+    method's, and for a CPU row; it never reaches for a `weight` a quantized layer lacks."""
+    from ftransformers.layers.linear import ReplicatedLinear, norm_then_linear
+    from ftransformers.layers.norm import RMSNorm
+
+    norm, layer = RMSNorm(64), ReplicatedLinear(64, 32)
+    x, r = torch.randn(1, 64), torch.randn(1, 64)
+    assert norm_then_linear(norm, layer, x, r) is None  # a CPU row: one_row_gemv declines
+    layer.quant_method = object()  # any method: the fold leaves the layer to it
+    del layer.weight
+    assert norm_then_linear(norm, layer, x, r) is None
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the decoder layer folds its input norm into the GEMV on CUDA only")
+def test_decoder_layer_folds_its_input_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 decoder layer's input norm and qkv projection at one row through norm_then_linear, as the layer calls
+    them: gemv_rmsnorm takes the call, its product matches the norm then the projection and its residual equals the
+    norm's; two rows go back to the norm's own launch. (The whole layer runs folded in the engine parity tests.)"""
+    from transformers import Qwen3Config
+
+    import ftransformers.kernels.triton_gemv as mod
+    from ftransformers.models import llama
+    from ftransformers.models.qwen3 import Qwen3DecoderLayer
+
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=128)  # fmt: skip
+    layer = Qwen3DecoderLayer(cfg, 0).to(DEV, torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    qkv_w, norm_w = layer.self_attn.qkv_proj.weight, layer.input_layernorm.weight
+    with torch.no_grad():  # fresh random weights (the layer's own are uninitialised)
+        qkv_w.copy_(torch.randn(qkv_w.shape, generator=gen) / 16)
+        norm_w.copy_(1 + 0.3 * torch.randn(norm_w.shape, generator=gen))
+    calls: list[int] = []
+    real = mod.gemv_rmsnorm
+    monkeypatch.setattr(mod, "gemv_rmsnorm", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 256, generator=gen).to(DEV, torch.bfloat16)
+    r = torch.randn(1, 256, generator=gen).to(DEV, torch.bfloat16)
+    # the norm and qkv alone (the attention needs a KV pool): the folded call against norm then qkv
+    folded = llama.norm_then_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x, r)
+    assert folded is not None and calls == [1]
+    normed, res = layer.input_layernorm(x, r)
+    assert torch.equal(folded[1], res)
+    ref = layer.self_attn.qkv_proj(normed)
+    assert rel_err(folded[0], ref) < tol(torch.bfloat16)
+    two = llama.norm_then_linear(layer.input_layernorm, layer.self_attn.qkv_proj, x.expand(2, 256), r.expand(2, 256))
+    assert two is None  # two rows: the norm's own launch

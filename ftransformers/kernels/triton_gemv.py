@@ -41,6 +41,14 @@ GEMV_BLOCK_K = 2048  # K elements a one-row program loads per step (2-4 rows: 10
 GEMV_WHOLE_ROW_K = 4096
 GEMV_WARPS = 4
 GEMV_STAGES = 4
+# gemv_rmsnorm's programs take at least FOLD_MIN_WEIGHT_BYTES of weight rows (more than gemv_config's 2 at K = 2048),
+# since each also reads and norms the whole row. H200, bf16 B=1 graph replay with the qkv GEMV folded
+# (benchmarks/results/ab_fold_rows_*_s53_h200.log): Qwen3-30B-A3B (K 2048) 4 rows 2.305-2.311 ms, 2 rows 2.321-2.327,
+# 8 rows 2.426-2.427, the norm's own launch 2.389; Qwen3-8B (K 4096) 2 rows 4.136-4.148, 4 rows 4.164-4.168, the
+# norm's own launch 4.172-4.191. FOLD_BLOCK_N > 0 overrides the rule (for an A/B)
+FOLD_MIN_WEIGHT_BYTES = 16 << 10
+FOLD_MAX_BLOCK_N = 8  # short rows (K < 1024) stop here
+FOLD_BLOCK_N = 0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -50,9 +58,11 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, NORM: tl.constexpr = False, res_ptr=None, nw_ptr=None, new_res_ptr=None, eps=0.0,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
+    # NORM (one row, K <= BLOCK_K: gemv_rmsnorm): x is RMSNorm(x + res) * nw, as kernels/triton_norm.py rounds it,
+    # computed by every program from the row; program 0 stores x + res at new_res.
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -63,23 +73,42 @@ def _gemv_kernel(
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BN, BK]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+    if NORM:  # one step of K: the weight tile's loads first, the row's norm under them
+        if EVEN_K:  # masks constant along K: vector loads
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BN, BK]
+            h = tl.load(x_ptr + offs_k)  # [BK]
+            r = tl.load(res_ptr + offs_k)
+            nw = tl.load(nw_ptr + offs_k).to(tl.float32)
         else:
-            mask_k = (k0 + offs_k) < K
+            mask_k = offs_k < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
-            if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
-                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+            r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
+            nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        s = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + offs_k, s, mask=offs_k < tl.where(pid == 0, K, 0))
+        s32 = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(s32 * s32, axis=0) / K + eps)
+        xn = ((s32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * nw).to(x_ptr.dtype.element_ty)
+        acc += tl.sum(xn.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)[None, :]
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+                x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
             else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        else:  # CUDA cores: [BM, BN, BK] products summed over K
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+                mask_k = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            if DOT:  # tensor cores, x padded to BLOCK_M >= 16 rows
+                if IEEE:  # float32 operands (or the CPU interpreter, whose bf16 dot is wrong): exact products
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+            else:  # CUDA cores: [BM, BN, BK] products summed over K
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -128,6 +157,44 @@ def gemv(
         **pdl_launch(x.device),
     )  # fmt: skip
     return y
+
+
+def gemv_rmsnorm(
+    x: torch.Tensor,  # [1, K]: the new stream (a layer's output), unit stride
+    residual: torch.Tensor,  # [1, K]
+    norm_weight: torch.Tensor,  # [K], x.dtype
+    eps: float,
+    weight: torch.Tensor,  # [N, K], unit stride along K
+    bias: torch.Tensor | None = None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (y [1, N], x + residual [1, K])
+    """One row's RMSNorm with its residual add (kernels/triton_norm.py's rms_norm) and the product after it in one
+    launch: every program norms the row itself (4-8 KB of it from L2) under its first weight loads, so the norm's own
+    launch and its output's round trip leave the critical path. K up to GEMV_WHOLE_ROW_K (one step of K)."""
+    k, n = x.shape[1], weight.shape[0]
+    assert can_fold_norm(x, residual, norm_weight, weight), (x.shape, residual.shape, norm_weight.shape, weight.shape)
+    cfg = gemv_config(1, n, k)
+    rows = next_pow2(cdiv(FOLD_MIN_WEIGHT_BYTES, k * weight.element_size()))
+    cfg["BLOCK_N"] = FOLD_BLOCK_N or min(FOLD_MAX_BLOCK_N, max(cfg["BLOCK_N"], rows))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    new_res = torch.empty_like(x)
+    _gemv_kernel[(cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else weight, y, 1, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, DOT=False,
+        IEEE=x.dtype == torch.float32 or _INTERPRET, **cfg, **pdl_launch(x.device),
+        NORM=True, res_ptr=residual, nw_ptr=norm_weight, new_res_ptr=new_res, eps=float(eps),
+    )  # fmt: skip
+    return y, new_res
+
+
+def can_fold_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv_rmsnorm takes this call: one contiguous row of K <= GEMV_WHOLE_ROW_K, all in one dtype."""
+    k = x.shape[-1]
+    return (
+        x.dim() == 2 and x.shape[0] == 1 and residual.shape == x.shape and norm_weight.shape == (k,)
+        and weight.dim() == 2 and weight.shape[1] == k and k <= GEMV_WHOLE_ROW_K
+        and x.dtype == residual.dtype == norm_weight.dtype == weight.dtype
+        and x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous() and weight.stride(1) == 1
+    )  # fmt: skip
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,6 +33,28 @@ def one_row_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
     the weight-streaming kernel beats cuBLAS (benchmarks/results/gemv_sweep_h100.json, gemv_lm_head_h100.json)."""
     return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype in _GEMV_DTYPES and w.dtype == x.dtype
             and x.stride(-1) == 1 and w.stride(-1) == 1)  # fmt: skip
+
+
+def norm_then_linear(
+    norm: nn.Module, linear: LinearBase, x: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """linear(norm(x + residual)) and x + residual in one launch (kernels.triton_gemv.gemv_rmsnorm) where the
+    product is a one-row GEMV of an unquantized weight and the norm an RMSNorm (`weight`, `variance_epsilon`) of
+    the weight's dtype over at most GEMV_WHOLE_ROW_K features; None where it does not take the call."""
+    if linear.quant_method is not None:  # its own kernels (and no `weight`)
+        return None
+    w = linear.weight
+    if not one_row_gemv(x, w) or residual.shape != x.shape:
+        return None
+    from ftransformers.kernels.triton_gemv import can_fold_norm, gemv_rmsnorm  # here: CPU needs no triton
+
+    x2, r2 = x.reshape(1, -1), residual.reshape(1, -1)
+    if not can_fold_norm(x2, r2, norm.weight, w):
+        return None
+    y, new_res = gemv_rmsnorm(x2, r2, norm.weight, norm.variance_epsilon, w, linear.bias)
+    return y.view(*x.shape[:-1], w.shape[0]), new_res.view(x.shape)
+
+
 Shard = tuple[int, int]  # (offset, size) in output features
 
 

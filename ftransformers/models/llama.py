@@ -13,11 +13,20 @@ from ftransformers.cache.kv_pool import MHAKVSpec
 from ftransformers.layers.activation import SiluAndMul
 from ftransformers.layers.attention import Attention, QKNorm
 from ftransformers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ftransformers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ftransformers.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    norm_then_linear,
+)
 from ftransformers.layers.norm import RMSNorm
 from ftransformers.layers.rotary import get_rope, rope_parameters_of, share_rotary_caches
 from ftransformers.layers.weight_utils import LoadTracker, load_with_mapping
 from ftransformers.models.registry import register_model
+
+# A decoder layer's input RMSNorm (with its residual add) runs inside the qkv projection's one-row GEMV
+# (layers.linear.norm_then_linear) where that takes the call: batch-1 decode, unquantized qkv. False: its own launch
+FOLD_INPUT_NORM = True
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -65,8 +74,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D] -> q [T, H*Dh], k/v [T, H_kv*Dh]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        early = self.o_proj.reads_ahead_of_wait(hidden.shape[0])  # then the attention lets o start early
+        return self.forward_projected(positions, self.qkv_proj(hidden))
+
+    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        # qkv: [T, (H + 2 H_kv) Dh], qkv_proj's output
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        early = self.o_proj.reads_ahead_of_wait(qkv.shape[0])  # then the attention lets o start early
         out = self.attn.forward_with_rope(positions, q, k, v, self.rotary_emb, self.qk_norm_params(), early)
         if out is None:
             q, k = self.qk_norm(q, k)
@@ -94,12 +107,19 @@ class LlamaDecoderLayer(nn.Module):
         # residual carries the un-normed stream; the first layer starts it from the embeddings.
         # the norm lets qkv start early where qkv reads ahead of its wait (MLA attention, in subclasses, has no qkv_proj)
         qkv = getattr(self.self_attn, "qkv_proj", None)
-        early = qkv is not None and qkv.reads_ahead_of_wait(hidden.shape[0])
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, early_trigger=early)
+        folded = None
+        if residual is not None and qkv is not None and FOLD_INPUT_NORM:  # one row: the norm inside the qkv GEMV
+            folded = norm_then_linear(self.input_layernorm, qkv, hidden, residual)
+        if folded is not None:
+            projected, residual = folded
+            hidden = self.self_attn.forward_projected(positions, projected)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, early_trigger=early)
-        hidden = self.self_attn(positions, hidden)
+            early = qkv is not None and qkv.reads_ahead_of_wait(hidden.shape[0])
+            if residual is None:
+                residual, hidden = hidden, self.input_layernorm(hidden, early_trigger=early)
+            else:
+                hidden, residual = self.input_layernorm(hidden, residual, early_trigger=early)
+            hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
