@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
+from ftransformers.kernels.triton_norm import add_residual, rms_normed
 
 GEMV_MAX_M = 16
 # The M <= 4 rule's knobs (module constants so that benchmarks/ab_decode.py can vary them in a whole step):
@@ -61,8 +62,8 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr = False, NORM: tl.constexpr = False, res_ptr=None, nw_ptr=None, new_res_ptr=None, eps=0.0,
 ):  # fmt: skip
     # y[m, n] = sum_k x[m, k] * w[n, k]: program pid owns rows n of [pid*BLOCK_N, (pid+1)*BLOCK_N) and walks K.
-    # NORM (one row, K <= BLOCK_K: gemv_rmsnorm): x is RMSNorm(x + res) * nw, as kernels/triton_norm.py rounds it,
-    # computed by every program from the row; program 0 stores x + res at new_res.
+    # NORM (one row, K <= BLOCK_K: gemv_rmsnorm): x is RMSNorm(x + res) * nw, by kernels/triton_norm.py's own
+    # helpers, computed by every program from the row; program 0 stores x + res at new_res.
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -78,18 +79,16 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)  # [BN, BK]
             h = tl.load(x_ptr + offs_k)  # [BK]
             r = tl.load(res_ptr + offs_k)
-            nw = tl.load(nw_ptr + offs_k).to(tl.float32)
+            nw = tl.load(nw_ptr + offs_k)
         else:
             mask_k = offs_k < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             h = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
             r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
-            nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        s = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0)
+        s = add_residual(h, r)
         tl.store(new_res_ptr + offs_k, s, mask=offs_k < tl.where(pid == 0, K, 0))
-        s32 = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(s32 * s32, axis=0) / K + eps)
-        xn = ((s32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * nw).to(x_ptr.dtype.element_ty)
+        xn = rms_normed(s, nw, eps, K).to(x_ptr.dtype.element_ty)  # the norm kernel's output, rounded as it is
         acc += tl.sum(xn.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)[None, :]
     else:
         for k0 in range(0, K, BLOCK_K):

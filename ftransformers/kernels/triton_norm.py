@@ -20,6 +20,21 @@ from ftransformers.kernels.pdl import early_trigger_on, l2_prefetch, pdl_enter, 
 EARLY_TRIGGER = 1
 
 
+@triton.jit
+def add_residual(x, r):
+    # x + r in float32, rounded to x's dtype: the new residual stream
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rms_normed(x, w, eps, D):
+    # a row x [BLOCK_D] (zeros past D) -> weight * normed row, float32: the statistics in float32, the normed row
+    # rounded to x's dtype before the weight multiplies (layers/norm.py, Hugging Face's Llama / Qwen RMSNorm)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps)
+    return (x32 * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+
+
 @cached_launch
 @triton.jit
 def _rmsnorm_kernel(
@@ -40,13 +55,10 @@ def _rmsnorm_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = add_residual(x, r)
         tl.store(new_res_ptr + row * stride_new_res + offs, x, mask=mask)
-    x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps)
-    y = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, rms_normed(x, w, eps, D).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
