@@ -345,3 +345,85 @@ def test_codes_rejects_what_it_cannot_take() -> None:
         w4a16_linear(x32, qw, config=cfg)
     assert "CODES" not in w4a16_config(4, 40, 512, "int4", codes=False)
     assert rel_err(w4a16_linear(x32, qw), quant_linear_ref(x32, qw)) < 1e-5
+
+
+def _norm_ref(x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # (RMSNorm(x + r) * nw, x + r) from layers/norm.py's PyTorch path (on the CPU): the reference the fold matches
+    from ftransformers.layers.norm import RMSNorm
+
+    norm = RMSNorm(nw.numel(), eps=eps).to(nw.dtype)
+    norm.weight.data.copy_(nw.cpu())
+    with torch.no_grad():
+        out, s = norm(x.cpu(), r.cpu())
+    return out.to(x.device), s.to(x.device)
+
+
+# bf16 on the GPU only: the interpreter truncates casts to bf16, and the fold casts x three times (x + residual, the
+# normed row, times the weight) before the product, each biased toward zero there (1.03% off at [37, 256], g32)
+FOLD_DTYPES = ([torch.bfloat16] if DEV == "cuda" else []) + [torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", FOLD_DTYPES, ids=str)
+@pytest.mark.parametrize("weight", WEIGHTS, ids=lambda w: f"{w[0]}-g{w[1]}-{'z' if w[2] else 'sym'}")
+def test_gemv_rmsnorm_matches_norm_then_gemv(weight: tuple, dtype: torch.dtype, bias: bool) -> None:
+    """The input RMSNorm folded into the one-row 4-bit GEMV (w4a16_gemv_rmsnorm) in every format, on the row-major
+    scales and, for int4, the scale_zero copy the engine's weights carry: y against the norm's reference then
+    quant_linear_ref (the tolerances above; the kernel's float32 sum of squares may differ from the reference's in
+    its last bits, and so round a normed element the other way), x + residual bit for bit. K not a power of two
+    too."""
+    fmt, group, zeros, sdt = weight
+    gen = torch.Generator().manual_seed(41 + group + bias)
+    shapes = [(5120, 2048), (2051, 1408), (1029, 4096)] if DEV == "cuda" else [(37, 256), (20, 384)]
+    for N, K in shapes:
+        qw = random_weight(fmt, N, K, gen, group, zeros, sdt)
+        forms = [qw]
+        if fmt == "int4" and sdt in (torch.float16, torch.bfloat16):
+            forms.append(replace(qw, scale_zero=scale_zero_copy(qw)))
+        x = torch.randn(1, K, generator=gen).to(DEV, dtype)
+        r = (3 * torch.randn(1, K, generator=gen)).to(DEV, dtype)
+        nw = (1 + 0.3 * torch.randn(K, generator=gen)).to(DEV, dtype)
+        b = torch.randn(N, generator=gen).to(DEV, dtype) if bias else None
+        xn, s = _norm_ref(x, r, nw, 1e-6)
+        ref = quant_linear_ref(xn, qw, b)
+        for form in forms:
+            assert triton_w4a16.can_fold_norm(x, r, nw, form), (N, K)
+            y, new_res = triton_w4a16.w4a16_gemv_rmsnorm(x, r, nw, 1e-6, form, b)
+            assert torch.equal(new_res, s), (N, K)
+            assert y.shape == (1, N) and rel_err(y, ref) < tol(dtype), (N, K, rel_err(y, ref))
+
+
+def test_gemv_rmsnorm_takes_one_gemv_row_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """can_fold_norm (4-bit): one contiguous row of K <= W4_FOLD_MAX_K, a multiple of 16, one dtype throughout, a
+    2-D weight the one-row GEMV runs (not GPTQ act order's permuted x, not the mma kernel's weights); the
+    programs' rows from W4_FOLD_MIN_WORD_BYTES (W4_FOLD_BLOCK_N overrides)."""
+    gen = torch.Generator().manual_seed(8)
+    k = 256
+    qw = random_weight("int4", 40, k, gen, 64, True)
+    x, nw = torch.randn(1, k).to(DEV), torch.randn(k).to(DEV)
+    assert triton_w4a16.can_fold_norm(x, x.clone(), nw, qw)
+    assert not triton_w4a16.can_fold_norm(x.expand(2, k).contiguous(), x.expand(2, k).contiguous(), nw, qw)
+    assert not triton_w4a16.can_fold_norm(x, x.clone(), nw.to(torch.bfloat16), qw)  # the norm's weight's dtype
+    assert not triton_w4a16.can_fold_norm(x, x.clone(), nw, replace(qw, perm=torch.arange(k, device=DEV)))
+    big = triton_w4a16.W4_FOLD_MAX_K * 2
+    q = torch.zeros(64, big // 8, dtype=torch.int32)
+    wide = QuantizedWeight("int4", q, torch.ones(64, big // 128, dtype=torch.float16), 64, big, 128)
+    assert not triton_w4a16.can_fold_norm(torch.randn(1, big), torch.randn(1, big), torch.randn(big), wide)
+    q = torch.zeros(8192, 4096 // 8, dtype=torch.int32)  # large with zeros: the mma kernel's from one row
+    large = QuantizedWeight("int4", q, torch.ones(8192, 32, dtype=torch.float16), 8192, 4096, 128,
+                            zeros=torch.full((8192, 32), 8, dtype=torch.uint8))  # fmt: skip
+    row = torch.randn(1, 4096)
+    assert triton_w4a16.mma_rows_config(large, 1) is not None
+    assert not triton_w4a16.can_fold_norm(row, row.clone(), torch.randn(4096), large)
+    assert triton_w4a16.can_fold_norm(row, row.clone(), torch.randn(4096), replace(large, zeros=None))  # the GEMV's
+    # the rows a program: 16 KB of words is 16 rows at K = 2048, 8 at 4096
+    calls: list[dict] = []
+    monkeypatch.setattr(triton_w4a16, "_run", lambda x, qw, bias, cfg, norm=None: calls.append(cfg) or x)
+    for kk in (2048, 4096):
+        w = QuantizedWeight("int4", torch.zeros(64, kk // 8, dtype=torch.int32), torch.ones(64, kk // 128), 64, kk, 128)
+        triton_w4a16.w4a16_gemv_rmsnorm(torch.randn(1, kk), torch.randn(1, kk), torch.randn(kk), 1e-6, w)
+    monkeypatch.setattr(triton_w4a16, "W4_FOLD_BLOCK_N", 4)
+    triton_w4a16.w4a16_gemv_rmsnorm(torch.randn(1, 2048), torch.randn(1, 2048), torch.randn(2048), 1e-6,
+                                    QuantizedWeight("int4", torch.zeros(64, 256, dtype=torch.int32),
+                                                    torch.ones(64, 16), 64, 2048, 128))  # fmt: skip
+    assert [(c["BLOCK_N"], c["BLOCK_K"]) for c in calls] == [(16, 2048), (8, 4096), (4, 2048)]
