@@ -55,8 +55,7 @@ READ_BEFORE_WAIT = {
     "mla_decode_stage1_few_heads": "seq_lens, req_pool_indices",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
     "_mla_rope_kernel": "the constant inv_freq",
-    "_w4a16_gemv_kernel": "the first K tile of its (constant) words, with PRELOAD_SZ that of its scale_zero copy, "
-    "with NORM the (constant) norm weight",
+    "_w4a16_gemv_kernel": "the first K tile of its (constant) words, with PRELOAD_SZ that of its scale_zero copy",
     "_token_down_kernel": "with PRELOAD the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
     "that kernel's wait) and the first K tile of its experts' (constant) words, scales and zeros",
     "_w8_row_kernel": "its rows of the (constant) 8-bit weight and their scales (and bias)",
@@ -81,8 +80,6 @@ PREFETCH_BEFORE_WAIT = {
 EARLY_TRIGGER = {
     "triton_norm._rmsnorm_kernel": "a projection (GEMV or GEMM), the fused router, the LM head",
     "triton_decode_attention._decode_stage2_kernel": "the o projection",
-    "triton_moe_w4_gemv._token_down_kernel": "the next layer's first kernel (its input norm, or its qkv projection "
-    "with that norm folded in), the final norm",
 }
 # Kernels that read, ahead of their wait, a tensor that a kernel of the step writes, and the one kernel that is
 # ever launched just before them (its wait returned, so the writer had completed before they could start).

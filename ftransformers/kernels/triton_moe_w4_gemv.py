@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
-from ftransformers.kernels.pdl import early_trigger_on, pdl_enter, pdl_launch, pdl_trigger
+from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeight
 from ftransformers.kernels.triton_fused_moe_codes import to_16bit
 from ftransformers.kernels.triton_w4a16 import _FMT_ID, _TWO_49, _TWO_M49, _e2m1_top, _scale_f32, gemv_words
@@ -117,10 +117,6 @@ DOWN_N, DOWN_K, DOWN_SLOTS, DOWN_WARPS = (TokenGemvConfig.down_n, TokenGemvConfi
 DOWN_WORDS = TokenGemvConfig.down_words
 # moe_w4_token's down kernel reads the routing and its first K tile before the PDL wait (token_down's preload)
 DOWN_PRELOAD = True
-# The down kernel triggers the next kernel's launch before its PDL wait (pdl.py, "Early trigger"): 0 never, 1 at one
-# token (the next layer's qkv GEMV then has the input norm folded in and reads its first words ahead of its wait),
-# 2 always. Its successor is the next layer's first kernel or the final norm, neither reading step data ahead
-DOWN_EARLY_TRIGGER = 0
 
 
 def default_config() -> TokenGemvConfig:
@@ -308,9 +304,7 @@ def _token_down_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr = 1,
     PRELOAD: tl.constexpr = False, FMT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_trigger(EARLY_TRIGGER)
     # out[t, n] = sum_k tw[t, k] * (act[t K + k] @ w2[ids[t, k], n]), n < N = D, over K = I, t = program_id(1);
     # float32 until the store.
     # Word axis c = (slot - s0) * WI + element: lane c reads slot s0 + c // WI of each slot group s0. WORDS as
@@ -442,8 +436,7 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
         act, q, *tensors, out, ids, weights, d, inter, 1, *strides, out.stride(0),
         GROUP=w2.group_size, HAS_ZEROS=w2.zeros is not None, TOP_K=top_k, SLOTS=slots, BLOCK_N=cfg.down_n,
         BLOCK_K=down_k, EVEN=inter % down_k == 0 and d % cfg.down_n == 0, WORDS=words, PRELOAD=preload and slots == top_k,
-        FMT=_FMT_ID[w2.fmt], num_warps=cfg.down_warps,
-        **pdl_launch(act.device, early=early_trigger_on(DOWN_EARLY_TRIGGER, t == 1)),
+        FMT=_FMT_ID[w2.fmt], num_warps=cfg.down_warps, **pdl_launch(act.device),
     )  # fmt: skip
     return out
 

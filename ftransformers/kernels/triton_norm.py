@@ -27,24 +27,12 @@ def add_residual(x, r):
 
 
 @triton.jit
-def rms_rstd(sum_sq, eps, D):
-    # 1 / RMS of a row of D elements from its float32 sum of squares
-    return tl.rsqrt(sum_sq / D + eps)
-
-
-@triton.jit
-def rms_scaled(x, rstd, w):
-    # x (any shape, x's dtype) -> weight * normed x, float32: the normed value rounded to x's dtype before the weight
-    # multiplies (layers/norm.py, Hugging Face's Llama / Qwen RMSNorm)
-    return (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
-
-
-@triton.jit
 def rms_normed(x, w, eps, D):
-    # a row x [BLOCK_D] (zeros past D) -> weight * normed row, float32: the statistics in float32 (rms_rstd), then
-    # rms_scaled. Kernels holding a row in another shape (triton_w4a16's folded GEMV) call the two parts themselves
+    # a row x [BLOCK_D] (zeros past D) -> weight * normed row, float32: the statistics in float32, the normed row
+    # rounded to x's dtype before the weight multiplies (layers/norm.py, Hugging Face's Llama / Qwen RMSNorm)
     x32 = x.to(tl.float32)
-    return rms_scaled(x, rms_rstd(tl.sum(x32 * x32, axis=0), eps, D), w)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps)
+    return (x32 * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
 
 
 @cached_launch

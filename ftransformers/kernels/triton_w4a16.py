@@ -52,7 +52,6 @@ from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
 from ftransformers.kernels.tiling import grouped_tile
-from ftransformers.kernels.triton_norm import add_residual, rms_rstd, rms_scaled
 from ftransformers.kernels.triton_w4a16_codes import (
     CODES_MAX_M,
     codes_config,
@@ -90,14 +89,6 @@ GEMV_PRELOAD_SZ = True
 # the column tiles are few (decode_split)
 DECODE_MAX_M = 64
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
-# w4a16_gemv_rmsnorm (the decoder layer's input RMSNorm inside a one-row 4-bit GEMV): all of K up to W4_FOLD_MAX_K in
-# one tile, and each program takes at least W4_FOLD_MIN_WORD_BYTES of words (up to W4_FOLD_MAX_BLOCK_N rows), since
-# each also reads and norms the whole row (triton_gemv's FOLD_MIN_WEIGHT_BYTES). W4_FOLD_BLOCK_N > 0 overrides the
-# rule (for an A/B)
-W4_FOLD_MAX_K = 4096
-W4_FOLD_MIN_WORD_BYTES = 16 << 10
-W4_FOLD_MAX_BLOCK_N = 16
-W4_FOLD_BLOCK_N = 0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}
@@ -154,7 +145,6 @@ def _w4a16_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PRELOAD: tl.constexpr = False, PACKED: tl.constexpr = False, SZ_ROWS: tl.constexpr = 1,
     WORDS: tl.constexpr = 1, PRELOAD_SZ: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    NORM: tl.constexpr = False, res_ptr=None, nw_ptr=None, new_res_ptr=None, eps=0.0,
 ):  # fmt: skip
     # Tensors are [W, N, M, J]: word w of the K tile, output row n, x row m, nibble j. Lanes and warps run
     # along W only; a thread holds all N, M and J of its word column, so x (one 16-byte vector per word and
@@ -170,9 +160,6 @@ def _w4a16_gemv_kernel(
     # scale (and zero) for both words (the group is a multiple of 16; FP4's 16 and 32 are).
     # PRELOAD_SZ (with PRELOAD and PACKED): the scale_zero copy's first K tile, constant too, is loaded before the
     # wait as well, and each iteration loads the next tile's ahead like the words.
-    # NORM (w4a16_gemv_rmsnorm: one row, all of K in one tile, no split): x is RMSNorm(x + res) * nw, rounded as
-    # kernels/triton_norm.py's kernel rounds it (add_residual, rms_rstd, rms_scaled), computed by every program from
-    # the row in x's own layout; program 0 stores x + res at new_res. nw (constant) is read before the wait.
     BW: tl.constexpr = BLOCK_K // (8 * WORDS)
     KW = K // (8 * WORDS)
     pid_n = tl.program_id(0)
@@ -189,11 +176,6 @@ def _w4a16_gemv_kernel(
     if PRELOAD_SZ:
         grp_next = (pid_k * BLOCK_K + w4 * (8 * WORDS)) // GROUP
         sz_next = tl.load(sz_rows + grp_next * SZ_ROWS, mask=mask_n4 & (pid_k * BW + w4 < KW), other=0)
-    if NORM:
-        xo = w4 * (8 * WORDS) + tl.arange(0, 8)[None, None, None, :]  # [BW, 1, 1, 8]: a word's (pair's first) x
-        nw = tl.load(nw_ptr + xo, mask=xo < K, other=0.0)
-        if WORDS == 2:
-            nw2 = tl.load(nw_ptr + xo + 8, mask=xo + 8 < K, other=0.0)
     pdl_enter(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     j4 = tl.arange(0, 8)[None, None, None, :]
@@ -208,20 +190,6 @@ def _w4a16_gemv_kernel(
         x_mul = ((227 - 4 * e4) << 23).to(tl.float32, bitcast=True)  # 2^(100 - 4e)
     if FMT == 2:
         gs = tl.load(gs_ptr + n4, mask=mask_n4, other=0.0)
-    if NORM:
-        res_here = xo < tl.where(pid_n == 0, K, 0)  # program 0 stores the new residual (no scalar & tensor mask)
-        xs = add_residual(tl.load(x_ptr + xo, mask=xo < K, other=0.0), tl.load(res_ptr + xo, mask=xo < K, other=0.0))
-        tl.store(new_res_ptr + xo, xs, mask=res_here)
-        sum_sq = tl.sum(xs.to(tl.float32) * xs.to(tl.float32))
-        if WORDS == 2:
-            xs2 = add_residual(tl.load(x_ptr + xo + 8, mask=xo + 8 < K, other=0.0),
-                               tl.load(res_ptr + xo + 8, mask=xo + 8 < K, other=0.0))  # fmt: skip
-            tl.store(new_res_ptr + xo + 8, xs2, mask=res_here & (xo + 8 < K))
-            sum_sq += tl.sum(xs2.to(tl.float32) * xs2.to(tl.float32))
-        rstd = rms_rstd(sum_sq, eps, K)
-        x_normed = rms_scaled(xs, rstd, nw).to(x_ptr.dtype.element_ty).to(tl.float32)  # the norm kernel's output
-        if WORDS == 2:
-            x2_normed = rms_scaled(xs2, rstd, nw2).to(x_ptr.dtype.element_ty).to(tl.float32)
     acc = tl.zeros([BW, BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, STEP):
         if EVEN_K:
@@ -231,10 +199,7 @@ def _w4a16_gemv_kernel(
             mask_w4 = (k0 // (8 * WORDS) + w4) < KW
             mask_q = mask_n4 & mask_w4
             mask_x = mask_m4 & mask_w4
-        if NORM:  # the one step: k0 == 0
-            x = x_normed
-        else:
-            x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs + k0, mask=mask_x, other=0.0).to(tl.float32)
         if PRELOAD:
             q = q_next
             k_next = (k0 + STEP) // (8 * WORDS)
@@ -258,10 +223,7 @@ def _w4a16_gemv_kernel(
         if FMT == 2:
             scale = scale * tl.reshape(gs, [1, BLOCK_N, 1])
         if WORDS == 2:  # q's low half is the pair's first word, its high half the second, against the next 8 x
-            if NORM:
-                x2 = x2_normed
-            else:
-                x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptrs + k0 + 8, mask=mask_x, other=0.0).to(tl.float32)
         if FMT == 0:
             if WORDS == 2:
                 da = _int4_codes(q.to(tl.int32), j4, nib_mask)
@@ -541,15 +503,6 @@ def w4a16_linear(
                 f"group; got {got}"
             )
         return w4a16_codes(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg).reshape(*lead, N)
-    return _run(x, qw, bias, cfg).reshape(*lead, N)
-
-
-def _run(
-    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, cfg: dict[str, int], norm: dict | None = None
-) -> torch.Tensor:  # [M, N], x.dtype
-    # w4a16_config's GEMV or GEMM on x [M, K] (unit stride along K); norm: the GEMV's NORM arguments
-    M, K = x.shape
-    N = qw.out_features
     split_k, gemv, group_m = cfg.pop("SPLIT_K"), cfg.pop("GEMV"), cfg.pop("GROUP_M", 1)
     q, words = gemv_words(qw, cfg.pop("WORDS", 1), cfg["BLOCK_K"]) if gemv else (qw.qweight, 1)
     s, z, gs = qw.scales, qw.zeros, qw.global_scale
@@ -568,59 +521,17 @@ def _run(
     pdl = pdl_launch(x.device)
     if gemv:
         assert M <= cfg["BLOCK_M"], (M, cfg)
-        assert norm is None or (M == 1 and split_k == 1 and K <= cfg["BLOCK_K"] and K % (8 * words) == 0), cfg
         sz = qw.scale_zero if USE_SCALE_ZERO else None
         if sz is not None:
             assert qw.fmt == "int4" and sz.shape[1:] == (K // qw.group_size, SCALE_ZERO_ROWS) and sz.is_contiguous()
         _w4a16_gemv_kernel[(cdiv(N, cfg["BLOCK_N"]), split_k)](
             *args[:7], s if sz is None else sz, *args[7:], 1, *strides, 0 if sz is None else sz.stride(0),
             **flags, **cfg, PRELOAD=PRELOAD_FIRST_TILE, PACKED=sz is not None, SZ_ROWS=SCALE_ZERO_ROWS, WORDS=words,
-            PRELOAD_SZ=GEMV_PRELOAD_SZ and PRELOAD_FIRST_TILE and sz is not None, **pdl, **(norm or {}),
+            PRELOAD_SZ=GEMV_PRELOAD_SZ and PRELOAD_FIRST_TILE and sz is not None, **pdl,
         )  # fmt: skip
     else:
-        assert norm is None
         grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), split_k)
         ieee = x.dtype == torch.float32 or _INTERPRET
         _w4a16_gemm_kernel[grid](*args, *strides, **flags, GROUP_M=group_m, IEEE=ieee, **cfg, **pdl)
-    return y[0] if split_k == 1 else y.sum(0).to(x.dtype)
-
-
-def can_fold_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, qw: QuantizedWeight) -> bool:
-    """Whether w4a16_gemv_rmsnorm takes this call: one contiguous row of K <= W4_FOLD_MAX_K (a multiple of 16) whose
-    product w4a16_linear runs on the GEMV (a 2-D 4-bit weight, no GPTQ act order, not the mma kernel's at one row),
-    with x, residual and norm weight in one dtype."""
-    k = qw.in_features
-    if qw.fmt not in FOUR_BIT_FORMATS or qw.qweight.dim() != 2 or qw.perm is not None:
-        return False
-    if k > W4_FOLD_MAX_K or k % 16 or x.dim() != 2 or tuple(x.shape) != (1, k):
-        return False
-    if residual.shape != x.shape or tuple(norm_weight.shape) != (k,) or x.dtype not in _X_DTYPES:
-        return False
-    if not (x.dtype == residual.dtype == norm_weight.dtype):
-        return False
-    if not (x.is_contiguous() and residual.is_contiguous() and norm_weight.is_contiguous()):
-        return False
-    return mma_rows_config(qw, 1) is None and w4a16_config(1, qw.out_features, k, qw.fmt, qw.group_size)["GEMV"] == 1
-
-
-def w4a16_gemv_rmsnorm(
-    x: torch.Tensor,  # [1, K]: the new stream (a layer's output), contiguous
-    residual: torch.Tensor,  # [1, K]
-    norm_weight: torch.Tensor,  # [K], x.dtype
-    eps: float,
-    qw: QuantizedWeight,  # 2-D 4-bit, K = in_features
-    bias: torch.Tensor | None = None,  # [N]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (y [1, N], x + residual [1, K])
-    """One row's RMSNorm with its residual add (kernels/triton_norm.py's rms_norm) and the 4-bit product after it in
-    one launch of the GEMV (triton_gemv.gemv_rmsnorm's form for 4-bit weights): every program norms the row itself
-    after its wait, while its first words, read before the wait, stream in; program 0 stores x + residual. All of
-    K in one tile (`can_fold_norm`)."""
-    assert can_fold_norm(x, residual, norm_weight, qw), (x.shape, residual.shape, norm_weight.shape, qw.fmt)
-    n, k = qw.out_features, qw.in_features
-    cfg = dict(w4a16_config(1, n, k, qw.fmt, qw.group_size))
-    cfg["BLOCK_K"] = next_pow2(k)
-    rows = next_pow2(cdiv(W4_FOLD_MIN_WORD_BYTES, k // 2))
-    cfg["BLOCK_N"] = W4_FOLD_BLOCK_N or min(W4_FOLD_MAX_BLOCK_N, max(cfg["BLOCK_N"], rows))
-    new_res = torch.empty_like(x)
-    norm = {"NORM": True, "res_ptr": residual, "nw_ptr": norm_weight, "new_res_ptr": new_res, "eps": float(eps)}
-    return _run(x, qw, bias, cfg, norm), new_res
+    out = y[0] if split_k == 1 else y.sum(0).to(x.dtype)
+    return out.reshape(*lead, N)

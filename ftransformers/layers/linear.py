@@ -38,13 +38,11 @@ def one_row_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
 def norm_then_linear(
     norm: nn.Module, linear: LinearBase, x: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """linear(norm(x + residual)) and x + residual in one launch where the product is a one-row GEMV and the norm an
-    RMSNorm (`weight`, `variance_epsilon`): kernels.triton_gemv.gemv_rmsnorm for an unquantized weight of the norm's
-    dtype over at most GEMV_WHOLE_ROW_K features; a quantized layer's method folds it (`norm_then_apply`: the 4-bit
-    GEMV's form) or declines. None where no kernel takes the call."""
+    """linear(norm(x + residual)) and x + residual in one launch (kernels.triton_gemv.gemv_rmsnorm) where the
+    product is a one-row GEMV of an unquantized weight and the norm an RMSNorm (`weight`, `variance_epsilon`) of
+    the weight's dtype over at most GEMV_WHOLE_ROW_K features; None where it does not take the call."""
     if linear.quant_method is not None:  # its own kernels (and no `weight`)
-        fold = getattr(linear.quant_method, "norm_then_apply", None)
-        return None if fold is None else fold(linear, norm, x, residual)
+        return None
     w = linear.weight
     if not one_row_gemv(x, w) or residual.shape != x.shape:
         return None

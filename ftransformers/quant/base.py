@@ -65,13 +65,6 @@ class LinearQuantMethod(ABC):
         (kernels/pdl.py), so that the kernel before it gains by triggering early (default: no)."""
         return False
 
-    def norm_then_apply(
-        self, layer: LinearBase, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(apply(norm(x + residual)), x + residual) in one kernel where this scheme has one for the shape (norm: an
-        RMSNorm with `weight` and `variance_epsilon`); None (the default) leaves the norm its own launch."""
-        return None
-
 
 @dataclass(frozen=True)
 class TensorSpec:

@@ -72,22 +72,6 @@ def quant_reads_ahead(qw: QuantizedWeight, rows: int) -> bool:
     return w4a16_reads_ahead(qw, rows)
 
 
-def quant_norm_then_linear(
-    norm: nn.Module, qw: QuantizedWeight, x: torch.Tensor, residual: torch.Tensor, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(quant_linear(norm(x + residual)), x + residual) in one launch where the 4-bit GEMV takes the one CUDA row
-    (triton_w4a16.w4a16_gemv_rmsnorm: the decoder layer's input RMSNorm folded into its qkv product); else None."""
-    if not x.is_cuda or qw.fmt not in FOUR_BIT_FORMATS or x.numel() != qw.in_features or residual.shape != x.shape:
-        return None
-    from ftransformers.kernels import triton_w4a16
-
-    x2, r2 = x.reshape(1, -1), residual.reshape(1, -1)
-    if not triton_w4a16.can_fold_norm(x2, r2, norm.weight, qw):
-        return None
-    y, new_res = triton_w4a16.w4a16_gemv_rmsnorm(x2, r2, norm.weight, norm.variance_epsilon, qw, bias)
-    return y.view(*x.shape[:-1], qw.out_features), new_res.view(x.shape)
-
-
 def spec_tensor(spec: TensorSpec, n: int, k: int, shards: list[Shard], lead: tuple[int, ...],
                 device: torch.device, where: str) -> torch.Tensor:  # fmt: skip
     if spec.layout == "per_shard":
@@ -204,12 +188,6 @@ class KernelLinearMethod(LinearQuantMethod):
     def reads_ahead_of_wait(self, layer: LinearBase, rows: int) -> bool:
         qw = getattr(layer, "qw", None)
         return qw is not None and quant_reads_ahead(qw, rows)
-
-    def norm_then_apply(
-        self, layer: LinearBase, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        qw = getattr(layer, "qw", None)
-        return None if qw is None else quant_norm_then_linear(norm, qw, x, residual, layer.bias)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
