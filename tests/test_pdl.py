@@ -48,8 +48,7 @@ WITHOUT_PDL = {
 # triton_greedy.decode_inputs, which the embedding, a torch op, follows). Nothing before the wait may store.
 READ_BEFORE_WAIT = {
     "_decode_stage1_kernel": "seq_lens, req_pool_indices, req_to_token; with ROPE positions, out_cache_loc, cos|sin; "
-    "with PRELOAD the first K/V tile (with PRELOAD_TILES 2 the first two) of earlier steps' tokens (the new token's "
-    "slot, which it stores, is masked)",
+    "with PRELOAD the first K/V tile of earlier steps' tokens (the new token's slot, which it stores, is masked)",
     "_decode_stage2_kernel": "seq_lens",
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
     "mla_decode_stage1_gluon": "seq_lens, req_pool_indices",

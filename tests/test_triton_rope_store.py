@@ -187,7 +187,6 @@ DECODE_FUSED = [  # (lens, H, H_kv, D, splits); 0 = a padded CUDA-graph row
     ([1, 37, 0, 16], 4, 2, 32, 4),
     ([3, 50], 64, 2, 16, 2),  # group 32: two head blocks per KV head (block 0 stores)
     ([70, 49], 4, 2, 32, 4),  # splits of two tiles (70); a split holding the new token alone (49 = 3 x 16 + 1)
-    ([100], 4, 2, 32, 2),  # splits of four tiles: two read before the wait, two after (preload_tiles=2)
 ] if not CUDA else [([1, 17, 300, 4097, 0, 64], 32, 4, 128, 16), ([9, 1000], 64, 8, 64, 8), ([513], 16, 16, 128, 1)]
 
 
@@ -200,8 +199,8 @@ def test_decode_attention_fused_rope(
 ) -> None:
     """decode_attention_fwd(rope=...) == rope_store then decode_attention_fwd: output, pool, and the
     new token's K/V slot; a padded row (seq_len 0) gives zeros and stores nothing. The fused kernel with its
-    first K/V tile read before the PDL wait (the default), its first two (preload_tiles=2), and after it; the new
-    token's k and v as vectors and as tiles of identical rows (NEW_TOKEN_TILE)."""
+    first K/V tile read before the PDL wait (the default) and after it; the new token's k and v as vectors and as
+    tiles of identical rows (NEW_TOKEN_TILE)."""
     from ftransformers.kernels import triton_decode_attention as tda
     from ftransformers.kernels.triton_decode_attention import DecodeRope, decode_attention_fwd, decode_scratch
 
@@ -228,12 +227,11 @@ def test_decode_attention_fused_rope(
     seq_lens = torch.tensor(lens, device=DEV)
     block_n = 16 if not CUDA else 64
     outs, pools = [], []
-    # (fused, preload, cluster, preloaded tiles): on Hopper also the splits merged in thread-block clusters
-    # (kernels/cluster.py)
-    variants = [(False, False, 1, 1), (True, True, 1, 1), (True, False, 1, 1), (True, True, 1, 2)]
+    # (fused, preload, cluster): on Hopper also the splits merged in thread-block clusters (kernels/cluster.py)
+    variants = [(False, False, 1), (True, True, 1), (True, False, 1)]
     if cluster_supported(DEV):
-        variants += [(True, True, 2, 1), (True, True, 8, 1), (True, False, 16, 1)]
-    for fused, preload, cluster, tiles in variants:
+        variants += [(True, True, 2), (True, True, 8), (True, False, 16)]
+    for fused, preload, cluster in variants:
         pk, pv = pool_k.clone(), pool_v.clone()
         out = torch.full((B, H, D), float("nan"), dtype=dtype, device=DEV)
         mid_o, mid_lse = decode_scratch(B, H, D, splits, DEV)
@@ -241,7 +239,7 @@ def test_decode_attention_fused_rope(
             fr = DecodeRope(k, v, positions, rope.cos_sin_cache, loc, qw, kw, 1e-6, 1e-5)
             n = cluster if cluster > 1 else splits
             decode_attention_fwd(q, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, n, D**-0.5,
-                                 block_n=block_n, rope=fr, preload=preload, cluster=cluster, preload_tiles=tiles)  # fmt: skip
+                                 block_n=block_n, rope=fr, preload=preload, cluster=cluster)  # fmt: skip
         else:
             qr, _ = rope_store(q, k, v, positions, rope.cos_sin_cache, pk, pv, loc, qw, kw, 1e-6, 1e-5)
             decode_attention_fwd(qr, pk, pv, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, D**-0.5,

@@ -39,8 +39,6 @@ GQA_BLOCK_N = 64  # KV tokens a tile of the GQA decode kernel on CUDA
 # 12.546 / 12.450; ctx 4096 B=1 2.290 / 2.325, B=8 5.743 / 6.004; bf16 ctx 512 B=1 3.215 / 3.253, B=8 10.342 /
 # 10.313. At 195 registers a thread (156 without) fewer programs fit an SM, which costs where many are live.
 GQA_PRELOAD_MAX_BS = 8
-# At batch 1 without clusters (from GQA_CLUSTER_BELOW tokens) the preload reads this many K/V tiles (1 or 2)
-GQA_PRELOAD_TILES_B1 = 2
 # The GQA decode stage 1's warps and pipeline stages (module constants for benchmarks/ab_decode.py's `set=`). H200,
 # bf16 graph replay (benchmarks/results/ab_gqa_warps_*_h200.log): 4 warps and 2 stages fastest or level everywhere
 # but Qwen3-30B-A3B B=1 ctx 512, where 8 warps read 2.437 against 2.457 ms; 8 warps cost 140 us at B=8, 53 on Qwen3-8B.
@@ -449,7 +447,6 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_buf, v_buf, out, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
                 mid_o, mid_lse, splits, scaling, block_n=block_n if q.is_cuda else 16, num_warps=GQA_WARPS,
                 num_stages=stages, rope=rope, preload=None if T <= GQA_PRELOAD_MAX_BS else False,
-                preload_tiles=GQA_PRELOAD_TILES_B1 if T == 1 and cluster == 1 else 1,
                 early_trigger=early_trigger, cluster=cluster,
             )  # fmt: skip
         extend_start, max_extend_len = self._extend_meta(batch)

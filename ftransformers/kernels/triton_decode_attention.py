@@ -121,7 +121,7 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, smem_off=0, CLUSTER: tl.constexpr = 1, GROUP_H: tl.constexpr = 1,
-    stamps=None, STAMPS: tl.constexpr = False, NEW_TILE: tl.constexpr = False, PRELOAD_TILES: tl.constexpr = 1,
+    stamps=None, STAMPS: tl.constexpr = False, NEW_TILE: tl.constexpr = False,
 ):  # fmt: skip
     # NEW_TILE (with ROPE): NEW_TOKEN_TILE
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
@@ -138,7 +138,6 @@ def _decode_stage1_kernel(
     # PRELOAD (with ROPE, GQA): the first tile's K and V are read before the wait too. The pool's slots of
     # positions below seq_len - 1 hold earlier steps' tokens (no kernel of this step writes them; the new token's,
     # stored by this kernel, is never read back), so the tile's HBM round trip overlaps the predecessor.
-    # PRELOAD_TILES == 2: the second tile too (a split of 65-128 tokens then reads nothing after the wait).
     # CLUSTER > 1 (kernels/cluster.py): the CLUSTER splits of a (head block, sequence) are one cluster of consecutive
     #   programs along axis 0 (num_kv_splits == CLUSTER) and merge through distributed shared memory at the end
     #   (_cluster_merge), so no partials and no stage 2. Every program then runs to the end, an empty split too.
@@ -177,14 +176,6 @@ def _decode_stage1_kernel(
                           mask=first_ok[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
         second = start + BLOCK_N + offs_n
         loc = tl.load(r2t_row + second, mask=second < end, other=0)  # the second tile's KV slots
-        if PRELOAD_TILES == 2:
-            second_ok = second < end - (end == seq_len).to(tl.int32)
-            k_second = tl.load(K + loc[None, :] * s_k_n + kv_head * s_k_h + offs_d[:, None],
-                               mask=second_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
-            v_second = tl.load(V + loc[:, None] * s_v_n + kv_head * s_v_h + offs_dv[None, :],
-                               mask=second_ok[:, None] & dv_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
-            third = start + 2 * BLOCK_N + offs_n
-            loc = tl.load(r2t_row + third, mask=third < end, other=0)  # the third tile's KV slots
     pdl_enter(USE_PDL)
     if STAMPS:
         tl_stamp(stamps, stamp_id, 1, STAGE1_STAMP_SLOTS)
@@ -265,11 +256,6 @@ def _decode_stage1_kernel(
         qk = tl.where(first_ok[None, :], qk * qk_scale, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v_first, m_i, l_i, acc, DOT_PREC)
         first = start + BLOCK_N
-        if PRELOAD_TILES == 2:  # (m_i is finite here: the split's first position is in tile 0 or the new token)
-            qk = tl.dot(q, k_second.to(q.dtype), input_precision=DOT_PREC)
-            qk = tl.where(second_ok[None, :], qk * qk_scale, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(qk, v_second, m_i, l_i, acc, DOT_PREC)
-            first = start + 2 * BLOCK_N
     if STAMPS:
         tl_stamp(stamps, stamp_id, 4, STAGE1_STAMP_SLOTS)
     for start_n in range(first, loop_end, BLOCK_N):
@@ -501,7 +487,6 @@ def decode_attention_fwd(
     direct: bool = True,  # False: every row goes through the partials and stage 2 (the pre-2026-11 behaviour)
     rope: DecodeRope | None = None,  # norm + rope q and the new k, store k/v, here (seq_lens count it)
     preload: bool | None = None,  # the first K/V tile before the PDL wait (with `rope` only); None: PRELOAD_FIRST_TILE
-    preload_tiles: int = 1,  # with the preload: K/V tiles read before the wait (1 or 2; 1 in clusters)
     early_trigger: bool = False,  # the kernel after this call reads ahead of its PDL wait (stage 2's EARLY_TRIGGER)
     cluster: int = 1,  # > 1: num_kv_splits == cluster splits merged in a thread-block cluster (cluster_supported)
 ) -> torch.Tensor:
@@ -534,7 +519,6 @@ def decode_attention_fwd(
         eps_q, eps_k = float(rope.eps_q), float(rope.eps_k)
     preload = (PRELOAD_FIRST_TILE if preload is None else preload) and rope is not None
     assert not preload or (dpe == 0 and not shared_kv), "the first-tile preload is for GQA with fused rope"
-    assert preload_tiles in (1, 2) and (preload_tiles == 1 or cluster == 1), (preload_tiles, cluster)
     block_dv = max(16, next_pow2(DV))
     args = (
         q, q_pe, k_buf, kpe_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
@@ -553,7 +537,7 @@ def decode_attention_fwd(
         BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
-        NEW_TILE=NEW_TOKEN_TILE and rope is not None, PRELOAD_TILES=preload_tiles if preload else 1,
+        NEW_TILE=NEW_TOKEN_TILE and rope is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     sink = STAGE1_STAMP_SINK
