@@ -147,15 +147,21 @@ def gemv(
     cfg = dict(config or gemv_config(M, N, K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (M, N) and y.dtype == x.dtype and y.stride(1) == 1, (y.shape, y.dtype)
-    grid = (cdiv(N, cfg["BLOCK_N"]),)
-    _gemv_kernel[grid](
+    _launch(x, weight, bias, y, cfg)
+    return y
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, cfg: dict[str, int], **norm: object
+) -> None:
+    # _gemv_kernel on cfg's tiles, a program per BLOCK_N rows of the weight; norm: the NORM form's arguments
+    M, K = x.shape
+    N = weight.shape[0]
+    _gemv_kernel[(cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT=cfg["BLOCK_M"] > 4,
-        IEEE=x.dtype == torch.float32 or _INTERPRET,
-        **cfg,
-        **pdl_launch(x.device),
+        IEEE=x.dtype == torch.float32 or _INTERPRET, **cfg, **pdl_launch(x.device), **norm,
     )  # fmt: skip
-    return y
 
 
 def gemv_rmsnorm(
@@ -176,12 +182,8 @@ def gemv_rmsnorm(
     cfg["BLOCK_N"] = FOLD_BLOCK_N or min(FOLD_MAX_BLOCK_N, max(cfg["BLOCK_N"], rows))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     new_res = torch.empty_like(x)
-    _gemv_kernel[(cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, y, 1, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, DOT=False,
-        IEEE=x.dtype == torch.float32 or _INTERPRET, **cfg, **pdl_launch(x.device),
-        NORM=True, res_ptr=residual, nw_ptr=norm_weight, new_res_ptr=new_res, eps=float(eps),
-    )  # fmt: skip
+    _launch(x, weight, bias, y, cfg, NORM=True, res_ptr=residual, nw_ptr=norm_weight, new_res_ptr=new_res,
+            eps=float(eps))  # fmt: skip
     return y, new_res
 
 
