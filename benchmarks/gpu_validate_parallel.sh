@@ -35,8 +35,8 @@ groups=${*:-"kernels gluon parity quant_load"}
 if [[ " $groups " == *" kernels "* ]]; then  # compile-bound (Triton compiles on the CPU): 8 processes
   shards kernels 8 tests/test_triton_moe_w4.py tests/test_triton_w4a16.py tests/test_triton_gemv.py tests/test_pdl.py \
     tests/test_triton_w8.py tests/test_triton_moe.py tests/test_triton_router.py tests/test_triton_fusions.py \
-    tests/test_triton_rope_store.py tests/test_triton_attention.py tests/test_cuda_graph.py tests/test_model_runner.py \
-    tests/test_sampler.py tests/test_scheduler.py
+    tests/test_triton_rope_store.py tests/test_triton_attention.py tests/test_decode_stage2.py \
+    tests/test_cuda_graph.py tests/test_model_runner.py tests/test_sampler.py tests/test_scheduler.py
 fi
 if [[ " $groups " == *" gluon "* ]]; then  # Hopper-only Gluon kernels, MLA prefill, the sampler kernels
   shards gluon 8 tests/test_gluon_moe_w4_mma.py tests/test_gluon_w4a16_mma.py tests/test_gluon_mla_compile.py \
@@ -51,8 +51,9 @@ if [[ " $groups " == *" wgmma "* ]]; then  # the int4 wgmma kernel alone (in glu
   shards wgmma 8 tests/test_gluon_w4a16_wgmma.py tests/test_gluon_wgmma_compile.py
 fi
 if [[ " $groups " == *" attention "* ]]; then  # decode attention, its clusters and launch cache, graphs: for a change there
-  shards attention 8 tests/test_triton_attention.py tests/test_triton_rope_store.py tests/test_cuda_graph.py \
-    tests/test_launch_cache.py tests/test_cluster_launch.py tests/test_cluster_compile.py tests/test_gluon_mla_compile.py
+  shards attention 8 tests/test_triton_attention.py tests/test_decode_stage2.py tests/test_triton_rope_store.py \
+    tests/test_cuda_graph.py tests/test_launch_cache.py tests/test_cluster_launch.py tests/test_cluster_compile.py \
+    tests/test_gluon_mla_compile.py
 fi
 if [[ " $groups " == *" parity "* ]]; then
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 t parity_bf16_default tests/test_engine_parity.py
