@@ -16,7 +16,7 @@ from ftransformers.kernels.triton_mla_attention import mla_attention_ref, mla_de
 
 
 @pytest.mark.skipif(not CUDA, reason="the interpreter ignores num_warps")
-@pytest.mark.parametrize("warps", [2, 8])
+@pytest.mark.parametrize("warps", [2, 4, 8])
 def test_stage2_on_other_warp_counts(monkeypatch: pytest.MonkeyPatch, warps: int) -> None:
     """Stage 2 (decode_combine) on COMBINE_WARPS warps other than the default merges the splits as well: the GQA
     decode at Qwen3-30B-A3B's batch-1 split launch (64 splits, 8 query heads a KV head) and at 3 splits, with

@@ -71,9 +71,13 @@ NEW_TOKEN_TILE = True
 # three runs; benchmarks/results/diag_mla_{knobs,again,prefetch}_s45_h200.log): 4096 against 8192, MLA decode at
 # batch 1 x 32K (128 splits), us a layer behind a torch op: 16 heads 18.57-18.97 against 19.43-19.55, 8 heads
 # 16.54-17.54 against 17.77-18.09; batch 4 x 32K and batch 1 x 4K within +-0.3; Qwen3-30B-A3B bf16 steps level
-# (ab_combine_30b_bf16_s45_h200.log). 8 warps or 2048 were slower
+# (ab_combine_30b_bf16_s45_h200.log). 8 warps or 2048 were slower. One warp (session 55): the merge over splits
+# reduces within the warp (no CTA barrier), 156-158 registers and no spills (offline sm_90 compile). H200
+# (benchmarks/results/{ab_combine1_*,diag_mla_w2}_s55_h200.log): Qwen3-30B-A3B bf16 ctx 4096 B=1 2.528 -> 2.493 ms
+# (stage 2's critical path 113 -> 79 us a step), B=8 8.654 -> 8.593; Qwen3-8B B=1 level (4.323 / 4.326); MLA batch
+# 1 x 32K 16 heads 17.43 -> 16.77 us a layer, 8 heads 16.04 -> 15.48, 16 heads batch 4 44.62 -> 42.99. 2 warps level
 COMBINE_TILE = 4096
-COMBINE_WARPS = 4
+COMBINE_WARPS = 1
 # stamps (kernels/stamps.py) of stage 2, a program: entry, after the PDL wait, its output stored
 COMBINE_STAMP_SLOTS = tl.constexpr(3)
 # stamps of stage 1, a program: entry, after the PDL wait, q normed and rotated, the new token's k / v stored and

@@ -18,6 +18,10 @@ from ftransformers.kernels.pdl import early_trigger_on, l2_prefetch, pdl_enter, 
 # the calls whose next kernel reads ahead of its wait (rms_norm's early_trigger: the decoder layer's input norm
 # before a 4-bit qkv GEMV), 2 always.
 EARLY_TRIGGER = 1
+# Warps a row's program (a module constant for benchmarks' `set=`): 0 = one per 512 elements, 1-16. H200, Qwen3-30B-A3B
+# bf16 B=1 ctx 4096 (benchmarks/results/ab_warps_30b_b1_ctx4096_s55_h200.log): the rule's 4 at 2.497 ms, 2 level
+# (2.497), 1 slower (2.517; the norms' critical path 58 -> 83 us a step)
+NORM_WARPS = 0
 
 
 @triton.jit
@@ -90,7 +94,7 @@ def rms_norm(
         _rmsnorm_kernel[(rows,)](
             x2, res2, weight, out, new_res, d, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
-            HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 512)),
+            HAS_RES=residual is not None, BLOCK_D=block_d, num_warps=NORM_WARPS or min(16, max(1, block_d // 512)),
             **prefetch_lines(d, weight.element_size()),
             **pdl_launch(x2.device, prefetch="norm", early=early_trigger_on(EARLY_TRIGGER, early_trigger)),
         )
