@@ -94,8 +94,10 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
 # The gate-up tiles default_pair_config gives a token of hidden size <= 4096 (module names so that
 # benchmarks/ab_decode.py's `set=` can change them in a whole model). The H100's choice held on the H200
 # (Qwen3-30B-A3B bf16 B=1 2.459 ms; K tiles of 2048, 4 or 16 rows, 8 warps: 2.47-2.73;
-# benchmarks/results/ab_pair_up_30b_bf16_h200.log)
-PAIR_UP_N, PAIR_UP_K, PAIR_UP_WARPS, PAIR_UP_STAGES = 8, 1024, 4, 2
+# benchmarks/results/ab_pair_up_30b_bf16_h200.log). Two warps instead of four (session 55, after stage 2's gain on
+# one warp): 2.492 -> 2.467 ms at ctx 4096, the gate-up's critical path 738 -> 710 us a step
+# (ab_fewwarps_30b_bf16_ctx4096_s55_h200.log, ab_pairw_*_s55_h200.log)
+PAIR_UP_N, PAIR_UP_K, PAIR_UP_WARPS, PAIR_UP_STAGES = 8, 1024, 2, 2
 
 
 def default_pair_config(num_tokens: int, hidden_size: int) -> PairConfig:
