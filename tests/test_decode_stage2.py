@@ -51,30 +51,3 @@ def test_stage2_on_other_warp_counts(monkeypatch: pytest.MonkeyPatch, warps: int
         out = torch.full_like(q_nope, float("nan"))
         mla_decode_fwd(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, (L + R) ** -0.5)
         assert rel_err(out[:real], ref) <= TOL, (warps, splits, rel_err(out[:real], ref))
-
-
-@pytest.mark.parametrize("splits", [3, 5, 66])
-def test_stage2_split_tail(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
-    """COMBINE_SPLIT_TAIL: a split count past a power of two merged as that power's block plus a tail block equals
-    the reference, with rows whose live splits reach into the tail (130 tokens: 5 splits of 16 on the CPU's 16-token
-    tiles, 1050 at 66 splits; 4097 on the GPU's 64) and rows that stay in the first block."""
-    from ftransformers.kernels import triton_decode_attention as tda
-
-    monkeypatch.setattr(tda, "COMBINE_SPLIT_TAIL", True)
-    _, block_s, tail_s, _ = tda.combine_launch(1, 8, 128, splits)
-    assert (block_s, tail_s) == {3: (2, 2), 5: (4, 2), 66: (64, 2)}[splits]
-    gen = torch.Generator().manual_seed(splits)
-    h_kv, group, d = 2, 4, 128
-    lens = DECODE_LENS + ([1050] if not CUDA and splits == 66 else [])  # 66 live splits of 16 tokens
-    B, N = len(lens), sum(lens) + 50
-    r2t, rows = paged(lens, N, gen)
-    seq_lens = torch.tensor(lens, device=DEV)
-    q = randn(B, h_kv * group, d, gen=gen)
-    k_buf, v_buf = randn(N + 1, h_kv, d, gen=gen), randn(N + 1, h_kv, d, gen=gen)
-    ref = decode_attention_ref(q, k_buf, v_buf, r2t, rows, seq_lens, d**-0.5)
-    for direct in (True, False):
-        mid_o, mid_lse = decode_scratch(B, h_kv * group, d, splits, DEV)
-        out = torch.full_like(q, float("nan"))
-        decode_attention_fwd(q, k_buf, v_buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, d**-0.5,
-                             block_n=64 if CUDA else 16, direct=direct)  # fmt: skip
-        assert rel_err(out, ref) <= TOL, (splits, direct, rel_err(out, ref))

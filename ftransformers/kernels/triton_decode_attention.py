@@ -78,10 +78,6 @@ NEW_TOKEN_TILE = True
 # 1 x 32K 16 heads 17.43 -> 16.77 us a layer, 8 heads 16.04 -> 15.48, 16 heads batch 4 44.62 -> 42.99. 2 warps level
 COMBINE_TILE = 4096
 COMBINE_WARPS = 1
-# A split count just past a power of two (66 at Qwen3-30B-A3B's batch 1: 4 KV heads x 66 programs, two an SM) merged
-# as the power of two's block plus a small tail block, not one block of the next power of two (half of it masked).
-# Off: not measured yet (an A/B with attention.triton_backend.MAX_KV_SPLITS=66)
-COMBINE_SPLIT_TAIL = False
 # stamps (kernels/stamps.py) of stage 2, a program: entry, after the PDL wait, its output stored
 COMBINE_STAMP_SLOTS = tl.constexpr(3)
 # stamps of stage 1, a program: entry, after the PDL wait, q normed and rotated, the new token's k / v stored and
@@ -373,11 +369,9 @@ def _decode_stage2_kernel(
     mid_o, mid_lse, O, seq_lens, num_kv_splits, min_split_len,
     s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, s_o_t, s_o_h,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_DV: tl.constexpr, ALIGN: tl.constexpr, DIRECT: tl.constexpr,
-    TAIL_S: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False, EARLY_TRIGGER: tl.constexpr = False, stamps=None, STAMPS: tl.constexpr = False,
 ):  # fmt: skip
-    # all splits of one (sequence, head, CHUNK_DV slice) in one tile, or in two (splits [0, BLOCK_S) and
-    # [BLOCK_S, BLOCK_S + TAIL_S): COMBINE_SPLIT_TAIL) loaded together: a single round trip to memory
+    # all splits of one (sequence, head, CHUNK_DV slice) in one tile: a single round trip to memory
     pdl_trigger(EARLY_TRIGGER)
     # PDL: seq_lens (metadata, never written by a kernel of the step) is read before the wait
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -397,26 +391,13 @@ def _decode_stage2_kernel(
     offs_dv = c * CHUNK_DV + tl.arange(0, CHUNK_DV)
     valid = (offs_s < n_live) & (offs_s * split_len < seq_len)  # non-empty splits
     lse = tl.load(mid_lse + b * s_ml_b + h * s_ml_h + offs_s, mask=valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(valid, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)), 0.0)  # [BLOCK_S]
     o = tl.load(mid_o + b * s_mo_b + h * s_mo_h + offs_s[:, None] * s_mo_s + offs_dv[None, :],
                 mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BLOCK_S, CHUNK_DV]
-    m = tl.max(lse, 0)
-    if TAIL_S > 0:
-        offs_t = BLOCK_S + tl.arange(0, TAIL_S)
-        valid_t = (offs_t < n_live) & (offs_t * split_len < seq_len)
-        lse_t = tl.load(mid_lse + b * s_ml_b + h * s_ml_h + offs_t, mask=valid_t, other=float("-inf"))
-        o_t = tl.load(mid_o + b * s_mo_b + h * s_mo_h + offs_t[:, None] * s_mo_s + offs_dv[None, :],
-                      mask=valid_t[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [TAIL_S, CHUNK_DV]
-        m = tl.maximum(m, tl.max(lse_t, 0))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(valid, tl.exp2(lse - m), 0.0)  # [BLOCK_S]
     denom = tl.sum(w, 0)
-    num = tl.sum(o * w[:, None], 0)
-    if TAIL_S > 0:
-        w_t = tl.where(valid_t, tl.exp2(lse_t - m), 0.0)  # [TAIL_S]
-        denom += tl.sum(w_t, 0)
-        num += tl.sum(o_t * w_t[:, None], 0)
     # seq_len 0 (a padded CUDA-graph row) has no split: write zeros, not NaN
-    acc = num / tl.where(denom > 0, denom, 1.0)
+    acc = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     live = (offs_dv * 0 + n_live) > 0  # a tensor compare: n_live may be a plain int (DIRECT off)
     tl.store(O + b * s_o_t + h * s_o_h + offs_dv, acc.to(O.dtype.element_ty), mask=(offs_dv < DV) & live)
     if STAMPS:
@@ -434,15 +415,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def combine_launch(B: int, H: int, DV: int, num_kv_splits: int) -> tuple[tuple[int, int, int], int, int, int]:
-    """Stage 2's grid (sequence, head, DV chunk), its split block, its tail block (0: none; COMBINE_SPLIT_TAIL) and
-    its DV chunk (COMBINE_TILE elements a tile, the tail not counted)."""
-    block_s, tail_s = max(2, next_pow2(num_kv_splits)), 0
-    if COMBINE_SPLIT_TAIL and num_kv_splits > 2 and block_s != num_kv_splits:
-        block_s //= 2
-        tail_s = max(2, next_pow2(num_kv_splits - block_s))
+def combine_launch(B: int, H: int, DV: int, num_kv_splits: int) -> tuple[tuple[int, int, int], int, int]:
+    """Stage 2's grid (sequence, head, DV chunk), its split block and its DV chunk (COMBINE_TILE elements a tile)."""
+    block_s = max(2, next_pow2(num_kv_splits))
     chunk_dv = min(max(16, next_pow2(DV)), max(16, COMBINE_TILE // block_s))
-    return (B, H, cdiv(DV, chunk_dv)), block_s, tail_s, chunk_dv
+    return (B, H, cdiv(DV, chunk_dv)), block_s, chunk_dv
 
 
 def decode_combine(
@@ -459,12 +436,12 @@ def decode_combine(
 ) -> torch.Tensor:
     """Stage 2: merge each row's non-empty splits (same split rule as stage 1) into `out`."""
     B, H, DV = out.shape
-    grid, block_s, tail_s, chunk_dv = combine_launch(B, H, DV, num_kv_splits)
+    grid, block_s, chunk_dv = combine_launch(B, H, DV, num_kv_splits)
     _decode_stage2_kernel[grid](
         mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, TAIL_S=tail_s, num_warps=COMBINE_WARPS,
+        DV=DV, BLOCK_S=block_s, CHUNK_DV=chunk_dv, ALIGN=align, DIRECT=direct, num_warps=COMBINE_WARPS,
         **pdl_launch(mid_o.device, early=early_trigger_on(EARLY_TRIGGER, early_trigger)),
         **({"stamps": stamps, "STAMPS": True} if stamps is not None else {}),
     )  # fmt: skip
