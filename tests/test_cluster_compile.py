@@ -35,7 +35,9 @@ def _compile_one(cluster: int) -> dict:  # in this process: the PTX and ptxas's 
     consts = {"D": 128, "DPE": 0, "DV": 128, "BLOCK_D": 128, "BLOCK_DPE": 0, "BLOCK_DV": 128, "BLOCK_H": 16}
     consts |= {"BLOCK_N": 64, "DOT_PREC": "tf32", "SHARED_KV": False, "DIRECT": True, "ROPE": True, "QK_NORM": True}
     consts |= {"PRELOAD": True, "USE_PDL": True, "CLUSTER": cluster, "GROUP_H": 8, "STAMPS": False}
-    consts |= {"NEW_TILE": m.NEW_TOKEN_TILE}  # the launch's own value (decode_attention_fwd, with rope)
+    # the launch's own values (decode_attention_fwd, with rope; bf16 rows of 128 are two lines)
+    consts |= {"NEW_TILE": m.NEW_TOKEN_TILE, "NEW_BRANCH": bool(m.NEW_TOKEN_BRANCH)}
+    consts |= {"PF_SECOND": bool(m.PREFETCH_SECOND_TILE), "PF_LINES": 2, "PF_STRIDE": 64}
     floats = ("sm_scale", "eps_q", "eps_k")
     sig = {
         n: pointers.get(n) or ("constexpr" if n in consts else "fp32" if n in floats else "i32") for n in fn.arg_names

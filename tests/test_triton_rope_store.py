@@ -200,7 +200,8 @@ def test_decode_attention_fused_rope(
     """decode_attention_fwd(rope=...) == rope_store then decode_attention_fwd: output, pool, and the
     new token's K/V slot; a padded row (seq_len 0) gives zeros and stores nothing. The fused kernel with its
     first K/V tile read before the PDL wait (the default) and after it; the new token's k and v as vectors and as
-    tiles of identical rows (NEW_TOKEN_TILE)."""
+    tiles of identical rows (NEW_TOKEN_TILE), masked in every program and behind a branch (NEW_TOKEN_BRANCH, with the
+    second tile's L2 hint, PREFETCH_SECOND_TILE, on a GPU)."""
     from ftransformers.kernels import triton_decode_attention as tda
     from ftransformers.kernels.triton_decode_attention import DecodeRope, decode_attention_fwd, decode_scratch
 
@@ -227,11 +228,13 @@ def test_decode_attention_fused_rope(
     seq_lens = torch.tensor(lens, device=DEV)
     block_n = 16 if not CUDA else 64
     outs, pools = [], []
-    # (fused, preload, cluster): on Hopper also the splits merged in thread-block clusters (kernels/cluster.py)
-    variants = [(False, False, 1), (True, True, 1), (True, False, 1)]
+    # (fused, preload, cluster, branch): on Hopper also the splits merged in thread-block clusters (kernels/cluster.py)
+    variants = [(False, False, 1, False), (True, True, 1, False), (True, False, 1, False), (True, True, 1, True)]
     if cluster_supported(DEV):
-        variants += [(True, True, 2), (True, True, 8), (True, False, 16)]
-    for fused, preload, cluster in variants:
+        variants += [(True, True, 2, False), (True, True, 8, False), (True, False, 16, False), (True, True, 8, True)]
+    for fused, preload, cluster, branch in variants:
+        monkeypatch.setattr(tda, "NEW_TOKEN_BRANCH", branch)
+        monkeypatch.setattr(tda, "PREFETCH_SECOND_TILE", branch)
         pk, pv = pool_k.clone(), pool_v.clone()
         out = torch.full((B, H, D), float("nan"), dtype=dtype, device=DEV)
         mid_o, mid_lse = decode_scratch(B, H, D, splits, DEV)

@@ -47,8 +47,9 @@ from ftransformers.kernels.cluster import (
     st_shared_f32,
 )
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
-from ftransformers.kernels.pdl import early_trigger_on, pdl_enter, pdl_launch, pdl_trigger
+from ftransformers.kernels.pdl import early_trigger_on, l2_prefetch, pdl_enter, pdl_launch, pdl_trigger, prefetch_lines
 from ftransformers.kernels.stamps import StampSink, tl_stamp
+from ftransformers.kernels.triton_decode_new_token import seed_new_token
 from ftransformers.kernels.triton_rope_store import norm_rope
 
 # With the fused rope (DecodeRope), stage 1 reads its first K/V tile before the PDL wait
@@ -66,6 +67,13 @@ EARLY_TRIGGER = 1
 # path 288 -> 267 us a step), B=8 7.864 -> 7.849; Qwen3-8B B=1 4.176 -> 4.145, B=64 6.039 -> 6.062 (2 rounds, within
 # their spread). False: the vector form (an A/B)
 NEW_TOKEN_TILE = True
+# With the fused rope, the new token's seed (triton_decode_new_token.py: k's norm and rotation, the k / v store, its
+# score) behind a branch on whether the program's split holds it, instead of masked in every program: at batch 1 the
+# other splits' programs skip it (an A/B toggle)
+NEW_TOKEN_BRANCH = False
+# With the first tile read before the wait (PRELOAD), stage 1 hints the second tile's K / V lines into L2 right after
+# its wait, so that the loop's loads of that tile hit L2 (an A/B toggle)
+PREFETCH_SECOND_TILE = False
 # Stage 2's launch: a program's tile holds at most COMBINE_TILE elements (splits x CHUNK_DV floats), over
 # COMBINE_WARPS warps (module constants for benchmarks' `set=`). H200, session 45 (benchmarks/diag_mla_phases.py,
 # three runs; benchmarks/results/diag_mla_{knobs,again,prefetch}_s45_h200.log): 4096 against 8192, MLA decode at
@@ -125,9 +133,11 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, SHARED_KV: tl.constexpr,
     DIRECT: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr, PRELOAD: tl.constexpr = False,
     USE_PDL: tl.constexpr = False, smem_off=0, CLUSTER: tl.constexpr = 1, GROUP_H: tl.constexpr = 1,
-    stamps=None, STAMPS: tl.constexpr = False, NEW_TILE: tl.constexpr = False,
+    stamps=None, STAMPS: tl.constexpr = False, NEW_TILE: tl.constexpr = False, NEW_BRANCH: tl.constexpr = False,
+    PF_SECOND: tl.constexpr = False, PF_LINES: tl.constexpr = 1, PF_STRIDE: tl.constexpr = 64,
 ):  # fmt: skip
-    # NEW_TILE (with ROPE): NEW_TOKEN_TILE
+    # NEW_TILE / NEW_BRANCH (with ROPE): NEW_TOKEN_TILE / NEW_TOKEN_BRANCH
+    # PF_SECOND (with PRELOAD): PREFETCH_SECOND_TILE, PF_LINES 128-byte lines of PF_STRIDE elements a K / V row
     # SHARED_KV (MLA): V is K's own leading DV columns, so one [BLOCK_N, BLOCK_D] tile serves both dots
     # DIRECT: a row of one split (or none: a padded CUDA-graph row, zeros) is written to O here
     # ROPE: Q and KNEW / VNEW are the new token's raw projections (q [B, H, D], k [B, H_kv, D], v); this
@@ -181,6 +191,10 @@ def _decode_stage1_kernel(
         second = start + BLOCK_N + offs_n
         loc = tl.load(r2t_row + second, mask=second < end, other=0)  # the second tile's KV slots
     pdl_enter(USE_PDL)
+    if PF_SECOND:  # loc: the second tile's slots (0 past the split: a valid slot, as a hint's address must be)
+        lines = tl.arange(0, PF_LINES) * PF_STRIDE
+        l2_prefetch(K + loc[:, None] * s_k_n + kv_head * s_k_h + lines[None, :], True)
+        l2_prefetch(V + loc[:, None] * s_v_n + kv_head * s_v_h + lines[None, :], True)
     if STAMPS:
         tl_stamp(stamps, stamp_id, 1, STAGE1_STAMP_SLOTS)
     local = (pid_hb % heads_per_kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)  # index in the group
@@ -219,38 +233,17 @@ def _decode_stage1_kernel(
         if CLUSTER > 1:
             has_new = has_new & (start < end)  # not an empty split past the end
         store = has_new & (pid_hb % heads_per_kv_blocks == 0)
-        if NEW_TILE:  # k and v as [BLOCK_H, .] tiles of identical rows, q's layout: row-wise reductions in a warp
-            rows = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-            k1, k2 = norm_rope(KNEW + b * s_kn_t + kv_head * s_kn_h + 0 * rows, KW, eps_k, cos[None, :], sin[None, :],
-                                offs_half[None, :], (offs_half < tl.where(has_new, HALF, 0))[None, :] & (rows >= 0),
-                                HALF, QK_NORM)  # fmt: skip
-            k_rows = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), [BLOCK_H, BLOCK_D]).to(KNEW.dtype.element_ty)
-            k_rows = k_rows.to(K.dtype.element_ty)
-            v_rows = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv[None, :] + 0 * rows,
-                             mask=(offs_dv < tl.where(has_new, DV, 0))[None, :] & (rows >= 0), other=0.0)
-            v_rows = v_rows.to(V.dtype.element_ty)
-            first_row = rows < tl.where(store, 1, 0)  # row 0 where this program stores (no scalar & tensor mask: the
-            # interpreter makes that an int array)
-            tl.store(K + new_slot * s_k_n + kv_head * s_k_h + offs_d[None, :] + 0 * rows, k_rows,
-                     mask=first_row & (offs_d < D)[None, :])  # fmt: skip
-            tl.store(V + new_slot * s_v_n + kv_head * s_v_h + offs_dv[None, :] + 0 * rows, v_rows,
-                     mask=first_row & dv_mask[None, :])  # fmt: skip
-            s_new = tl.sum(q.to(tl.float32) * k_rows.to(tl.float32), 1) * qk_scale  # [BLOCK_H]
-            acc = tl.where(has_new, acc + v_rows.to(tl.float32), acc)
+        if NEW_BRANCH:
+            if has_new:
+                m_i, l_i, acc = seed_new_token(
+                    q, m_i, l_i, acc, has_new, store, KNEW, VNEW, K, V, KW, eps_k, cos, sin, new_slot, kv_head, b,
+                    qk_scale, s_kn_t, s_kn_h, s_vn_t, s_vn_h, s_k_n, s_k_h, s_v_n, s_v_h,
+                    D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, QK_NORM, NEW_TILE)  # fmt: skip
         else:
-            k1, k2 = norm_rope(KNEW + b * s_kn_t + kv_head * s_kn_h, KW, eps_k, cos, sin, offs_half,
-                                offs_half < tl.where(has_new, HALF, 0), HALF, QK_NORM)  # fmt: skip
-            k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), [BLOCK_D]).to(KNEW.dtype.element_ty)
-            k_new = k_new.to(K.dtype.element_ty)
-            v_new = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv, mask=offs_dv < tl.where(has_new, DV, 0),
-                            other=0.0)  # (a scalar & a vector mask is an int array in Triton's interpreter)
-            v_new = v_new.to(V.dtype.element_ty)
-            tl.store(K + new_slot * s_k_n + kv_head * s_k_h + offs_d, k_new, mask=offs_d < tl.where(store, D, 0))
-            tl.store(V + new_slot * s_v_n + kv_head * s_v_h + offs_dv, v_new, mask=offs_dv < tl.where(store, DV, 0))
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_H]
-            acc = tl.where(has_new, acc + v_new.to(tl.float32)[None, :], acc)
-        m_i = tl.where(has_new, s_new, m_i)
-        l_i = tl.where(has_new, 1.0, l_i)
+            m_i, l_i, acc = seed_new_token(
+                q, m_i, l_i, acc, has_new, store, KNEW, VNEW, K, V, KW, eps_k, cos, sin, new_slot, kv_head, b,
+                qk_scale, s_kn_t, s_kn_h, s_vn_t, s_vn_h, s_k_n, s_k_h, s_v_n, s_v_h,
+                D, DV, BLOCK_H, BLOCK_D, BLOCK_DV, QK_NORM, NEW_TILE)  # fmt: skip
         loop_end = end - has_new.to(tl.int32)
     if STAMPS:
         tl_stamp(stamps, stamp_id, 3, STAGE1_STAMP_SLOTS)
@@ -541,7 +534,9 @@ def decode_attention_fwd(
         BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
-        NEW_TILE=NEW_TOKEN_TILE and rope is not None,
+        NEW_TILE=NEW_TOKEN_TILE and rope is not None, NEW_BRANCH=NEW_TOKEN_BRANCH and rope is not None,
+        PF_SECOND=PREFETCH_SECOND_TILE and preload and bool(pdl_launch(q.device)),  # after a PDL wait, on a GPU
+        **prefetch_lines(D, k_buf.element_size()),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     sink = STAGE1_STAMP_SINK
