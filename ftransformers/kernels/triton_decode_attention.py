@@ -68,12 +68,18 @@ EARLY_TRIGGER = 1
 # their spread). False: the vector form (an A/B)
 NEW_TOKEN_TILE = True
 # With the fused rope, the new token's seed (triton_decode_new_token.py: k's norm and rotation, the k / v store, its
-# score) behind a branch on whether the program's split holds it, instead of masked in every program: at batch 1 the
-# other splits' programs skip it (an A/B toggle)
-NEW_TOKEN_BRANCH = False
-# With the first tile read before the wait (PRELOAD), stage 1 hints the second tile's K / V lines into L2 right after
-# its wait, so that the loop's loads of that tile hit L2 (an A/B toggle)
-PREFETCH_SECOND_TILE = False
+# score) behind a branch on whether the program's split holds it, instead of masked in every program, so that the
+# programs of the other splits skip it (196 registers against 190, no spills, offline sm_90 compile). With the first
+# tile read before the wait (PRELOAD), stage 1 also hints the second tile's K / V lines into L2 right after its wait
+# (PREFETCH_SECOND_TILE), so that the loop's loads of that tile hit L2: two 128-byte lines a row, 2 x BLOCK_N hints.
+# H200, session 56, graph replay, base against both (benchmarks/results/ab_{branch,bp}_*_s56_h200.log): Qwen3-30B-A3B
+# bf16 B=1 ctx 4096 2.462 -> 2.442 ms and 2.490 -> 2.443 in two processes (stage 1's critical path 330 -> 306-310 us a
+# step; each toggle alone 317), ctx 2048 2.396 -> 2.382, ctx 512 (clusters, the branch alone) 2.305 -> 2.298; W4A16
+# ctx 512 1.611 -> 1.603; Qwen3-8B B=1 ctx 4096 4.360 -> 4.340; B=8 ctx 4096 8.581 / 8.608 (its rounds overlap; stage 1
+# 1190 -> 1154 us). Stage 1's stamps at 4K: its last tile in at 5.38 us past the first wait, 4.86 with the branch, 4.61
+# with both. False, False: the masked seed and no hint (an A/B)
+NEW_TOKEN_BRANCH = True
+PREFETCH_SECOND_TILE = True
 # Stage 2's launch: a program's tile holds at most COMBINE_TILE elements (splits x CHUNK_DV floats), over
 # COMBINE_WARPS warps (module constants for benchmarks' `set=`). H200, session 45 (benchmarks/diag_mla_phases.py,
 # three runs; benchmarks/results/diag_mla_{knobs,again,prefetch}_s45_h200.log): 4096 against 8192, MLA decode at
