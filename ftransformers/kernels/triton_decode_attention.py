@@ -73,10 +73,11 @@ NEW_TOKEN_TILE = True
 # tile read before the wait (PRELOAD), stage 1 also hints the second tile's K / V lines into L2 right after its wait
 # (PREFETCH_SECOND_TILE), so that the loop's loads of that tile hit L2: two 128-byte lines a row, 2 x BLOCK_N hints.
 # H200, session 56, graph replay, base against both (benchmarks/results/ab_{branch,bp}_*_s56_h200.log): Qwen3-30B-A3B
-# bf16 B=1 ctx 4096 2.462 -> 2.442 ms and 2.490 -> 2.443 in two processes (stage 1's critical path 330 -> 306-310 us a
-# step; each toggle alone 317), ctx 2048 2.396 -> 2.382, ctx 512 (clusters, the branch alone) 2.305 -> 2.298; W4A16
-# ctx 512 1.611 -> 1.603; Qwen3-8B B=1 ctx 4096 4.360 -> 4.340; B=8 ctx 4096 8.581 / 8.608 (its rounds overlap; stage 1
-# 1190 -> 1154 us). Stage 1's stamps at 4K: its last tile in at 5.38 us past the first wait, 4.86 with the branch, 4.61
+# bf16 B=1 ctx 4096 2.462 -> 2.442, 2.490 -> 2.443 and 2.465 -> 2.441 ms in three processes (stage 1's critical path
+# 327-331 -> 306-310 us a step; each toggle alone 317), ctx 2048 2.396 -> 2.382, ctx 512 (clusters, the branch alone)
+# 2.305 -> 2.298; B=8 ctx 4096 8.581 / 8.608 (its rounds overlap; stage 1 1190 -> 1154 us); B=32 (the branch alone: no
+# preload past GQA_PRELOAD_MAX_BS) stage 1 level (3640 / 3650 us); W4A16 ctx 512 1.611 -> 1.603; Qwen3-8B B=1 ctx 4096
+# 4.360 -> 4.340. Stage 1's stamps at 4K: its last tile in at 5.38 us past the first wait, 4.86 with the branch, 4.61
 # with both. False, False: the masked seed and no hint (an A/B)
 NEW_TOKEN_BRANCH = True
 PREFETCH_SECOND_TILE = True
