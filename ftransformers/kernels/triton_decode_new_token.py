@@ -38,8 +38,11 @@ def seed_new_token(
                             HALF, QK_NORM)  # fmt: skip
         k_rows = tl.reshape(tl.permute(tl.join(k1, k2), (0, 2, 1)), [BLOCK_H, BLOCK_D]).to(KNEW.dtype.element_ty)
         k_rows = k_rows.to(K.dtype.element_ty)
-        v_rows = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv[None, :] + 0 * rows,
-                         mask=(offs_dv < tl.where(has_new, DV, 0))[None, :] & (rows >= 0), other=0.0)
+        v_rows = tl.load(
+            VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv[None, :] + 0 * rows,
+            mask=(offs_dv < tl.where(has_new, DV, 0))[None, :] & (rows >= 0),
+            other=0.0,
+        )
         v_rows = v_rows.to(V.dtype.element_ty)
         first_row = rows < tl.where(store, 1, 0)  # row 0 where this program stores (no scalar & tensor mask: the
         # interpreter makes that an int array)
@@ -54,8 +57,9 @@ def seed_new_token(
                             offs_half < tl.where(has_new, HALF, 0), HALF, QK_NORM)  # fmt: skip
         k_new = tl.reshape(tl.permute(tl.join(k1, k2), (1, 0)), [BLOCK_D]).to(KNEW.dtype.element_ty)
         k_new = k_new.to(K.dtype.element_ty)
-        v_new = tl.load(VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv, mask=offs_dv < tl.where(has_new, DV, 0),
-                        other=0.0)  # (a scalar & a vector mask is an int array in Triton's interpreter)
+        v_new = tl.load(
+            VNEW + b * s_vn_t + kv_head * s_vn_h + offs_dv, mask=offs_dv < tl.where(has_new, DV, 0), other=0.0
+        )  # (a scalar & a vector mask is an int array in Triton's interpreter)
         v_new = v_new.to(V.dtype.element_ty)
         tl.store(K + new_slot * s_k_n + kv_head * s_k_h + offs_d, k_new, mask=offs_d < tl.where(store, D, 0))
         tl.store(V + new_slot * s_v_n + kv_head * s_v_h + offs_dv, v_new, mask=offs_dv < tl.where(store, DV, 0))

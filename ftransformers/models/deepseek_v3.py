@@ -34,6 +34,7 @@ from transformers import PretrainedConfig
 
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, get_forward_batch
 from ftransformers.cache.kv_pool import MLAKVSpec
+from ftransformers.kernels import triton_mla_bmm
 from ftransformers.layers.linear import ReplicatedLinear, RowParallelLinear
 from ftransformers.layers.moe.experts import FusedMoE
 from ftransformers.layers.moe.grouped_topk import DeepseekTopkRouter
@@ -121,12 +122,23 @@ class DeepseekV3Attention(nn.Module):
             )  # [T, H, V]  # fmt: skip
             return self.o_proj(out.reshape(T, self.num_heads * self.v_head_dim))
         w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [H,T,N]@[H,N,L] -> [T, H, L]
+        q_latent = per_head_product(q_nope, w_uk)  # [T, H, N] x [H, N, L] -> [T, H, L]
         out_latent = batch.attn_backend.forward_mla(
             q_latent, q_pe, latent, self.layer_id, self.scaling, batch
         )  # [T, H, L]
-        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H,T,L]@[H,L,V] -> [H, T, V]
-        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * self.v_head_dim))
+        out = per_head_product(out_latent, w_uv.transpose(1, 2))  # [T, H, L] x [H, L, V] -> [T, H, V]
+        return self.o_proj(out.reshape(T, self.num_heads * self.v_head_dim))
+
+
+def per_head_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, H, K] (any strides) times each head's w [H, K, N] -> [T, H, N]: at decode sizes on CUDA through
+    kernels/triton_mla_bmm.py (written contiguous, in the PDL chain), else torch.bmm (a transposed view)."""
+    a = x.transpose(0, 1)  # [H, T, K]
+    if not triton_mla_bmm.takes(a):
+        return torch.bmm(a, w).transpose(0, 1)
+    out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
+    triton_mla_bmm.mla_bmm(a, w, out=out.transpose(0, 1))
+    return out
 
 
 class DeepseekV3MoE(nn.Module):
