@@ -29,6 +29,7 @@ MAX_M = 4
 TILE_ELEMS = 4096  # weight elements a program loads a K step: 8 KB of bf16
 MAX_BLOCK_K = 512
 WARPS = 4
+STAGES = 3
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -91,7 +92,8 @@ def mla_bmm(
         a, b, c, M, N, K,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
-        BLOCK_M=next_pow2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=WARPS, **pdl_launch(a.device),
+        BLOCK_M=next_pow2(M), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=WARPS, num_stages=STAGES,
+        **pdl_launch(a.device),
     )  # fmt: skip
     return c
 
