@@ -6,7 +6,8 @@ Achieved GB/s = weight bytes (+ a, c) / median time, beside the device-to-device
 run. Each timed call runs the product over enough weight copies to exceed L2 several times, inside a CUDA graph, and
 reports the median per product. Every variant is checked against the float32 reference before it is timed.
 
-    PYTHONPATH=$PWD python benchmarks/bench_mla_bmm.py --out $OUT/mla_bmm.json --heads 128,16 --rows 1,4 --variants 4096:4:3,16384:4:3
+    PYTHONPATH=$PWD python benchmarks/bench_mla_bmm.py --out $OUT/mla_bmm.json --heads 128,16 --rows 1,4 \
+        --variants 4096:4:3,16384:4:3
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def main() -> None:
     p.add_argument("--variants", default="4096:4:3")
     args = p.parse_args()
     bw = copy_bandwidth()
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw, "rows": []}  # fmt: skip
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw, "rows": [],
+    }  # fmt: skip
     print(f"{out['device']}  copy {bw:.0f} GB/s", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     for H in [int(h) for h in args.heads.split(",")]:
@@ -72,8 +75,10 @@ def main() -> None:
                 nbytes = H * K * N * 2 + 2 * H * M * (K + N)
                 ref = mb.mla_bmm_ref(a, ws[0])
                 t_bmm = time_per_call(lambda i, a=a, ws=ws: torch.bmm(a, ws[i]), copies)
-                row: dict[str, Any] = {"heads": H, "rows": M, "form": form, "K": K, "N": N,
-                                       "floor_us": nbytes / bw / 1e3, "bmm_us": t_bmm * 1e3, "variants": {}}  # fmt: skip
+                row: dict[str, Any] = {
+                    "heads": H, "rows": M, "form": form, "K": K, "N": N,
+                    "floor_us": nbytes / bw / 1e3, "bmm_us": t_bmm * 1e3, "variants": {},
+                }  # fmt: skip
                 line = (f"H={H:<4d} M={M} {form:7s} floor {row['floor_us']:6.2f} us  torch.bmm {t_bmm * 1e3:6.2f} us "
                         f"({100 * nbytes / t_bmm / 1e6 / bw:3.0f}%)")  # fmt: skip
                 for spec in args.variants.split(","):

@@ -33,6 +33,7 @@ def test_mla_bmm_both_forms_match_reference(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, T: int, max_block_k: int
 ) -> None:
     monkeypatch.setattr(triton_mla_bmm, "MAX_BLOCK_K", max_block_k)
+    monkeypatch.setattr(triton_mla_bmm, "SMALL_WEIGHT_BYTES", 1 << 40)  # the kernel at every row count and shape
     gen = torch.Generator().manual_seed(31 * T + (dtype == torch.float32))
     for H, N, L, V in SHAPES:
         kv_b = (torch.randn(H * (N + V), L, generator=gen) / L**0.5).to(DEV, dtype)  # kv_b_proj.weight
@@ -50,14 +51,21 @@ def test_mla_bmm_both_forms_match_reference(
             assert fresh.is_contiguous() and rel_err(fresh, mla_bmm_ref(a, b)) <= TOL[dtype]
 
 
-def test_mla_bmm_falls_back_past_max_m_and_when_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mla_bmm_rule_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row always takes the kernel; 2-MAX_M rows only on weights of at most SMALL_WEIGHT_BYTES; more rows, or
+    ENABLED off, go to torch.bmm (bit for bit, strided outputs too)."""
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(2, MAX_M + 1, 24, generator=gen).to(DEV)
     b = torch.randn(2, 24, 40, generator=gen).to(DEV)
-    assert not triton_mla_bmm.takes(a)
+    cuda = DEV == "cuda"
+    assert not triton_mla_bmm.takes(a, b)
+    assert triton_mla_bmm.takes(a[:, :1], b) == triton_mla_bmm.takes(a[:, :MAX_M], b) == cuda
+    monkeypatch.setattr(triton_mla_bmm, "SMALL_WEIGHT_BYTES", b.numel() * b.element_size() - 1)
+    assert triton_mla_bmm.takes(a[:, :1], b) == cuda and not triton_mla_bmm.takes(a[:, :2], b)
+    assert torch.equal(mla_bmm(a[:, :2], b), torch.bmm(a[:, :2], b))  # the fallback, bit for bit
     assert torch.equal(mla_bmm(a, b), torch.bmm(a, b))
     monkeypatch.setattr(triton_mla_bmm, "ENABLED", False)
-    assert not triton_mla_bmm.takes(a[:, :1])
+    assert not triton_mla_bmm.takes(a[:, :1], b)
     out = torch.empty(3, 2, 40).to(DEV).transpose(0, 1)  # a strided output through torch.bmm
     assert torch.equal(mla_bmm(a[:, :3], b, out=out), torch.bmm(a[:, :3], b))
 

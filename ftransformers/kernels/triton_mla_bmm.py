@@ -22,11 +22,19 @@ import triton.language as tl
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 
-# mla_bmm takes products of up to MAX_M rows (decode batches); more go to torch.bmm. False sends every product to
-# torch.bmm (an A/B toggle, `set=triton_mla_bmm.ENABLED=0` in benchmarks/ab_decode.py)
+# Which products `takes`: one row always, 2-MAX_M rows where the product's weight is at most SMALL_WEIGHT_BYTES; the
+# rest go to torch.bmm. H200, benchmarks/bench_mla_bmm.py (benchmarks/results/mla_bmm_tiles_s56_h200.log), us against
+# torch.bmm, W_UK / W_UV^T: 128 heads (16 MB, floor 4.0 us) 1 row 6.30 / 6.08 against 6.89 / 6.83, 2 rows 8.27 /
+# 7.59 against 6.99 / 6.83, 4 rows 13.0 / 10.5 against 7.0 / 6.9; 16 heads (2 MB) 1 row 2.45 / 2.33 against 3.55 /
+# 4.01, 4 rows 3.12 / 2.80 against 3.61 / 3.97. DeepSeek-V3 (3 layers, 128 heads) B=1 ctx 4096 graph replay 1.487 ->
+# 1.469 and 1.486 -> 1.474 ms in two processes (ab_mlabmm{,_tiles}_dsv3_b1_ctx4096_s56_h200.log). ENABLED False sends
+# every product to torch.bmm (an A/B toggle, `set=triton_mla_bmm.ENABLED=0` in benchmarks/ab_decode.py)
 ENABLED = True
 MAX_M = 4
-TILE_ELEMS = 4096  # weight elements a program loads a K step: 8 KB of bf16
+SMALL_WEIGHT_BYTES = 4 << 20
+# Tiles: weight elements a program loads a K step (8 KB of bf16), its K step's cap, warps, pipeline stages. Of the
+# variants in mla_bmm_tiles_s56_h200.log (8K-32K elements, 2 or 8 warps) none was faster at one row
+TILE_ELEMS = 4096
 MAX_BLOCK_K = 512
 WARPS = 4
 STAGES = 3
@@ -63,13 +71,19 @@ def _mla_bmm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def takes(a: torch.Tensor) -> bool:
-    """Whether a model should call mla_bmm for a [H, M, K] left operand: ENABLED, on CUDA, at most MAX_M rows."""
-    return ENABLED and a.is_cuda and 1 <= a.shape[1] <= MAX_M
+def takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a model should call mla_bmm for a [H, M, K] x [H, K, N] product: ENABLED, on CUDA, one row, or up to
+    MAX_M rows of a weight of at most SMALL_WEIGHT_BYTES (the measured rule above)."""
+    return a.is_cuda and _rule(a, b)
 
 
-def _runs_kernel(a: torch.Tensor) -> bool:  # takes, or (tests) the CPU interpreter
-    return ENABLED and (a.is_cuda or _INTERPRET) and 1 <= a.shape[1] <= MAX_M
+def _rule(a: torch.Tensor, b: torch.Tensor) -> bool:
+    m = a.shape[1]
+    return ENABLED and (m == 1 or (2 <= m <= MAX_M and b.numel() * b.element_size() <= SMALL_WEIGHT_BYTES))
+
+
+def _runs_kernel(a: torch.Tensor, b: torch.Tensor) -> bool:  # takes, or (tests) the same rule in the CPU interpreter
+    return (a.is_cuda or _INTERPRET) and _rule(a, b)
 
 
 def mla_bmm(
@@ -84,7 +98,7 @@ def mla_bmm(
     assert b.shape == (H, K, N) and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
     c = torch.empty(H, M, N, dtype=a.dtype, device=a.device) if out is None else out
     assert c.shape == (H, M, N), (c.shape, (H, M, N))
-    if not _runs_kernel(a):
+    if not _runs_kernel(a, b):
         return torch.bmm(a, b, out=c) if c.is_contiguous() else c.copy_(torch.bmm(a, b))
     block_k = min(MAX_BLOCK_K, max(16, next_pow2(K)))
     block_n = min(max(1, TILE_ELEMS // block_k), next_pow2(N))

@@ -134,7 +134,7 @@ def per_head_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, H, K] (any strides) times each head's w [H, K, N] -> [T, H, N]: at decode sizes on CUDA through
     kernels/triton_mla_bmm.py (written contiguous, in the PDL chain), else torch.bmm (a transposed view)."""
     a = x.transpose(0, 1)  # [H, T, K]
-    if not triton_mla_bmm.takes(a):
+    if not triton_mla_bmm.takes(a, w):
         return torch.bmm(a, w).transpose(0, 1)
     out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
     triton_mla_bmm.mla_bmm(a, w, out=out.transpose(0, 1))
