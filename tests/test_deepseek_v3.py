@@ -266,8 +266,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_parity_with_transformers(variant: str, checkpoints: dict[str, Path]) -> None:
+# every variant, and the first once more with its decode's latent rows stored by the MLA rope kernel
+# (ROPE_STORES_LATENT) instead of by the attention
+PARITY_CASES = [(v, False) for v in VARIANTS] + [(next(iter(VARIANTS)), True)]
+
+
+@pytest.mark.parametrize("variant,rope_stores", PARITY_CASES)
+def test_parity_with_transformers(
+    monkeypatch: pytest.MonkeyPatch, variant: str, rope_stores: bool, checkpoints: dict[str, Path]
+) -> None:
+    from ftransformers.models import deepseek_v3
+
+    monkeypatch.setattr(deepseek_v3, "ROPE_STORES_LATENT", rope_stores)
     path = checkpoints[variant]
     prompts = random_prompts(4, 384, LENGTHS, seed=len(variant))
     ref_tokens, ref_logits = hf_greedy_reference(path, prompts, NEW_TOKENS)

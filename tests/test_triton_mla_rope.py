@@ -82,3 +82,33 @@ def test_mla_rope_layer_path_and_errors(monkeypatch: pytest.MonkeyPatch) -> None
         mla_rope(positions, rope.inv_freq.float(), 1.0, torch.randn(2, 3, 7, device=DEV), c_kv, k_pe[:, :7], True)
     with pytest.raises(ValueError, match="mla_rope"):
         mla_rope(positions, rope.inv_freq.double(), 1.0, q_pe, c_kv, k_pe, True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
+def test_rope_latent_stores_into_the_pool(
+    monkeypatch: pytest.MonkeyPatch, fused: bool, pool_dtype: torch.dtype
+) -> None:
+    """With a pool and loc, rope_latent (the kernel in the same launch, or the module path) leaves pool[loc] exactly
+    as MLAKVPool.set_latent would (latent.to(pool dtype)), touches no other row, and returns the same q and latent."""
+    monkeypatch.setattr(rotary_yarn, "MLA_ROPE_ON_CPU", True)
+    monkeypatch.setattr(rotary_yarn, "FUSED_MLA_ROPE", fused)
+    gen = torch.Generator().manual_seed(7 + fused)
+    rope = DeepseekRotaryEmbedding(8, YARN, 163840, interleaved=True).to(DEV)
+    t, lat = 3, 40
+    q_pe = torch.randn(t, 5, 24, generator=gen).to(DEV, torch.bfloat16)[..., 16:]
+    c_kv = torch.randn(t, lat, generator=gen).to(DEV, torch.bfloat16)
+    k_pe = torch.randn(t, lat + 8, generator=gen).to(DEV, torch.bfloat16)[:, lat:]
+    positions = torch.tensor([3, 900, 70000], device=DEV)
+    pool = torch.randn(12, lat + 8, generator=gen).to(DEV, pool_dtype)
+    before = pool.clone()
+    loc = torch.tensor([7, 2, 10], device=DEV)
+    q_ref, latent_ref = rope.rope_latent(positions, q_pe, c_kv, k_pe)
+    q_out, latent = rope.rope_latent(positions, q_pe, c_kv, k_pe, pool, loc)
+    assert torch.equal(q_out, q_ref) and torch.equal(latent, latent_ref)
+    expect = before.clone()
+    expect[loc] = latent_ref.to(pool_dtype)
+    assert torch.equal(pool, expect)
+    if fused:
+        with pytest.raises(ValueError, match="pool"):
+            mla_rope(positions, rope.inv_freq.float(), 1.0, q_pe, c_kv, k_pe, True, pool, None)

@@ -56,6 +56,7 @@ class AttentionBackend(ABC):
         layer_id: int,
         scaling: float,
         batch: ForwardBatch,
+        latent_stored: bool = False,  # the caller already stored `latent` at out_cache_loc (rope_latent's pool)
     ) -> torch.Tensor:  # [T, H, kv_lora_rank]: attention output in latent space (caller applies W_UV)
         ...
 

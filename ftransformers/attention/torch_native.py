@@ -68,10 +68,11 @@ class TorchNativeAttentionBackend(AttentionBackend):
         layer_id: int,
         scaling: float,
         batch: ForwardBatch,
+        latent_stored: bool = False,
     ) -> torch.Tensor:
         from ftransformers.attention.torch_native_mla import forward_mla
 
-        return forward_mla(q_nope, q_rope, latent, layer_id, scaling, batch)
+        return forward_mla(q_nope, q_rope, latent, layer_id, scaling, batch, latent_stored)
 
     def forward_mla_mha(
         self,

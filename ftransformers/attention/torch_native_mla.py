@@ -27,12 +27,14 @@ def forward_mla(
     layer_id: int,
     scaling: float,
     batch: ForwardBatch,
+    latent_stored: bool = False,  # the caller stored `latent` at out_cache_loc already
 ) -> torch.Tensor:  # [T, H, L]
     pool = batch.kv_pool
     if not isinstance(pool, MLAKVPool):
         raise TypeError(f"forward_mla needs an MLAKVPool, got {type(pool).__name__}")
     kv_lora_rank = q_nope.shape[-1]
-    pool.set_latent(layer_id, batch.out_cache_loc, latent)
+    if not latent_stored:
+        pool.set_latent(layer_id, batch.out_cache_loc, latent)
     buf = pool.get_latent(layer_id)  # [N+1, L+R]
 
     q = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, L+R], same column order as the latent rows

@@ -463,11 +463,13 @@ class TritonAttentionBackend(AttentionBackend):
         layer_id: int,
         scaling: float,
         batch: ForwardBatch,
+        latent_stored: bool = False,  # the caller stored `latent` at out_cache_loc already (rope_latent's pool)
     ) -> torch.Tensor:  # [T, H, L]
         pool = batch.kv_pool
         if not isinstance(pool, MLAKVPool):
             raise TypeError(f"forward_mla needs an MLAKVPool, got {type(pool).__name__}")
-        pool.set_latent(layer_id, batch.out_cache_loc, latent)
+        if not latent_stored:
+            pool.set_latent(layer_id, batch.out_cache_loc, latent)
         buf = pool.get_latent(layer_id)  # [N+1, L+R]
         T, H, L = q_nope.shape
         q_rope = q_rope.to(q_nope.dtype)

@@ -83,9 +83,11 @@ def _mla_rope_kernel(
     s_qt, s_qh, s_ct, s_kt, s_qot, s_qoh, s_lt,
     P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr,
     INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    pool_ptr=None, loc_ptr=None, s_pt=0, STORE: tl.constexpr = False,
 ):  # fmt: skip
     # grid (T, head blocks + 1): program (t, j) rotates heads [j BH, (j+1) BH) of token t's q_pe; the last j
-    # rotates k_pe and writes the latent row
+    # rotates k_pe and writes the latent row, and with STORE that row also at pool row loc[t], rounded to the pool's
+    # dtype from the latent's (as MLAKVPool.set_latent stores it)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
@@ -111,12 +113,20 @@ def _mla_rope_kernel(
         k1, k2 = _pairs(kpe_ptr + t * s_kt, one.to(tl.int64), one < 1, offs_p, p_ok, P, BLOCK_P, INTERLEAVED)
         k_lo, k_hi = _rotate(k1, k2, cos, sin)  # [1, BP]
         row = latent_ptr + t * s_lt
-        tl.store(row + L + offs_p[None, :], k_lo.to(latent_ptr.dtype.element_ty), mask=p_ok[None, :])
-        tl.store(row + L + P + offs_p[None, :], k_hi.to(latent_ptr.dtype.element_ty), mask=p_ok[None, :])
+        ldt = latent_ptr.dtype.element_ty
+        tl.store(row + L + offs_p[None, :], k_lo.to(ldt), mask=p_ok[None, :])
+        tl.store(row + L + P + offs_p[None, :], k_hi.to(ldt), mask=p_ok[None, :])
+        if STORE:
+            prow = pool_ptr + tl.load(loc_ptr + t).to(tl.int64) * s_pt
+            pdt = pool_ptr.dtype.element_ty
+            tl.store(prow + L + offs_p[None, :], k_lo.to(ldt).to(pdt), mask=p_ok[None, :])
+            tl.store(prow + L + P + offs_p[None, :], k_hi.to(ldt).to(pdt), mask=p_ok[None, :])
         for l0 in range(0, L, BLOCK_L):
             offs_l = l0 + tl.arange(0, BLOCK_L)
-            c = tl.load(ckv_ptr + t * s_ct + offs_l, mask=offs_l < L)
-            tl.store(row + offs_l, c.to(latent_ptr.dtype.element_ty), mask=offs_l < L)
+            c = tl.load(ckv_ptr + t * s_ct + offs_l, mask=offs_l < L).to(ldt)
+            tl.store(row + offs_l, c, mask=offs_l < L)
+            if STORE:
+                tl.store(prow + offs_l, c.to(pool_ptr.dtype.element_ty), mask=offs_l < L)
 
 
 def mla_rope(
@@ -127,8 +137,17 @@ def mla_rope(
     c_kv: torch.Tensor,  # [T, L], unit stride along L
     k_pe: torch.Tensor,  # [T, R], unit stride along R (a view of the kv_a projection)
     interleaved: bool,
+    pool: torch.Tensor | None = None,  # [N, L + R], unit stride along its rows: the latent rows also go to pool[loc]
+    loc: torch.Tensor | None = None,  # [T] int, the new tokens' pool rows
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q_pe rotated [T, H, R], latent [T, L + R]
     t, h, r = q_pe.shape  # token and head offsets are int64 in the kernel: any T
+    if (pool is None) != (loc is None) or (
+        pool is not None and loc is not None
+        and (pool.dim() != 2 or pool.shape[1] != c_kv.shape[1] + r or pool.stride(1) != 1 or loc.shape != (t,))
+    ):  # fmt: skip
+        raise ValueError(f"mla_rope: pool [N, L + R] (unit stride along a row) and loc [T] come together; got pool "
+                         f"{None if pool is None else (tuple(pool.shape), pool.stride())}, loc "
+                         f"{None if loc is None else tuple(loc.shape)}")  # fmt: skip
     unit = q_pe.stride(2) == 1 and c_kv.stride(-1) == 1 and k_pe.stride(-1) == 1
     shapes = r % 2 == 0 and k_pe.shape == (t, r) and c_kv.shape[0] == t and inv_freq.shape == (r // 2,)
     if not (unit and shapes and inv_freq.dtype == torch.float32):
@@ -149,5 +168,6 @@ def mla_rope(
         latent.stride(0), P=r // 2, BLOCK_P=block_p, BLOCK_H=block_h,
         BLOCK_L=min(1024, next_pow2(max(lat, 1))), INTERLEAVED=interleaved, num_warps=WARPS,
         **pdl_launch(q_pe.device),
+        **({} if pool is None else {"pool_ptr": pool, "loc_ptr": loc, "s_pt": pool.stride(0), "STORE": True}),
     )  # fmt: skip
     return q_out, latent

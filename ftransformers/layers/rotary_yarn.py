@@ -146,20 +146,25 @@ class DeepseekRotaryEmbedding(nn.Module):
         return q_out, (k_out if k.dim() == 3 else k_out[:, 0, :])
 
     def rope_latent(
-        self, positions: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, positions: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+        pool: torch.Tensor | None = None, loc: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """MLA's rotary and latent row: q_pe [T, H, R] rotated, latent [T, L + R] = [c_kv | rotated k_pe]. On CUDA
         (and with MLA_ROPE_ON_CPU under Triton's interpreter, so that CPU tests can run the kernel inside whole
         models) one launch, kernels/triton_mla_rope.py; elsewhere, or with FUSED_MLA_ROPE off, this module and a
-        concatenation."""
+        concatenation. With `pool` (a layer's latent buffer [N, L + R]) and `loc` [T], the latent rows are also stored
+        at pool[loc] in the pool's dtype, as MLAKVPool.set_latent stores them (by the kernel, in the same launch)."""
         on_cpu = MLA_ROPE_ON_CPU and os.environ.get("TRITON_INTERPRET") == "1"
         if FUSED_MLA_ROPE and (q_pe.is_cuda or on_cpu):  # imported here so CPU needs no triton
             from ftransformers.kernels.triton_mla_rope import mla_rope
 
             inv_freq = self.inv_freq.to(device=q_pe.device, dtype=torch.float32)
-            return mla_rope(positions, inv_freq, self.attention_factor, q_pe, c_kv, k_pe, self.interleaved)
+            return mla_rope(positions, inv_freq, self.attention_factor, q_pe, c_kv, k_pe, self.interleaved, pool, loc)
         q_pe, k_pe = self(positions, q_pe, k_pe)
-        return q_pe, torch.cat([c_kv, k_pe], dim=-1)
+        latent = torch.cat([c_kv, k_pe], dim=-1)
+        if pool is not None and loc is not None:
+            pool[loc] = latent.to(pool.dtype)
+        return q_pe, latent
 
 
 def get_deepseek_rope(config: Any) -> tuple[DeepseekRotaryEmbedding, float]:

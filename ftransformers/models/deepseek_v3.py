@@ -33,7 +33,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ftransformers.attention.forward_batch import ForwardBatch, ForwardMode, get_forward_batch
-from ftransformers.cache.kv_pool import MLAKVSpec
+from ftransformers.cache.kv_pool import MLAKVPool, MLAKVSpec
 from ftransformers.kernels import triton_mla_bmm
 from ftransformers.layers.linear import ReplicatedLinear, RowParallelLinear
 from ftransformers.layers.moe.experts import FusedMoE
@@ -47,6 +47,11 @@ from ftransformers.models.registry import register_model
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 MHA_MAX_ROWS = 32768  # expanded rows (prefix + new) per step: 2.7 GB of bf16 K/V at DeepSeek-V3 width
 ABSORBED_SLOWDOWN = 2.0  # absorbed extend kernel's FLOP rate is about half the MHA one's (H100 profile)
+# Decode: the MLA rope kernel also stores the new latent rows into the layer's pool (rope_latent's `pool`), and the
+# attention skips its own store (MLAKVPool.set_latent, a torch index op between the rope kernel and the attention,
+# 2.8 us a layer of DeepSeek-V3's B=1 critical path on the H200, benchmarks/results/ab_mlabmm_dsv3_b1_*_s56_h200.log).
+# Off until measured on a GPU (an A/B toggle: `set=models.deepseek_v3.ROPE_STORES_LATENT=1` in ab_decode.py)
+ROPE_STORES_LATENT = False
 
 
 def mla_extend_form(batch: ForwardBatch, L: int, R: int, N: int, V: int) -> str:
@@ -111,8 +116,12 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)  # [T, H, N], [T, H, R]
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, L]
-        q_pe, latent = self.rotary_emb.rope_latent(positions, q_pe, c_kv, k_pe)  # [T, H, R], [T, L+R]
         batch = get_forward_batch()
+        stored = ROPE_STORES_LATENT and batch.mode == ForwardMode.DECODE and isinstance(batch.kv_pool, MLAKVPool)
+        pool = batch.kv_pool.get_latent(self.layer_id) if stored else None  # type: ignore[union-attr]
+        q_pe, latent = self.rotary_emb.rope_latent(
+            positions, q_pe, c_kv, k_pe, pool, batch.out_cache_loc if stored else None
+        )  # [T, H, R], [T, L+R]
         if batch.mode == ForwardMode.EXTEND and self._form(batch) == "mha":
             rows = batch.attn_backend.mla_extend_rows(latent, self.layer_id, batch).to(hidden.dtype)  # [P+T, L+R]
             kv = self.kv_b_proj(rows[:, : self.kv_lora_rank])  # [P+T, H*(N+V)]
@@ -124,7 +133,7 @@ class DeepseekV3Attention(nn.Module):
         w_uk, w_uv = self.absorbed_weights()
         q_latent = per_head_product(q_nope, w_uk)  # [T, H, N] x [H, N, L] -> [T, H, L]
         out_latent = batch.attn_backend.forward_mla(
-            q_latent, q_pe, latent, self.layer_id, self.scaling, batch
+            q_latent, q_pe, latent, self.layer_id, self.scaling, batch, latent_stored=stored
         )  # [T, H, L]
         out = per_head_product(out_latent, w_uv.transpose(1, 2))  # [T, H, L] x [H, L, V] -> [T, H, V]
         return self.o_proj(out.reshape(T, self.num_heads * self.v_head_dim))
