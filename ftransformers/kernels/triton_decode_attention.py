@@ -522,6 +522,7 @@ def decode_attention_fwd(
         kw = rope.k_norm_weight if rope.k_norm_weight is not None else cs
         eps_q, eps_k = float(rope.eps_q), float(rope.eps_k)
     preload = (PRELOAD_FIRST_TILE if preload is None else preload) and rope is not None
+    pdl = pdl_launch(q.device)  # the launch's PDL arguments; empty where PDL is off (CPU, --disable-pdl)
     assert not preload or (dpe == 0 and not shared_kv), "the first-tile preload is for GQA with fused rope"
     block_dv = max(16, next_pow2(DV))
     args = (
@@ -542,7 +543,7 @@ def decode_attention_fwd(
         DOT_PREC=_dot_precision(q.dtype), SHARED_KV=shared_kv, DIRECT=direct,
         ROPE=rope is not None, QK_NORM=rope is not None and rope.q_norm_weight is not None, PRELOAD=preload,
         NEW_TILE=NEW_TOKEN_TILE and rope is not None, NEW_BRANCH=NEW_TOKEN_BRANCH and rope is not None,
-        PF_SECOND=PREFETCH_SECOND_TILE and preload and bool(pdl_launch(q.device)),  # after a PDL wait, on a GPU
+        PF_SECOND=PREFETCH_SECOND_TILE and preload and bool(pdl),  # after a PDL wait, on a GPU
         **prefetch_lines(D, k_buf.element_size()),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -555,9 +556,9 @@ def decode_attention_fwd(
         scratch = cluster_scratch_bytes(block_h, block_dv)
         grid = (H_kv * blocks_per_kv, 1, B)  # clusters; cluster_launch multiplies axis 0 by the cluster size
         cluster_launch(_decode_stage1_kernel, grid, cluster, scratch, *args, **consts, smem_off=0, CLUSTER=cluster,
-                       GROUP_H=group_h, **pdl_launch(q.device))  # fmt: skip
+                       GROUP_H=group_h, **pdl)  # fmt: skip
         return out
-    _decode_stage1_kernel[grid](*args, **consts, **pdl_launch(q.device))
+    _decode_stage1_kernel[grid](*args, **consts, **pdl)
     if num_kv_splits > 1 or not direct:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, block_n, direct, early_trigger)
     return out
