@@ -39,8 +39,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 # DeepSeek-V3's layers with 64 attention heads: its share a GPU at tensor parallel 2, and Kimi-K2's head count (the
 # MLA decode launches of 33-64 heads, triton_backend.MLA_ONE_BLOCK_FROM)
 SHAPES["deepseek-v3-h64"] = {**SHAPES["deepseek-v3"], "num_attention_heads": 64, "num_key_value_heads": 64}
-FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-8b": 36, "deepseek-v3": 61, "deepseek-v3-h64": 61}
-FULL_DENSE = {"deepseek-v3": 3, "deepseek-v3-h64": 3}  # dense layers at full depth where the model mixes both kinds
+# and with 16: its share a GPU at tensor parallel 8, where the MLA decode takes the few-heads kernel
+# (kernels/gluon_mla_few_heads.py); the rest of the layer keeps its one-GPU width
+SHAPES["deepseek-v3-h16"] = {**SHAPES["deepseek-v3"], "num_attention_heads": 16, "num_key_value_heads": 16}
+FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-8b": 36, "deepseek-v3": 61, "deepseek-v3-h64": 61, "deepseek-v3-h16": 61}
+FULL_DENSE = {"deepseek-v3": 3, "deepseek-v3-h64": 3, "deepseek-v3-h16": 3}  # dense layers at full depth where the model mixes both kinds
 # --dry-run (CPU smoke test of this script): every width divided by 16, torch_native kernels.
 SHRINK = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "q_lora_rank", "kv_lora_rank")
 SMALL_HEADS = {
