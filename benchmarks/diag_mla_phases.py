@@ -8,7 +8,10 @@ these orders (`--orders`):
          under PDL behind the previous layer's stage 2);
   alone  a torch copy before each layer's stage 1, as in a decode step, where the absorbing bmm and the latent
          store precede the attention and PDL cannot overlap them (the copy's own time is taken off);
-  again  alone, with stage 2 run a second time on the partials the first has just read ("stage2 again").
+  again  alone, with stage 2 run a second time on the partials the first has just read ("stage2 again");
+  bmm    the absorbing W_UK product before each layer's stage 1 as models/deepseek_v3.per_head_product runs it
+         (kernels/triton_mla_bmm.py where it takes the shape: a PDL kernel, which stage 1 can overlap; else
+         torch.bmm), the decode step's order with the latent's store in the rope kernel (its own time taken off).
 `--variants` applies ab_decode.py's `set=MOD.NAME=V` module toggles to every case. It times each order's replay
 with and without the stamps (their cost), checks the output against the float32 reference, and prints, for a
 middle layer, each stamp's min / median / max over the programs in microseconds from the layer's first stage-1
@@ -45,6 +48,7 @@ from ceilings import copy_bandwidth
 from ftransformers.attention.triton_backend import mla_block_h, mla_max_kv_splits, mla_num_kv_splits, peak_gbps_per_sm
 from ftransformers.kernels import gluon_mla_few_heads as few
 from ftransformers.kernels import triton_decode_attention as tda
+from ftransformers.kernels import triton_mla_bmm
 from ftransformers.kernels.launch import cdiv
 from ftransformers.kernels.stamps import stamp_buffer
 from ftransformers.kernels.triton_decode_attention import COMBINE_STAMP_SLOTS, decode_scratch
@@ -54,6 +58,7 @@ DEV = torch.device("cuda")
 DT = torch.bfloat16
 S1 = ["entry", "after wait", "tile 0 issued", "q in smem", "tile 0 landed", "last product", "stored"]
 S2 = ["entry", "after wait", "stored"]
+NOPE = 128  # DeepSeek-V3's qk_nope_head_dim: the absorbing product's K
 
 
 def spread(xs: list[float]) -> dict:
@@ -110,10 +115,23 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
     seconds = [stamp_buffer(p2, COMBINE_STAMP_SLOTS, DEV) for _ in range(layers)]  # the "again" order's 2nd stage 2
     before = torch.empty(batch * heads * L, device=DEV, dtype=DT)  # the "alone" order's predecessor: a torch copy
     before_src = torch.randn_like(before)  # of q_nope's size (the absorbing bmm's output)
+    # the "bmm" order's predecessor: [H, B, 128] x W_UK [H, 128, L] into a [B, H, L] buffer the attention does not read
+    q_head = torch.randn(heads, batch, NOPE, device=DEV, dtype=DT)
+    w_uk = torch.randn(heads, NOPE, L, device=DEV, dtype=DT) * NOPE**-0.5
+    absorbed = torch.empty(batch, heads, L, device=DEV, dtype=DT)
+    absorbed_hbl = torch.empty(heads, batch, L, device=DEV, dtype=DT)
+
+    def absorb() -> None:
+        if triton_mla_bmm.takes(q_head, w_uk):
+            triton_mla_bmm.mla_bmm(q_head, w_uk, absorbed.transpose(0, 1))
+        else:
+            torch.bmm(q_head, w_uk, out=absorbed_hbl)  # per_head_product returns its transposed view
 
     def step(order: str, stamped: bool) -> None:
         for i, buf in enumerate(bufs):
-            if order != "chain":
+            if order == "bmm":
+                absorb()
+            elif order != "chain":
                 before.copy_(before_src)
             few.mla_decode_few_heads(q_nope, q_rope, buf, outs[i], r2t, rows, seq_lens, mid_o, mid_lse, splits,
                                      MLA_SCALE, 0, block_h, stamps[i] if stamped else None)  # fmt: skip
@@ -141,6 +159,9 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
     }
     copies_ms = do_bench_cudagraph(lambda: [before.copy_(before_src) for _ in bufs], rep=60, return_mode="median")
     res["copy_alone_us"] = copies_ms * 1e3 / layers  # taken off the "alone" order's time below
+    bmm_ms = do_bench_cudagraph(lambda: [absorb() for _ in bufs], rep=60, return_mode="median")
+    res["bmm_alone_us"] = bmm_ms * 1e3 / layers  # taken off the "bmm" order's
+    res["bmm_kernel"] = "mla_bmm" if triton_mla_bmm.takes(q_head, w_uk) else "torch.bmm"
     for order in orders:
         for stamped in (False, True):
             for o in outs:
@@ -150,7 +171,7 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
             err = rel_err(outs[0][:1], ref)
             assert err < 1e-2, (order, stamped, err)
             ms = do_bench_cudagraph(lambda o=order, s=stamped: step(o, s), rep=60, return_mode="median") / layers
-            ms -= res["copy_alone_us"] / 1e3 if order != "chain" else 0.0
+            ms -= {"chain": 0.0, "bmm": res["bmm_alone_us"]}.get(order, res["copy_alone_us"]) / 1e3
             key = f"{order}{'_stamped' if stamped else ''}"
             res[f"{key}_us"] = ms * 1e3
             res[f"{key}_pct_copy"] = kv_bytes / ms / 1e6 / copy_gbps
@@ -169,8 +190,9 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
 def show(r: dict) -> list[str]:
     head = (f"{r['variant']}: H={r['heads']} B={r['batch']} ctx={r['context']} splits={r['splits']} "
             f"programs {r['programs']} floor {r['floor_us']:.1f} us")  # fmt: skip
-    lines = [head + f"; the alone order's copy alone {r['copy_alone_us']:.2f} us a layer (taken off)"]
-    for order in [o for o in ("chain", "alone", "again") if f"{o}_us" in r]:
+    lines = [head + f"; taken off: the alone order's copy alone {r['copy_alone_us']:.2f} us a layer, the bmm order's "
+             f"{r['bmm_kernel']} alone {r['bmm_alone_us']:.2f}"]  # fmt: skip
+    for order in [o for o in ("chain", "alone", "again", "bmm") if f"{o}_us" in r]:
         lines.append(f"  {order}: {r[f'{order}_us']:.2f} us ({r[f'{order}_pct_copy']:.0%} of copy), stamped "
                      f"{r[f'{order}_stamped_us']:.2f} us")  # fmt: skip
         ph = r[f"{order}_phases"]
@@ -198,7 +220,7 @@ def main() -> None:
         default="base",
         help="comma-separated: base, or ab_decode.py's set=MOD.NAME=V (joined by '+'), applied to each case",
     )
-    ap.add_argument("--orders", default="chain,alone", help="chain, alone, again (alone + stage 2 run twice)")
+    ap.add_argument("--orders", default="chain,alone", help="chain, alone, again (alone + stage 2 run twice), bmm")
     ap.add_argument("--calls", type=int, default=0, help="only launch each case's two stages this many times (ncu)")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(DEV)

@@ -53,7 +53,7 @@ fi
 if [[ " $groups " == *" attention "* ]]; then  # decode attention, its clusters and launch cache, graphs: for a change there
   shards attention 8 tests/test_triton_attention.py tests/test_decode_stage2.py tests/test_triton_rope_store.py \
     tests/test_cuda_graph.py tests/test_launch_cache.py tests/test_cluster_launch.py tests/test_cluster_compile.py \
-    tests/test_gluon_mla_compile.py
+    tests/test_gluon_mla_compile.py tests/test_mla_early_tiles.py tests/test_triton_mla_rope.py tests/test_deepseek_v3.py
 fi
 if [[ " $groups " == *" parity "* ]]; then
   FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 t parity_bf16_default tests/test_engine_parity.py

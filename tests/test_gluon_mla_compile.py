@@ -32,9 +32,10 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0, stamped: bool = False) -> dict:  # in this process: shared bytes, PTX, ptxas -v log
+def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
+    # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
-    with its diagnostic timestamps, kernels/stamps.py)."""
+    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -70,6 +71,8 @@ def _compile(heads_n: int = 0, stamped: bool = False) -> dict:  # in this proces
     sig |= dict.fromkeys(strides, "i32")
     consts = {"L": 512, "R": 64} | ({"HN": heads_n} if heads_n else {"BLOCK_H": g.BLOCK_H})
     consts |= {"BLOCK_N": g.BLOCK_N, "LOAD_WARPS": g.LOAD_WARPS, "LOAD_REGS": g.LOAD_REGS, "LOAD_ROWS": g.LOAD_ROWS}
+    if heads_n:
+        consts["EARLY_TILES"] = g.EARLY_TILES if early < 0 else early
     consts |= {"USE_PDL": True} | ({} if heads_n else {"DIAG": 0})
     if heads_n and stamped:
         sig["stamps"] = "*i64"
@@ -93,10 +96,10 @@ def _compile(heads_n: int = 0, stamped: bool = False) -> dict:  # in this proces
     return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS}
 
 
-def _compile_in_child(heads_n: int = 0, stamped: bool = False) -> dict:
+def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -120,13 +123,14 @@ def test_gluon_mla_decode_compiles_for_hopper() -> None:
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
 
 
-@pytest.mark.parametrize("heads_n", [8, 16, 32])
-def test_gluon_mla_few_heads_compiles_for_hopper(heads_n: int) -> None:
+@pytest.mark.parametrize(("heads_n", "early"), [(8, -1), (16, -1), (32, -1), (16, 0), (16, 1), (16, 2)])
+def test_gluon_mla_few_heads_compiles_for_hopper(heads_n: int, early: int) -> None:
     """The few-heads kernel: the tokens are the wgmma M and the heads its N, so both dots are m64nHN (36
     for the 576-deep scores, 32 for O^T = c_kv^T P^T: 8 row blocks of 512 x 4 steps of the 64-token tile,
     the tile read M-major, i.e. transposed, which the wgmma's A and B flags say); the same load partition;
-    no spills, every wgmma asynchronous."""
-    kernel = _compile_in_child(heads_n)
+    no spills, every wgmma asynchronous; with none, one or both stages' first tiles copied before the PDL wait
+    (EARLY_TILES), the copies before the wait's griddepcontrol.wait in the PTX."""
+    kernel = _compile_in_child(heads_n, early=early)
     assert 0 < kernel["shared"] <= SM90_MAX_SHARED
     mmas = re.findall(
         rf"wgmma\.mma_async\.sync\.aligned\.m64n{heads_n}k16\.f32\.bf16\.bf16 \{{[^}}]*\}}, (%\w+), (%\w+), [^;]*, (\d), (\d);",
@@ -136,6 +140,10 @@ def test_gluon_mla_few_heads_compiles_for_hopper(heads_n: int) -> None:
     assert sum(m[2:] == ("0", "0") for m in mmas) == 36  # the scores: the tile and q both K-major
     assert sum(m[2:] == ("1", "1") for m in mmas) == 32  # O^T: the tile M-major, P^T N-major
     assert "cp.async.mbarrier.arrive.noinc" in kernel["ptx"]
+    ptx = kernel["ptx"]
+    if early >= 0:  # one noinc arrival a copied tile, and only the early ones ahead of the wait
+        before = ptx[: ptx.index("griddepcontrol.wait")]
+        assert before.count("cp.async.mbarrier.arrive.noinc") == early, early
     log = kernel["ptxas"]
     assert "C7515" not in log and "serialized" not in log, log
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log

@@ -52,7 +52,8 @@ READ_BEFORE_WAIT = {
     "_decode_stage2_kernel": "seq_lens",
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
     "mla_decode_stage1_gluon": "seq_lens, req_pool_indices",
-    "mla_decode_stage1_few_heads": "seq_lens, req_pool_indices",
+    "mla_decode_stage1_few_heads": "seq_lens, req_pool_indices; with EARLY_TILES req_to_token and the first tiles' "
+    "latent rows where they end before the new token (COPIES_BEFORE_WAIT)",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
     "_mla_rope_kernel": "the constant inv_freq",
     "_w4a16_gemv_kernel": "the first K tile of its (constant) words, with PRELOAD_SZ that of its scale_zero copy",
@@ -91,6 +92,18 @@ STEP_DATA_BEFORE_WAIT: dict[str, str | tuple[str, ...]] = {
         "triton_fused_moe_w8._pair_gate_up_kernel",  # fp8
     ),
 }
+# Kernels that issue cp.async copies into their own shared memory ahead of their wait, of tensors no kernel of the
+# step writes; keyed module.kernel. What else they may call there: shared-memory allocation, barrier set-up and the
+# copy helpers.
+COPIES_BEFORE_WAIT = {
+    "gluon_mla_few_heads.mla_decode_stage1_few_heads": "with EARLY_TILES the first tiles' latent rows where a tile ends "
+    "before the new token (rows of earlier steps' tokens; a tile holding the new token's is copied after), their slots",
+}
+COPY_SETUP_CALLS = {
+    "gl.allocate_shared_memory", "gl.NVMMASharedLayout.get_default_for", "gl.SwizzledSharedLayout",
+    "mbarrier.MBarrierLayout", "mbarrier.init", "ready.index", "empty.index", "gl.cdiv", "gl.maximum",
+    "gl.minimum", "gl.static_range", "_load_slots", "_tile_before_new_token", "_copy_tile",
+}
 READ_ONLY_CALLS = {
     "tl.load", "tl.arange", "tl.program_id", "tl.num_programs", "tl.minimum", "tl.maximum", "tl.cdiv",
     "tl.static_range", "_split_len", "gl.load", "gl.program_id", "gl.num_programs",
@@ -113,7 +126,8 @@ def _first_statement(fn: ast.FunctionDef, key: str) -> str:
     tops = [ast.unparse(s) for s in body]
     if tops[0] == "pdl_trigger(EARLY_TRIGGER)":  # an early trigger comes first of all (pdl.py)
         body, tops = body[1:], tops[1:]
-    if fn.name not in READ_BEFORE_WAIT and key not in PREFETCH_BEFORE_WAIT:
+    copies = key in COPIES_BEFORE_WAIT
+    if fn.name not in READ_BEFORE_WAIT and key not in PREFETCH_BEFORE_WAIT and not copies:
         return tops[0]
     assert "pdl_enter(USE_PDL)" in tops, f"{fn.name}: no top-level pdl_enter(USE_PDL)"
     before = body[: tops.index("pdl_enter(USE_PDL)")]
@@ -126,6 +140,7 @@ def _first_statement(fn: ast.FunctionDef, key: str) -> str:
             name = ast.unparse(node.func)
             ok = name in READ_ONLY_CALLS or (isinstance(node.func, ast.Attribute) and node.func.attr == "to")
             ok = ok or (prefetch and name == "l2_prefetch") or name in STAMP_CALLS
+            ok = ok or (copies and name in COPY_SETUP_CALLS)
             assert ok, f"{fn.name}: {ast.unparse(node)} before the PDL wait"
             if name in ("tl.load", "gl.load") and not prefetch:
                 assert fn.name in READ_BEFORE_WAIT, f"{fn.name}: loads before the wait, not in READ_BEFORE_WAIT"

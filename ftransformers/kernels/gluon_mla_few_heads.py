@@ -20,9 +20,9 @@ other MLA stage-1 kernels: one program per (HN heads, KV split, sequence); a row
 finished here, others leave a normalised partial output and its base-2 log-sum-exp for
 `decode_combine`.
 
-Tile 0 is copied by the kernel's own warps right after the PDL wait, and the queries are loaded by the
-compute warpgroup, so the first copies are in flight before the queries arrive (the load partition
-starts at tile 1).
+Tile 0 is copied by the kernel's own warps (before the PDL wait where it may, below), and the queries are
+loaded by the compute warpgroup, so the first copies are in flight before the queries arrive (the load
+partition starts at tile 1).
 
 More heads run as several blocks (`block_h`), several programs reading each tile: the backend runs 32 and
 64 heads as two blocks of half up to batch 4 (`triton_backend.mla_block_h`), with at most 64 KV splits; on an H200
@@ -31,10 +31,13 @@ only below a context that depends on the batch size (`triton_backend.MLA_ONE_BLO
 Measured (H100, benchmarks/bench_attention.py, batch 1 x 32K, us against the 64-head kernel's, with the
 backend's launch rules): 8 heads 20.1 against 24.1 (62% of copy bandwidth), 16 heads 21.8 against 25.0
 (58%), 32 heads 23.9 against 29.6 (53%), 64 heads 28.5 against 33.5 (44%); at 8-32 heads faster at every
-batch (1-64) and context (4K-32K) measured, at 64 heads up to batch 4. Tried and not kept (commit 40ea4b1 has it):
-tile 0 copied before the PDL wait where it ends before the new token (20.7 us at 16 heads): in the
-benchmark's chain of layers it overlaps the previous layer's stage 2, but in a decode step the kernel
-follows torch ops (the absorbing bmm, the latent store), which PDL does not overlap.
+batch (1-64) and context (4K-32K) measured, at 64 heads up to batch 4.
+
+Tile 0 is copied before the PDL wait where it ends before the new token (EARLY_TILES; its rows are earlier
+steps', which no kernel of the step writes). In bench_attention's chain of layers that overlaps the previous
+layer's stage 2; in a decode step, since the absorbing W_UK product became a PDL kernel at 1-4 rows
+(triton_mla_bmm) and the latent's store moved into the rope kernel (models/deepseek_v3.ROPE_STORES_LATENT),
+it overlaps that product (session 57; 40ea4b1 had first tried it where only the benchmark's chain could gain).
 
 Shared memory (16 heads, bf16): q 18 KB + 2 x 72 KB latent + 2 KB P + the epilogue's layout change.
 Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a program.
@@ -69,6 +72,23 @@ NUM_WARPS = 4  # the compute partition: one warpgroup
 LOAD_WARPS = NUM_WARPS  # the kernel's own warps copy tile 0 with the load partition's count of arrivals
 LOAD_REGS = 40
 LOAD_ROWS = 8  # latent rows per cp.async call in the load partition
+# The split's first EARLY_TILES tiles (0-2: the two stages) copied before the PDL wait where they end before the new
+# token (0: tile 0 copied right after the wait). H200, session 57 (benchmarks/results/diag_mla_early_s57_h200.log), us
+# a layer, 0 / 1 / 2 early tiles, in bench_attention's chain of layers and behind the absorbing W_UK product as in a
+# decode step (its own time taken off): 16 heads B=1 x 32K chain 16.75 / 16.10 / 17.14, behind W_UK 17.63 / 16.71 /
+# 18.66; 8 heads 15.24 / 15.03 / 16.23 and 15.90 / 15.58 / 17.40; 16 heads B=1 x 64K 25.79 / 25.53 / 26.62, x 4K 7.16
+# / 6.89 / 6.96, B=4 x 32K 42.31 / 41.98 / 43.12; behind a torch op (nothing to overlap) level at 1, slower at 2
+EARLY_TILES = 1
+# Registers a thread at launch (maxnreg()); 0: 248, the SM's whole register file for the program's 8 warps, so that no
+# other kernel's program can share the SM with it. Its warpgroups need 256 + 40 a thread after their setmaxnreg
+# (37.9K registers), which a launch at 152 holds (offline sm_90 compile: no spills), leaving the SM's other 26.6K
+# registers to the programs of the kernels around it (the previous layer's stage 2, the absorbing product), so that
+# its programs start, and copy their first tile, while those still run. H200, session 57, us a layer, 248 against 152
+# (benchmarks/results/diag_mla_regs_s57_h200.log; bench_attention's chain / behind W_UK): 16 heads B=1 x 32K 16.03 /
+# 16.74 against 15.43 / 16.59, 8 heads 14.92 / 15.62 against 13.91 / 14.71, B=4 x 32K 42.69 / 43.57 against 42.58 /
+# 43.37, B=1 x 4K level (7.43 / 7.44); 184 registers level with 248; DeepSeek-V3 at 16 heads, 3 layers, B=1 ctx 32K,
+# graph replay 1.245 against 1.244 ms
+LAUNCH_REGS = 152
 
 
 def heads_block(num_heads: int) -> int:
@@ -166,26 +186,37 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
 
 
 @gluon.jit
-def _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end,
-                     L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_ROWS: gl.constexpr):  # fmt: skip
-    # tile 0 into stage 0 by the kernel's 4 warps, as the load partition copies the others: its slots
-    # through shared memory (one global round trip), LOAD_ROWS rows a cp.async call; every thread's copies
-    # arrive on ready[0]
+def _load_slots(r2t_row, slots, start, end, N: gl.constexpr):
+    # the KV slots of the split's first N tokens (clamped to its last) into shared memory, for every warp
+    idx = gl.arange(0, N, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    slots.store(gl.load(r2t_row + gl.maximum(gl.minimum(start + idx, end - 1), 0)))
+    _cta_barrier()
+
+
+@gluon.jit
+def _copy_tile(KV, slots, s_kv, kvn, kvr, ready, T: gl.constexpr,
+               L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_ROWS: gl.constexpr):  # fmt: skip
+    # tile T of the split into stage T by the kernel's 4 warps, as the load partition copies the later ones:
+    # LOAD_ROWS rows a cp.async call, every thread's copies arriving on ready[T]
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [rows, L]
     ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [rows, R]
-    idx = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([1], [32], [4], [0]))
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_r))
-    slot_buf.store(gl.load(r2t_row + gl.minimum(start + idx, end - 1)))
-    _cta_barrier()
-    dst = kvn.index(0)
+    dst = kvn.index(T)
     for c in gl.static_range(BLOCK_N // LOAD_ROWS):
-        rows = slot_buf.slice(c * LOAD_ROWS, LOAD_ROWS).load(gl.SliceLayout(1, ld_l)).to(gl.int64)
+        rows = slots.slice(T * BLOCK_N + c * LOAD_ROWS, LOAD_ROWS).load(gl.SliceLayout(1, ld_l)).to(gl.int64)
         _cp_async(dst.slice(c * LOAD_ROWS, LOAD_ROWS), KV + rows[:, None] * s_kv + offs_l[None, :])
-    rows_r = slot_buf.load(gl.SliceLayout(1, ld_r)).to(gl.int64)
-    _cp_async(kvr.index(0), KV + L + rows_r[:, None] * s_kv + offs_r[None, :])
-    async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
-    _cta_barrier()  # slot_buf read by every warp before the load partition refills it
+    rows_r = slots.slice(T * BLOCK_N, BLOCK_N).load(gl.SliceLayout(1, ld_r)).to(gl.int64)
+    _cp_async(kvr.index(T), KV + L + rows_r[:, None] * s_kv + offs_r[None, :])
+    async_copy.mbarrier_arrive(ready.index(T), increment_count=False)
+
+
+@gluon.jit
+def _tile_before_new_token(T: gl.constexpr, start, end, seq_len, split_id, ON: gl.constexpr, BLOCK_N: gl.constexpr):
+    # tile T exists and ends before the new token (position seq_len - 1), so it holds only earlier steps' rows; a
+    # runtime condition even when ON is off (branches folded away at compile time failed Triton 3.6's lowering)
+    ok = (start + T * BLOCK_N < end) & ((end < seq_len) | (start + (T + 1) * BLOCK_N < seq_len))
+    return ok & (split_id >= 0 if ON else split_id < 0)
 
 
 @cached_launch
@@ -195,7 +226,7 @@ def mla_decode_stage1_few_heads(
     sm_scale, num_kv_splits, min_split_len, num_heads,
     s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
     L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
-    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr, EARLY_TILES: gl.constexpr,
     USE_PDL: gl.constexpr = False, stamps=None, STAMPS: gl.constexpr = False,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
@@ -204,18 +235,14 @@ def mla_decode_stage1_few_heads(
     program = pid_h + gl.num_programs(0) * (split_id + gl.num_programs(1) * b)
     if STAMPS:
         gl_stamp(stamps, program, 0, STAMP_SLOTS)
-    # PDL: the batch metadata (written before the step) is read before the wait
+    # PDL: before the wait, the batch metadata (written before the step) and, with EARLY_TILES, the split's first
+    # tiles' copies where they end before the new token: rows of earlier steps' tokens, which no kernel of the step
+    # writes (a tile holding the new token's row, which this step stores, is copied after the wait)
     seq_len = gl.load(seq_lens + b).to(gl.int32)
     req = gl.load(req_pool_indices + b)
-    pdl_enter(USE_PDL)
-    if STAMPS:
-        gl_stamp(stamps, program, 1, STAMP_SLOTS)
     dtype: gl.constexpr = KV.dtype.element_ty
     sl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
     sl_r: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
-    sl_ql: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, L], dtype)
-    sl_qr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, R], dtype)
-    sl_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HN], dtype)
     split_len = gl.maximum(gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N, min_split_len)
     start = split_id * split_len
     end = gl.minimum(start + split_len, seq_len)
@@ -224,12 +251,25 @@ def mla_decode_stage1_few_heads(
     kvr = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], sl_r)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    slot_buf = gl.allocate_shared_memory(
-        req_to_token.dtype.element_ty, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    )
+    # the first FIRST tiles are copied by the kernel's own warps (into stages 0 .. FIRST - 1)
+    FIRST: gl.constexpr = EARLY_TILES if EARLY_TILES > 0 else 1
+    slot_t: gl.constexpr = req_to_token.dtype.element_ty
+    first_slots = gl.allocate_shared_memory(slot_t, [FIRST * BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for i in gl.static_range(2):
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
         mbarrier.init(empty.index(i), count=1)
+    if EARLY_TILES > 0:
+        _load_slots(r2t_row, first_slots, start, end, FIRST * BLOCK_N)
+        for t in gl.static_range(EARLY_TILES):
+            if _tile_before_new_token(t, start, end, seq_len, split_id, True, BLOCK_N):
+                _copy_tile(KV, first_slots, s_kv, kvn, kvr, ready, t, L, R, BLOCK_N, LOAD_ROWS)
+    pdl_enter(USE_PDL)
+    if STAMPS:
+        gl_stamp(stamps, program, 1, STAMP_SLOTS)
+    sl_ql: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, L], dtype)
+    sl_qr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HN, R], dtype)
+    sl_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HN], dtype)
+    slot_buf = gl.allocate_shared_memory(slot_t, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     if end <= start:
         if split_id == 0:  # seq_len 0 (a padded CUDA-graph row): zeros, not garbage
             ld_z: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -238,7 +278,12 @@ def mla_decode_stage1_few_heads(
             gl.store(O + b * s_o_b + heads_z[:, None] * s_o_h + cols_z[None, :],
                      gl.zeros([HN, L], O.dtype.element_ty, ld_z), mask=(heads_z < num_heads)[:, None])  # fmt: skip
         return
-    _copy_first_tile(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, start, end, L, R, BLOCK_N, LOAD_ROWS)
+    if EARLY_TILES == 0:
+        _load_slots(r2t_row, first_slots, start, end, FIRST * BLOCK_N)
+    for t in gl.static_range(FIRST):  # the first tiles not copied before the wait
+        if (start + t * BLOCK_N < end) & ~_tile_before_new_token(t, start, end, seq_len, split_id, t < EARLY_TILES,
+                                                                BLOCK_N):  # fmt: skip
+            _copy_tile(KV, first_slots, s_kv, kvn, kvr, ready, t, L, R, BLOCK_N, LOAD_ROWS)
     if STAMPS:
         gl_stamp(stamps, program, 2, STAMP_SLOTS)
     q_nope = gl.allocate_shared_memory(dtype, [HN, L], sl_ql)
@@ -252,7 +297,7 @@ def mla_decode_stage1_few_heads(
                           s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
                           stamps, program, L, R, HN, BLOCK_N, STAMPS)),
             (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, 1)),  # DIAG 0; FIRST 1: tile 0 is copied above
+                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, FIRST)),  # DIAG 0; tiles before FIRST: above
         ],
         [LOAD_WARPS],
         [LOAD_REGS],
@@ -260,8 +305,9 @@ def mla_decode_stage1_few_heads(
 
 
 def maxnreg() -> int:
-    """Registers a thread at launch (the load partition gives back all but LOAD_REGS)."""
-    return min(248, 65536 // ((NUM_WARPS + LOAD_WARPS) * 32) // 8 * 8)
+    """Registers a thread at launch (the load partition gives back all but LOAD_REGS, and the compute warpgroup takes
+    256): LAUNCH_REGS, or (0) all an SM has for one program."""
+    return LAUNCH_REGS or min(248, 65536 // ((NUM_WARPS + LOAD_WARPS) * 32) // 8 * 8)
 
 
 def mla_decode_few_heads(
@@ -290,7 +336,7 @@ def mla_decode_few_heads(
     mla_decode_stage1_few_heads[(cdiv(H, hn), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, num_warps=NUM_WARPS, maxnreg=maxnreg(),
+        LOAD_ROWS=LOAD_ROWS, EARLY_TILES=EARLY_TILES, num_warps=NUM_WARPS, maxnreg=maxnreg(),
         **pdl_launch(q_nope.device), **({"stamps": stamps[0], "STAMPS": True} if stamps is not None else {}),
     )  # fmt: skip
     if num_kv_splits > 1:
