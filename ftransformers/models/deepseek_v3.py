@@ -50,8 +50,9 @@ ABSORBED_SLOWDOWN = 2.0  # absorbed extend kernel's FLOP rate is about half the 
 # Decode: the MLA rope kernel also stores the new latent rows into the layer's pool (rope_latent's `pool`), and the
 # attention skips its own store (MLAKVPool.set_latent, a torch index op between the rope kernel and the attention,
 # 2.8 us a layer of DeepSeek-V3's B=1 critical path on the H200, benchmarks/results/ab_mlabmm_dsv3_b1_*_s56_h200.log).
-# H200, session 57: DeepSeek-V3 with 16 heads (its tensor-parallel-8 share) B=1 ctx 32768, 3 layers, graph replay 1.253
-# -> 1.236 ms, stage 1's critical path 46.2 -> 42.2 us (benchmarks/results/ab_early_dsv3h16_*_s57_h200.log).
+# H200, session 57, 3 layers, graph replay (benchmarks/results/ab_{ropestore,early}_*_s57_h200.log): DeepSeek-V3 B=1
+# ctx 4096 1.483 -> 1.470 ms, B=4 1.647 -> 1.639; with 16 heads (its tensor-parallel-8 share) B=1 ctx 32768 1.253 ->
+# 1.236, stage 1's critical path 46.2 -> 42.2 us.
 # False: set_latent after the absorbing product (an A/B: `set=models.deepseek_v3.ROPE_STORES_LATENT=0`)
 ROPE_STORES_LATENT = True
 
