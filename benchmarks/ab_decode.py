@@ -42,6 +42,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -130,8 +131,9 @@ def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
-                     if e.get("ph") == "X" and e.get("cat") == "kernel")  # fmt: skip
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events)
+    shapes = {e["name"][:80]: launch_shape(e.get("args", {})) for e in events}
     per_name: dict[str, list[float]] = {}
     latest = kernels[0][0] if kernels else 0.0
     for start, end, name in kernels:
@@ -143,8 +145,26 @@ def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
     return {"kernels_per_step": len(kernels) / reps,
             "critical_us": sum(v[0] for v in per_name.values()),
-            "top": [{"kernel": k, "critical_us": round(v[0], 1), "own_us": round(v[1], 1), "per_step": round(v[2], 1)}
-                    for k, v in top[:16]]}  # fmt: skip
+            "top": [{"kernel": k, "critical_us": round(v[0], 1), "own_us": round(v[1], 1), "per_step": round(v[2], 1),
+                     "launch": shapes.get(k)} for k, v in top[:16]]}  # fmt: skip
+
+
+def launch_shape(args: dict[str, Any]) -> dict[str, Any] | None:
+    """A kernel event's launch (CUPTI, through torch.profiler's trace): programs, threads, registers a thread and shared
+    memory a program, and how many of its programs an SM holds by each of registers, shared memory and threads (a
+    Hopper SM: 64K registers, allocated 256 to a warp at a time, 227 KB of shared memory, 2048 threads), the least of
+    which bounds what else can run beside it."""
+    grid, block, regs = args.get("grid"), args.get("block"), args.get("registers per thread")
+    if not (grid and block and regs):
+        return None
+    programs, threads = math.prod(grid), math.prod(block)
+    smem = int(args.get("shared memory", 0))
+    warps = math.ceil(threads / 32)
+    by = {"regs": 65536 // (warps * math.ceil(regs * 32 / 256) * 256), "threads": 2048 // threads}
+    by["smem"] = 227 * 1024 // smem if smem else 32
+    n = min(by.values())  # what is left of a full SM's registers and shared memory for other kernels' programs
+    left = {"regs": 65536 - n * warps * math.ceil(regs * 32 / 256) * 256, "smem": 227 * 1024 - n * smem}
+    return {"programs": programs, "threads": threads, "regs": regs, "smem": smem, "per_sm": by, "left": left}
 
 
 def stage1_stamps(runner: Any, setup: Callable[[], Callable[[], None]], step: Any, batches: list[int], ctx: int,
@@ -312,7 +332,11 @@ def main() -> None:
             print(f"  timeline: {tl['kernels_per_step']:.0f} kernels, critical path {tl['critical_us']:.1f} us a step")
             for k in tl["top"]:
                 us = f"{k['critical_us']:8.1f} us critical {k['own_us']:8.1f} us own"
-                print(f"    {us} {k['per_step']:5.0f}x  {k['kernel']}")
+                ls = k.get("launch")
+                at = (f" [{ls['programs']} x {ls['threads']} thr, {ls['regs']} regs, {ls['smem'] / 1024:.0f} KB; an SM "
+                      f"holds {min(ls['per_sm'].values())}, by " + ", ".join(f"{n} {c}" for n, c in ls["per_sm"].items())
+                      + f"; left {ls['left']['regs'] // 1024}K regs, {ls['left']['smem'] // 1024} KB]") if ls else ""  # fmt: skip
+                print(f"    {us} {k['per_step']:5.0f}x  {k['kernel'][:60]}{at}")
 
 
 if __name__ == "__main__":
