@@ -234,6 +234,22 @@ def test_no_early_trigger_before_a_kernel_reading_step_data_ahead_of_its_wait() 
             assert "EARLY_TRIGGER" not in [a.arg for a in fn.args.args], before
 
 
+def test_copy_helpers_ahead_of_a_wait_store_nothing_to_global_memory() -> None:
+    """The helpers a COPIES_BEFORE_WAIT kernel calls ahead of its wait (its own jit functions among COPY_SETUP_CALLS)
+    fill shared memory only: no global store or atomic in them, which the kernel-level check above does not see."""
+    checked = 0
+    for key in COPIES_BEFORE_WAIT:
+        module, _ = key.split(".")
+        jit = _jit_functions(ast.parse((KERNELS / f"{module}.py").read_text()))
+        for name in COPY_SETUP_CALLS & set(jit):
+            for node in ast.walk(jit[name]):
+                if isinstance(node, ast.Call):
+                    call = ast.unparse(node.func)
+                    assert call not in ("gl.store", "tl.store") and ".atomic" not in call, f"{name}: {call}"
+            checked += 1
+    assert checked >= 3
+
+
 def test_pdl_launch_arguments() -> None:
     from ftransformers.kernels import pdl
 
