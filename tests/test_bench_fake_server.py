@@ -68,15 +68,16 @@ def test_timing_matches_programmed(fake: FakeServer, tmp_path: Path, api: str) -
     numbers = (5, 16) if api == "openai-chat" else (8,)
     flags = ("--api", api, "--input-length", "32", "--output-length", str(OUT), "--parallel", *map(str, conc),
              "--number", *map(str, numbers))
-    rc, s = run(fake, tmp_path / "a", *flags)
-    assert rc == 0
-    bad = timing_errors(s, conc, numbers)
-    if bad:  # a 2-core box shared with other jobs can stall a process ~100 ms: one fresh run decides
-        rc, s = run(fake, tmp_path / "b", *flags)
+    # a 2-core box running the other pytest worker's tests can stall the client or the server ~30-120 ms (CI saw c=8's
+    # TTFT median at 0.527 and 0.556 against 0.5, twice in a row): the first of three fresh runs within 5% of every
+    # programmed figure passes, while a systematic error misses in all three
+    for attempt in "abc":
+        rc, s = run(fake, tmp_path / attempt, *flags)
+        assert rc == 0
         bad = timing_errors(s, conc, numbers)
-        tmp_path = tmp_path / "b"
-    else:
-        tmp_path = tmp_path / "a"
+        if not bad:
+            break
+    tmp_path = tmp_path / attempt
     assert not bad, bad
     lines = (tmp_path / "requests.jsonl").read_text().splitlines()
     assert len(lines) == sum(numbers)
