@@ -159,11 +159,10 @@ def launch_shape(args: dict[str, Any]) -> dict[str, Any] | None:
         return None
     programs, threads = math.prod(grid), math.prod(block)
     smem = int(args.get("shared memory", 0))
-    warps = math.ceil(threads / 32)
-    by = {"regs": 65536 // (warps * math.ceil(regs * 32 / 256) * 256), "threads": 2048 // threads}
-    by["smem"] = 227 * 1024 // smem if smem else 32
+    program_regs = math.ceil(threads / 32) * math.ceil(regs * 32 / 256) * 256
+    by = {"regs": 65536 // program_regs, "threads": 2048 // threads, "smem": 227 * 1024 // smem if smem else 32}
     n = min(by.values())  # what is left of a full SM's registers and shared memory for other kernels' programs
-    left = {"regs": 65536 - n * warps * math.ceil(regs * 32 / 256) * 256, "smem": 227 * 1024 - n * smem}
+    left = {"regs": 65536 - n * program_regs, "smem": 227 * 1024 - n * smem}
     return {"programs": programs, "threads": threads, "regs": regs, "smem": smem, "per_sm": by, "left": left}
 
 
