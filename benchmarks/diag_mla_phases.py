@@ -57,7 +57,7 @@ from ftransformers.models.deepseek_v3 import per_head_product
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
-S1 = ["entry", "after wait", "tile 0 issued", "q in smem", "tile 0 landed", "last product", "stored", "merged"]
+S1 = ["entry", "after wait", "tile 0 issued", "q in smem", "tile 0 landed", "last product", "stored"]
 S2 = ["entry", "after wait", "stored"]
 NOPE = 128  # DeepSeek-V3's qk_nope_head_dim: the absorbing product's K
 
@@ -67,8 +67,7 @@ def spread(xs: list[float]) -> dict:
 
 
 def analyse(s1: torch.Tensor, s2: torch.Tensor, next_entry: float | None) -> dict:
-    """s1 [P1, 8, 2], s2 [P2, 3, 2] int64 of one layer (ns, cycles; -1 where not stamped: "merged" without MERGE, stage
-    2 with it); next_entry: the next layer's first entry, ns."""
+    """s1 [P1, 7, 2], s2 [P2, 3, 2] int64 of one layer (ns, cycles); next_entry: the next layer's first entry, ns."""
     a, b = s1.cpu().tolist(), s2.cpu().tolist()
     t0 = min(p[0][0] for p in a)
     us = lambda ns: (ns - t0) / 1e3
@@ -85,13 +84,11 @@ def analyse(s1: torch.Tensor, s2: torch.Tensor, next_entry: float | None) -> dic
     out["stage1_from_entry_us"] = {
         name: statistics.median((p[k][1] - p[0][1]) * ratio / 1e3 for p in a if p[k][0] >= 0)
         for k, name in enumerate(S1)
-        if any(p[k][0] >= 0 for p in a)
     }
-    ends = [p[2][0] for p in b if p[2][0] >= 0] or [max(p[6][0], p[7][0]) for p in a]  # stage 2's, or the merge's
-    out["span_us"] = us(max(ends))
+    out["span_us"] = us(max(p[2][0] for p in b)) if b else us(max(p[6][0] for p in a))
     if next_entry is not None:
         out["to_next_layer_us"] = (next_entry - t0) / 1e3 - out["span_us"]
-    steps = sorted({p[k][0] for p in a for k in range(len(S1)) if p[k][0] >= 0})
+    steps = sorted({p[k][0] for p in a for k in range(7) if p[k][0] >= 0})
     out["globaltimer_step_ns"] = min((y - x for x, y in itertools.pairwise(steps) if y > x), default=0)
     return out
 

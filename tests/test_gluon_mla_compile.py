@@ -32,11 +32,10 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, direct: int = -1, merge: bool = False) -> dict:
+def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
     # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
-    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, direct: its STORE_DIRECT, -1 the
-    module's; merge: with its splits' merge)."""
+    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -80,14 +79,6 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, direct: i
         consts["STAMPS"] = True
     elif heads_n:
         consts |= {"stamps": None, "STAMPS": False}
-    if heads_n:
-        consts["STORE_DIRECT"] = bool(g.STORE_DIRECT) if direct < 0 else bool(direct)
-    if heads_n and merge:  # the splits merged by stage 1 (MERGE), at 128 splits
-        sig["counters"] = "*i32"
-        block_s, chunk, tpw_c = g.merge_tile(heads_n, 128, 512)
-        consts |= {"MERGE": True, "BLOCK_S": block_s, "CHUNK": chunk, "TPW_C": tpw_c, "MERGE_POLL": g.MERGE_POLL}
-    elif heads_n:
-        consts |= {"counters": None, "MERGE": False, "BLOCK_S": 1, "CHUNK": 16, "TPW_C": 4, "MERGE_POLL": 0}
     sig |= dict.fromkeys(consts, "constexpr")
     names = list(sig)
     # what the JIT specialises at run time: 16-byte aligned pointers, strides divisible by 16 (576, ...)
@@ -105,12 +96,10 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, direct: i
     return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS}
 
 
-def _compile_in_child(
-    heads_n: int = 0, stamped: bool = False, early: int = -1, direct: int = -1, merge: bool = False
-) -> dict:
+def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early}, {direct}, {merge})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -162,29 +151,10 @@ def test_gluon_mla_few_heads_compiles_for_hopper(heads_n: int, early: int) -> No
 
 def test_gluon_mla_few_heads_stamps_compile_for_hopper() -> None:
     """With its diagnostic timestamps (benchmarks/diag_mla_phases.py) the kernel still builds: the 7 stamps'
-    %globaltimer and %clock64 reads (the merge's eighth is compiled only with MERGE), the same wgmmas, nothing
-    spilled; without them (above) none of it is in."""
+    %globaltimer and %clock64 reads, the same wgmmas, nothing spilled; without them (above) none of it is in."""
     kernel = _compile_in_child(16, stamped=True)
     ptx = kernel["ptx"]
     assert ptx.count("%globaltimer") == ptx.count("%clock64") == 7
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 36 + 32
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", kernel["ptxas"]), kernel["ptxas"]
     assert "%globaltimer" not in _compile_in_child(16)["ptx"]
-
-
-@pytest.mark.parametrize("heads_n", [8, 16])
-def test_gluon_mla_few_heads_merge_compiles_for_hopper(heads_n: int) -> None:
-    """With the splits merged in stage 1 (MERGE), stamped: after the partial's stores and a warpgroup barrier one
-    thread counts in with a gpu-scope release add (atom or red), polls with acquire adds or loads, and the partials are read through L2
-    (ld.global.cg); the same wgmmas, nothing spilled, within the shared memory; the merge's stamp is the eighth."""
-    kernel = _compile_in_child(heads_n, stamped=True, merge=True)
-    ptx = kernel["ptx"]
-    assert 0 < kernel["shared"] <= SM90_MAX_SHARED
-    release = re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx).start()  # red: Triton 3.9, its result unused
-    assert "bar.sync" in ptx[ptx.rindex("st.global", 0, release) : release]  # every warp's stores before the count
-    poll = re.compile(r"atom\.global\.gpu\.acquire\.add|ld\.acquire\.gpu\.global")  # MERGE_POLL 0 / 1
-    assert poll.search(ptx, release).start() < ptx.index("ld.global.cg", release)
-    assert ptx.count("%globaltimer") == 8
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 36 + 32
-    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", kernel["ptxas"]), kernel["ptxas"]
-    assert "atom.global" not in _compile_in_child(heads_n)["ptx"]

@@ -122,32 +122,3 @@ def test_the_new_tokens_tile_waits_for_its_writer(early: int, monkeypatch: pytes
         assert torch.equal(stale, final)
         err = ((out[:-1].float() - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))).max().item()  # the worst row
         assert err <= 1e-2, (early, splits, min_split_len, err)
-
-
-@pytest.mark.parametrize("heads", [8, 16])
-def test_direct_store_keeps_the_output_bit_for_bit(heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split's output stored from the accumulator's layout (STORE_DIRECT) or after a layout change: the same
-    values in the same places, for rows of one split (the final output) and of several (the partials)."""
-    from ftransformers.kernels import gluon_mla_few_heads as few
-
-    q_nope, q_rope, buf, r2t, rows, seq_lens = _inputs(20 + heads)
-    q_nope, q_rope = q_nope[:, :heads].contiguous(), q_rope[:, :heads].contiguous()
-    if gluon_mla_unsupported(q_nope, buf, True) is not None:
-        pytest.skip("the few-heads Gluon kernel does not run here")
-    real = len(LENS) - 1
-    ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [m - 1 for m in LENS[:real]],
-                            [1] * real, L**-0.5)  # fmt: skip
-    for splits, min_split_len in CASES:
-        outs = []
-        for direct in (0, 1):
-            monkeypatch.setattr(few, "STORE_DIRECT", direct)
-            mid_o, mid_lse = decode_scratch(len(LENS), heads, L, splits, DEV)
-            out = torch.full_like(q_nope, NAN)
-            few.mla_decode_few_heads(q_nope, q_rope, buf, out, r2t, rows, seq_lens, mid_o, mid_lse, splits, L**-0.5,
-                                     min_split_len)  # fmt: skip
-            outs.append(out)
-        torch.cuda.synchronize()
-        assert torch.equal(outs[0], outs[1]), (heads, splits, min_split_len)
-        err = ((outs[1][:-1].float() - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))).max().item()
-        assert err <= 1e-2, (heads, splits, min_split_len, err)
-        assert torch.equal(outs[1][-1], torch.zeros_like(outs[1][-1]))

@@ -39,13 +39,22 @@ layer's stage 2; in a decode step, since the absorbing W_UK product became a PDL
 (triton_mla_bmm) and the latent's store moved into the rope kernel (models/deepseek_v3.ROPE_STORES_LATENT),
 it overlaps that product (session 57; 40ea4b1 had first tried it where only the benchmark's chain could gain).
 
+Where the time goes at batch 1 (H200, session 58, benchmarks/diag_mla_phases.py with DIAG): at 16 heads x 32K the
+stream alone takes 13.3 of the kernel's 15.4 us a layer, and at 64K its steady part runs at copy bandwidth (tile 0 in
+to the last tile: 66 MB in 15.9 us); what is left is fixed a layer: 2.3-2.7 us from the wait to tile 0 in the softmax,
+the 1.2 us epilogue and 1.9-2.7 us of stage 2 after the last store. At 64 heads (two blocks of 32) the compute
+bounds it.
+Measured there and not kept (docs/performance.md, session 58): the splits merged by stage 1's own programs, each
+waiting on a row counter for the others (c4a49d4 has it; 15.1 -> 16.0 us at 16 heads: the waiting programs hold every
+SM, so the next layer's programs no longer start beside the merge as they do beside stage 2), the split's output
+stored from the accumulator's layout (level), and the load partition's first tile held until the queries are in
+(slower).
+
 Shared memory (16 heads, bf16): q 18 KB + 2 x 72 KB latent + 2 KB P + the epilogue's layout change.
 Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a program.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from triton.experimental import gluon
@@ -66,9 +75,8 @@ from ftransformers.kernels.triton_decode_attention import decode_combine
 from ftransformers.kernels.triton_mla_attention import FEW_HEADS_LIMIT
 
 # stamps (kernels/stamps.py) of stage 1, a program: entry, after the PDL wait, tile 0's copies issued, the queries
-# in shared memory, tile 0 landed, the last tile's product done, the split's output stored, its share of the merge
-# stored (MERGE)
-STAMP_SLOTS = gl.constexpr(8)
+# in shared memory, tile 0 landed, the last tile's product done, the split's output stored
+STAMP_SLOTS = gl.constexpr(7)
 MAX_HEADS = FEW_HEADS_LIMIT  # the widest wgmma N here: O^T [512, 32] is 128 float32 registers a thread
 BLOCK_N = 64  # tokens per tile: the wgmma M
 NUM_WARPS = 4  # the compute partition: one warpgroup
@@ -92,17 +100,9 @@ EARLY_TILES = 1
 # 43.37, B=1 x 4K level (7.43 / 7.44); 184 registers level with 248; DeepSeek-V3 at 16 heads, 3 layers, B=1 ctx 32K,
 # graph replay 1.245 against 1.244 ms
 LAUNCH_REGS = 152
-# The split's output stored straight from the wgmma accumulator (each thread's float32 values as they lie: 32-byte runs
-# of one head's latent columns) instead of through a layout change in shared memory and 16-byte vectors
-STORE_DIRECT = 0
-DIAG = 0  # timing experiments only, wrong results: 1 = the stream alone (no wgmma, no softmax; the same barriers)
-# The splits merged by stage 1's own programs, without decode_combine's launch: each program stores its partial,
-# counts itself in on its row's counter, waits until every live split of the row has, then merges a share of the row's
-# (head, latent column) pieces. The wait needs every program of the grid resident at once, so it is taken only where
-# the grid fits one program an SM (`merges`); elsewhere stage 2 merges.
-MERGE = 0
-MERGE_TILE = 8192  # float32 partials a program holds for one piece: splits x columns
-MERGE_POLL = 1  # how a program polls its row's counter (_poll)
+# timing experiments only, wrong results: 1 = the stream alone (no wgmma, no softmax; the same barriers), 2 = the
+# compute alone (no copies past the first two tiles: latent_loads' DIAG 1)
+DIAG = 0
 
 
 def heads_block(num_heads: int) -> int:
@@ -115,16 +115,10 @@ def heads_block(num_heads: int) -> int:
 @gluon.jit
 def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
                    s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                   L: gl.constexpr, HN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                   DIRECT: gl.constexpr):  # fmt: skip
+                   L: gl.constexpr, HN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
     # acc [L, HN] unnormalised (O^T), m_i / l_i [HN] this split's running max and sum (base 2); written
-    # along L, either after a layout change (16-byte vectors) or (DIRECT) from the accumulator's own layout (a
-    # thread's values: pairs of heads on rows r and r + 8 of each 16-row block, so a warp's store covers 8 rows of
-    # 4 heads, one 32-byte sector a head); heads past num_heads are not stored
-    if DIRECT:
-        st_layout: gl.constexpr = o_layout
-    else:
-        st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    # along L (16-byte vectors) after a layout change; heads past num_heads are not stored
+    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, o_layout))[None, :]
     out = gl.convert_layout(out, st_layout)
     rows = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
@@ -139,71 +133,11 @@ def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len
 
 
 @gluon.jit
-def _poll(arrived, one, POLL: gl.constexpr):
-    # the counter as thread 0 reads it with acquire semantics (0 in the other threads): an atomic add of 0 (POLL 0),
-    # which the L2 serialises with every other program's poll of the row, or a plain acquire load (1)
-    if POLL == 0:
-        got = gl.atomic_add(arrived, gl.zeros_like(one.to(gl.int32)), mask=one, sem="acquire", scope="gpu")
-        return gl.where(one, got, 0)
-    else:
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; @p ld.acquire.gpu.global.u32 $0, [$1]; }",
-            "=r,l,r", [arrived, one.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _merge_splits(counters, mid_o, mid_lse, O, b, pid_h, split_id, n_live, num_heads,
-                  s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                  L: gl.constexpr, HN: gl.constexpr, BLOCK_S: gl.constexpr, CHUNK: gl.constexpr,
-                  TPW_C: gl.constexpr, POLL: gl.constexpr):  # fmt: skip
-    # Called by every live split's program (one warpgroup) of row b once its partial is stored. counters[2b] counts
-    # the row's programs whose partials are stored, counters[2b + 1] those done waiting; the last one done zeroes both
-    # for the next launch. Thread 0 counts in (release, after the warpgroup's barrier) and polls (acquire), as a
-    # stream-K fixup does; the polled value reaches the other threads through a reduction (a barrier). Pieces:
-    # CHUNK latent columns of one head, HN * L / CHUNK a head block, dealt round-robin over the row's live splits.
-    ly_t: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    tid = gl.arange(0, 128, layout=ly_t)
-    one = tid == 0
-    arrived = counters + 2 * b + tid * 0
-    done = arrived + 1
-    target = n_live * gl.num_programs(0)  # every head block's live splits
-    zero = gl.zeros([128], gl.int32, ly_t)
-    _cta_barrier()  # every warp's partial stored
-    gl.atomic_add(arrived, zero + 1, mask=one, sem="release", scope="gpu")
-    seen = gl.max(_poll(arrived, one, POLL), axis=0)
-    while seen < target:
-        seen = gl.max(_poll(arrived, one, POLL), axis=0)
-    last = gl.atomic_add(done, zero + 1, mask=one, sem="relaxed", scope="gpu") == target - 1
-    gl.store(arrived, zero, mask=one & last)  # every program of the row is past its wait
-    gl.store(done, zero, mask=one & last)
-    ly: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_C, TPW_C], [4, 1], [1, 0])  # [BLOCK_S, CHUNK]
-    offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, ly))
-    offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ly))
-    live = offs_s < n_live
-    PIECES: gl.constexpr = L // CHUNK  # a head's
-    for piece in range(split_id, HN * PIECES, n_live):
-        h = pid_h * HN + piece // PIECES
-        col = (piece % PIECES) * CHUNK + offs_c
-        if h < num_heads:
-            # partials other programs just stored: read from L2 (.cg), never from this SM's L1
-            lse = gl.load(mid_lse + b * s_ml_b + h * s_ml_h + offs_s, mask=live, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            o = gl.load(mid_o + b * s_mo_b + h * s_mo_h + offs_s[:, None] * s_mo_s + col[None, :],
-                        mask=live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-            w = gl.where(live, gl.exp2(lse - gl.max(lse, axis=0)), 0.0)
-            out = gl.sum(o * w[:, None], axis=0) / gl.sum(w, axis=0)
-            gl.store(O + b * s_o_b + h * s_o_h + col, out.to(O.dtype.element_ty))
-
-
-@gluon.jit
 def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
                split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, stamps, program,
                L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAMPS: gl.constexpr, STORE_DIRECT: gl.constexpr, DIAG: gl.constexpr, counters,
-               MERGE: gl.constexpr, BLOCK_S: gl.constexpr, CHUNK: gl.constexpr, TPW_C: gl.constexpr,
-               MERGE_POLL: gl.constexpr):  # fmt: skip
+               STAMPS: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
     # The default partition (one warpgroup): per tile, wait for its stage, S^T, the online softmax over
     # the tile's tokens, P^T through shared memory, O^T += c_kv^T P^T; then hand the stage back.
     dtype: gl.constexpr = kvn.dtype
@@ -261,18 +195,9 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
     if STAMPS:
         gl_stamp(stamps, program, 5, STAMP_SLOTS)
     _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
-                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout,
-                   STORE_DIRECT)  # fmt: skip
+                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout)  # fmt: skip
     if STAMPS:
         gl_stamp(stamps, program, 6, STAMP_SLOTS)
-    if MERGE:
-        n_live = gl.cdiv(seq_len, split_len)
-        if n_live > 1:
-            _merge_splits(counters, mid_o, mid_lse, O, b, pid_h, split_id, n_live, num_heads,
-                          s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, BLOCK_S, CHUNK, TPW_C,
-                          MERGE_POLL)  # fmt: skip
-            if STAMPS:
-                gl_stamp(stamps, program, 7, STAMP_SLOTS)
 
 
 @gluon.jit
@@ -317,9 +242,7 @@ def mla_decode_stage1_few_heads(
     s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
     L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr, EARLY_TILES: gl.constexpr,
-    USE_PDL: gl.constexpr = False, stamps=None, STAMPS: gl.constexpr = False, STORE_DIRECT: gl.constexpr = False,
-    DIAG: gl.constexpr = 0, counters=None, MERGE: gl.constexpr = False, BLOCK_S: gl.constexpr = 1,
-    CHUNK: gl.constexpr = 16, TPW_C: gl.constexpr = 4, MERGE_POLL: gl.constexpr = 0,
+    USE_PDL: gl.constexpr = False, stamps=None, STAMPS: gl.constexpr = False, DIAG: gl.constexpr = 0,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
@@ -387,10 +310,9 @@ def mla_decode_stage1_few_heads(
             (_compute_t, (Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
                           split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                           s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                          stamps, program, L, R, HN, BLOCK_N, STAMPS, STORE_DIRECT, DIAG, counters, MERGE, BLOCK_S,
-                          CHUNK, TPW_C, MERGE_POLL)),
+                          stamps, program, L, R, HN, BLOCK_N, STAMPS, DIAG)),
             (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, 0, FIRST)),  # DIAG 0; tiles before FIRST: above
+                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG // 2, FIRST)),  # tiles before FIRST: above
         ],
         [LOAD_WARPS],
         [LOAD_REGS],
@@ -401,41 +323,6 @@ def maxnreg() -> int:
     """Registers a thread at launch (the load partition gives back all but LOAD_REGS, and the compute warpgroup takes
     256): LAUNCH_REGS, or (0) all an SM has for one program."""
     return LAUNCH_REGS or min(248, 65536 // ((NUM_WARPS + LOAD_WARPS) * 32) // 8 * 8)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-MERGE_MAX_ROWS = 1024  # rows the counters buffer holds (more than an SM count's worth)
-
-
-def merges(batch: int, num_heads: int, hn: int, num_kv_splits: int, device: torch.device) -> bool:
-    """Whether a launch merges its splits itself (MERGE): its programs' wait for each other needs all of them resident
-    at once, so the grid must fit one program an SM. Off under MPS with a share of the SMs
-    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), where the SM count overstates what the process gets."""
-    if not MERGE or num_kv_splits < 2 or device.type != "cuda" or batch > MERGE_MAX_ROWS:
-        return False
-    if os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
-        return False
-    return cdiv(num_heads, hn) * num_kv_splits * batch <= torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def merge_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's merge counters (int32 [2 * MERGE_MAX_ROWS], zero between launches: each launch's last program
-    zeroes its rows'), made outside graph capture; None while capturing before they exist."""
-    device = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(2 * MERGE_MAX_ROWS, dtype=torch.int32, device=device)
-    return counters
-
-
-def merge_tile(hn: int, num_kv_splits: int, L: int) -> tuple[int, int, int]:
-    """A merge piece's splits block, latent columns (CHUNK) and threads along them: at most MERGE_TILE floats, and at
-    least as many pieces in a head block as splits where that allows."""
-    block_s = next_pow2(num_kv_splits)
-    chunk = max(16, min(L, next_pow2(max(1, hn * L // num_kv_splits) + 1) // 2, MERGE_TILE // block_s))
-    return block_s, chunk, min(32, chunk // 4)
 
 
 def mla_decode_few_heads(
@@ -455,27 +342,19 @@ def mla_decode_few_heads(
     stamps: tuple[torch.Tensor, torch.Tensor] | None = None,  # diagnostics: stage 1's [programs, STAMP_SLOTS, 2]
     # and stage 2's (kernels/stamps.py; triton_decode_attention.COMBINE_STAMP_SLOTS)
 ) -> torch.Tensor:
-    """Stage 1 here, then `decode_combine` for rows of several splits (or stage 1 merges them: `merges`); returns
-    `out`."""
+    """Stage 1 here, then `decode_combine` for rows of several splits; returns `out`."""
     B, H, L = q_nope.shape
     hn = heads_block(H) if block_h is None or block_h >= H else heads_block(block_h)
     min_split_len = cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                        num_kv_splits, sm_scale, min_split_len)  # fmt: skip
-    counters = merge_counters(q_nope.device) if merges(B, H, hn, num_kv_splits, q_nope.device) else None
-    merge = {}
-    if counters is not None:
-        block_s, chunk, tpw_c = merge_tile(hn, num_kv_splits, L)
-        merge = {"counters": counters, "MERGE": True, "BLOCK_S": block_s, "CHUNK": chunk, "TPW_C": tpw_c,
-                 "MERGE_POLL": MERGE_POLL}  # fmt: skip
     mla_decode_stage1_few_heads[(cdiv(H, hn), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, EARLY_TILES=EARLY_TILES, STORE_DIRECT=bool(STORE_DIRECT), DIAG=DIAG,
-        num_warps=NUM_WARPS, maxnreg=maxnreg(), **merge,
+        LOAD_ROWS=LOAD_ROWS, EARLY_TILES=EARLY_TILES, DIAG=DIAG, num_warps=NUM_WARPS, maxnreg=maxnreg(),
         **pdl_launch(q_nope.device), **({"stamps": stamps[0], "STAMPS": True} if stamps is not None else {}),
     )  # fmt: skip
-    if num_kv_splits > 1 and not merge:
+    if num_kv_splits > 1:
         decode_combine(mid_o, mid_lse, out, seq_lens, num_kv_splits, min_split_len, BLOCK_N,
                        stamps=None if stamps is None else stamps[1])  # fmt: skip
     return out
