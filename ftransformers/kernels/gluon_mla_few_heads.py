@@ -40,10 +40,9 @@ layer's stage 2; in a decode step, since the absorbing W_UK product became a PDL
 it overlaps that product (session 57; 40ea4b1 had first tried it where only the benchmark's chain could gain).
 
 Where the time goes at batch 1 (H200, session 58, benchmarks/diag_mla_phases.py with DIAG): at 16 heads x 32K the
-stream alone takes 13.3 of the kernel's 15.4 us a layer, and at 64K its steady part runs at copy bandwidth (tile 0 in
-to the last tile: 66 MB in 15.9 us); what is left is fixed a layer: 2.3-2.7 us from the wait to tile 0 in the softmax,
-the 1.2 us epilogue and 1.9-2.7 us of stage 2 after the last store. At 64 heads (two blocks of 32) the compute
-bounds it.
+stream alone takes 13.3 of the kernel's 15.4 us a layer, and the 32K more of a 64K context cost 9.4 us, 95% of copy
+bandwidth; the rest, ~6.1 us, is fixed a layer: 2.3-2.7 us from the wait to tile 0 in the softmax, the 1.2 us
+epilogue and 1.9-2.7 us of stage 2 after the last store. At 64 heads (two blocks of 32) the compute bounds it.
 Measured there and not kept (docs/performance.md, session 58): the splits merged by stage 1's own programs, each
 waiting on a row counter for the others (c4a49d4 has it; 15.1 -> 16.0 us at 16 heads: the waiting programs hold every
 SM, so the next layer's programs no longer start beside the merge as they do beside stage 2), the split's output
