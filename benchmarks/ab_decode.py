@@ -118,6 +118,9 @@ def _set(spec: str) -> Callable[[], Callable[[], None]]:
     return apply
 
 
+NAME_CHARS = 80  # a kernel's name in the timeline: its first characters (template arguments make some very long)
+
+
 def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
     """Critical-path time per kernel name of `reps` graph replays (module docstring), per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -133,11 +136,11 @@ def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
         trace = json.loads(Path(f.name).read_text())
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events)
-    shapes = {e["name"][:80]: launch_shape(e.get("args", {})) for e in events}
+    shapes = {e["name"][:NAME_CHARS]: launch_shape(e.get("args", {})) for e in events}
     per_name: dict[str, list[float]] = {}
     latest = kernels[0][0] if kernels else 0.0
     for start, end, name in kernels:
-        row = per_name.setdefault(name[:80], [0.0, 0.0, 0.0])
+        row = per_name.setdefault(name[:NAME_CHARS], [0.0, 0.0, 0.0])
         row[0] += max(0.0, end - max(latest, start)) / reps  # critical-path share
         row[1] += (end - start) / reps  # own duration
         row[2] += 1 / reps
@@ -147,6 +150,16 @@ def timeline(replay: Callable[[], None], reps: int = 4) -> dict[str, Any]:
             "critical_us": sum(v[0] for v in per_name.values()),
             "top": [{"kernel": k, "critical_us": round(v[0], 1), "own_us": round(v[1], 1), "per_step": round(v[2], 1),
                      "launch": shapes.get(k)} for k, v in top[:16]]}  # fmt: skip
+
+
+def launch_text(ls: dict[str, Any] | None) -> str:
+    """launch_shape's dict as the timeline line's bracket ("" without one)."""
+    if not ls:
+        return ""
+    by = ", ".join(f"{n} {c}" for n, c in ls["per_sm"].items())
+    return (f" [{ls['programs']} x {ls['threads']} thr, {ls['regs']} regs, {ls['smem'] / 1024:.0f} KB; an SM holds "
+            f"{min(ls['per_sm'].values())}, by {by}; left {ls['left']['regs'] // 1024}K regs, "
+            f"{ls['left']['smem'] // 1024} KB]")  # fmt: skip
 
 
 def launch_shape(args: dict[str, Any]) -> dict[str, Any] | None:
@@ -331,11 +344,7 @@ def main() -> None:
             print(f"  timeline: {tl['kernels_per_step']:.0f} kernels, critical path {tl['critical_us']:.1f} us a step")
             for k in tl["top"]:
                 us = f"{k['critical_us']:8.1f} us critical {k['own_us']:8.1f} us own"
-                ls = k.get("launch")
-                at = (f" [{ls['programs']} x {ls['threads']} thr, {ls['regs']} regs, {ls['smem'] / 1024:.0f} KB; an SM "
-                      f"holds {min(ls['per_sm'].values())}, by " + ", ".join(f"{n} {c}" for n, c in ls["per_sm"].items())
-                      + f"; left {ls['left']['regs'] // 1024}K regs, {ls['left']['smem'] // 1024} KB]") if ls else ""  # fmt: skip
-                print(f"    {us} {k['per_step']:5.0f}x  {k['kernel'][:60]}{at}")
+                print(f"    {us} {k['per_step']:5.0f}x  {k['kernel'][:60]}{launch_text(k.get('launch'))}")
 
 
 if __name__ == "__main__":

@@ -26,3 +26,11 @@ def test_launch_shape_counts_programs_an_sm_and_what_they_leave() -> None:
     assert gemv["per_sm"] == {"regs": 65536 // (4 * 9 * 256), "threads": 16, "smem": 32}
     assert gemv["left"]["regs"] == 65536 - 7 * 4 * 9 * 256
     assert ab_decode.launch_shape({"grid": [1, 1, 1]}) is None  # a trace without the launch fields
+
+
+def test_launch_text_is_the_timeline_bracket() -> None:
+    small = ab_decode.launch_shape({"grid": [1, 128, 1], "block": [256, 1, 1], "registers per thread": 152,
+                                    "shared memory": 184868})  # fmt: skip
+    want = " [128 x 256 thr, 152 regs, 181 KB; an SM holds 1, by regs 1, threads 8, smem 1; left 26K regs, 46 KB]"
+    assert ab_decode.launch_text(small) == want
+    assert ab_decode.launch_text(None) == ""
