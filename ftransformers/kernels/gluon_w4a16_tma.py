@@ -1,0 +1,273 @@
+"""int4 weight x 16-bit activation products at 1-16 rows on Hopper, the weights' words streamed by TMA through a
+ring of shared memory: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_formats.py.
+
+Why it exists. The two register-fed int4 kernels stay far from the copy floor at 8-16 rows on large weights
+(docs/performance.md, sessions 41-50: 29-44% at 16 rows): gluon_w4a16_mma loads x into every warp's registers
+(Nsight Compute put its L1/TEX pipe at 81-82% there, DRAM at 42-46%), and gluon_w4a16_wgmma, which reads x from
+shared memory, loads its words straight into registers, so the bytes it has in flight are bounded by the
+registers a thread can spare (a chunk or two ahead) and each chunk's DRAM round trip lands in its critical path.
+Here the words never pass through the load/store unit on their way in: one thread issues a TMA box a chunk, STAGES
+chunks ahead, and the bytes in flight are STAGES x the box, whatever the registers.
+
+- A program is one warpgroup; its BM = 64 x TILES rows of W are wgmma's M, x^T its N = NP columns (8 at 1-8 rows,
+  16 at 9-16; padding columns repeat the last row of x and are never stored): y^T = W x^T.
+- The words of a chunk (BM rows x KC / 8 int32, one TMA box, no swizzle) land in ring slot c % STAGES on that
+  slot's mbarrier. The first STAGES boxes and the K share's scales and zeros (into shared memory, float32) are
+  requested before the PDL wait: they are weights, which no kernel writes.
+- After the wait, x's K share goes to shared memory in the logical K order of gluon_w4a16_wgmma (`_stage_x`, with
+  each chunk's column sums), which lets a thread read its RW = KC / 32 words of a row as one 16-byte load and
+  decode them by LOP3 (`_a_fragment`) straight into wgmma's A registers. The slot is refilled (STAGES chunks on)
+  once every thread of the warpgroup has read it (a CTA barrier).
+- A chunk lies inside one quantization group: its accumulator leaves through scale * (acc - (offset + zero) *
+  colsum), as in the other int4 kernels, and SPLIT programs along K publish float32 partials that the last one out
+  adds in split order (kernels/tickets.py's protocol, gluon_w4a16_mma._split_store_y).
+
+Shared memory a program: the ring (STAGES x BM x KC / 2 bytes), x's share (NP x KS x 2) and its column sums, and
+the share's scales and zeros (2 x BM x KS / GROUP x 4). `shared_bytes` counts it; `fits` bounds it by MAX_SHARED.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
+from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _capability
+from ftransformers.kernels.gluon_w4a16_mma import _split_store_y
+from ftransformers.kernels.gluon_w4a16_wgmma import STAGE_CHUNKS, _a_fragment, _stage_x, columns
+from ftransformers.kernels.gluon_w4a16_wgmma import layouts as wgmma_layouts
+from ftransformers.kernels.launch import cached_launch
+from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.tickets import split_scratch
+
+# Triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; newer ones async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+MAX_ROWS = 16
+MAX_SHARED = 200 * 1024  # a program's shared memory at most (`shared_bytes`; the H100 and H200 give 227 KB)
+AIM_PROGRAMS = 264  # programs `default_config`'s split aims for: two an SM on 132 SMs
+MIN_SHARE = 512  # K a program takes at least
+
+
+@dataclass(frozen=True)
+class TmaLinearConfig:
+    """TILES 64-row tiles of W a program (one warpgroup), chunks of KC (a TMA box of 64 x TILES rows by KC / 8
+    words), SPLIT programs along K and STAGES ring slots (chunks in flight ahead of the one being multiplied)."""
+
+    tiles: int = 2
+    kc: int = 128
+    split: int = 1
+    stages: int = 4
+
+    def rows(self) -> int:
+        return 64 * self.tiles
+
+
+def shared_bytes(m: int, k: int, group: int, cfg: TmaLinearConfig) -> int:
+    """A program's shared memory: the ring, x's K share and its column sums, the share's scales and zeros
+    (float32), and one mbarrier a slot."""
+    ks = k // cfg.split
+    np_ = columns(m)
+    ring = cfg.stages * cfg.rows() * cfg.kc // 2
+    xs = np_ * ks * 2 + np_ * (ks // cfg.kc) * 4
+    return ring + xs + 2 * cfg.rows() * (ks // group) * 4 + 8 * cfg.stages
+
+
+def fits(m: int, n: int, k: int, group: int, cfg: TmaLinearConfig) -> bool:
+    """1 <= M <= 16, N a multiple of a program's rows, K split into whole groups, a chunk (32-128, dividing the
+    group) a TMA box can carry, 2-8 stages, and shared memory within MAX_SHARED."""
+    if not 1 <= m <= MAX_ROWS or cfg.tiles not in (1, 2) or n % cfg.rows() or cfg.split < 1 or k % cfg.split:
+        return False
+    if cfg.kc not in (32, 64, 128) or group % cfg.kc or (k // cfg.split) % group or not 2 <= cfg.stages <= 8:
+        return False
+    return shared_bytes(m, k, group, cfg) <= MAX_SHARED
+
+
+def default_config(m: int, n: int, k: int, group: int, tiles: int = 2, stages: int = 4) -> TmaLinearConfig:
+    """A starting point for the benchmark, not a measured rule: TILES (1 where 2 do not divide N), chunks of 128
+    (or the group), and K split in the fewest powers of two (shares of at least MIN_SHARE) that give AIM_PROGRAMS
+    programs; else the largest split that fits (the result may not fit: callers check)."""
+    if n % (64 * tiles):
+        tiles = 1
+    kc = min(128, group)
+    best = TmaLinearConfig(tiles, kc, 1, stages)
+    split = 1
+    while k % split == 0 and k // split >= MIN_SHARE:
+        cfg = TmaLinearConfig(tiles, kc, split, stages)
+        if fits(m, n, k, group, cfg):
+            best = cfg
+            if n // cfg.rows() * split >= AIM_PROGRAMS:
+                break
+        split *= 2
+    return best
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: TmaLinearConfig) -> bool:
+    """Whether the kernel takes x [M, K] @ W^T for this int4 qweight [N, K // 8]: a Hopper GPU (wgmma, TMA),
+    bf16 / fp16 x, and `fits`."""
+    if x.device.type != "cuda" or x.dtype not in MAGIC or _capability(x.device.index or 0)[0] != 9:
+        return False
+    return fits(x.shape[0], qweight.shape[0], x.shape[1], group, cfg)
+
+
+def layouts(tiles: int, kc: int, np_: int) -> dict:
+    """gluon_w4a16_wgmma's layouts, and the words' layout as a slot holds them, [BM, KC / 8]: the same registers,
+    lanes and warps as its [BM, 4 (t), RW (r)] words layout, word RW t + r of a row."""
+    rw = kc // 32
+    out = wgmma_layouts(tiles, kc, np_)
+    out["slot_l"] = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1 << i] for i in range(rw.bit_length() - 1)] + [[8, 0]]
+        + [[64 << i, 0] for i in range(tiles.bit_length() - 1)],
+        lane_bases=[[0, rw], [0, 2 * rw], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[64 * tiles, kc // 8],
+    )  # fmt: skip
+    return out
+
+
+def ring_layout() -> gl.NVMMASharedLayout:
+    """The ring slots' and the TMA box's shared layout: int32 words, no swizzle (a thread's 16 bytes of a row,
+    8 rows a warp: 512 contiguous bytes at chunks of 128, conflict-free)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@gluon.jit
+def _stage_scales(s_ptr, z_ptr, sc_sm, zz_sm, n0, g0, offset, stride_sn, BM: gl.constexpr, NG: gl.constexpr,
+                  HAS_ZERO: gl.constexpr):  # fmt: skip
+    # sc_sm, zz_sm [NG, BM] float32 <- the scales, and offset + zero (8 + offset without zeros), of groups
+    # g0 .. g0 + NG - 1 of rows n0 .. n0 + BM - 1 (a group's row of the buffers at a time: their rank-1 layout)
+    ld: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    off = (n0 + gl.arange(0, BM, layout=ld)).to(gl.int64) * stride_sn + g0
+    for g in gl.static_range(NG):
+        sc_sm.index(g).store(gl.load(s_ptr + off + g).to(gl.float32))
+        if HAS_ZERO:
+            zz_sm.index(g).store(gl.load(z_ptr + off + g).to(gl.float32) + offset)
+        else:
+            zz_sm.index(g).store(gl.full([BM], 8.0, gl.float32, ld) + offset)
+
+
+@cached_launch
+@gluon.jit
+def _w4a16_tma_kernel(
+    desc, x_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N, stride_xm, stride_sn,
+    stride_ym,
+    HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUPED: gl.constexpr,
+    mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, slot_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
+    RW: gl.constexpr = KC // 32
+    KCW: gl.constexpr = KC // 8
+    BM: gl.constexpr = 64 * TILES
+    KS: gl.constexpr = CHUNKS * KC
+    NG: gl.constexpr = KS // GROUP
+    PER_GROUP: gl.constexpr = GROUP // KC
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    n0 = gl.program_id(0) * BM
+    k0 = gl.program_id(1) * KS
+
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, BM, KCW], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()  # the barriers, before the TMA unit signals them
+    for s in gl.static_range(STAGES):
+        if s < CHUNKS:
+            mbarrier.expect(ready.index(s), BM * KCW * 4)
+            _tma_load(desc, [n0, k0 // 8 + s * KCW], ready.index(s), ring.index(s))
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # as `sums`: the rank of a row
+    sc_sm = gl.allocate_shared_memory(gl.float32, [NG, BM], plain)
+    zz_sm = gl.allocate_shared_memory(gl.float32, [NG, BM], plain)
+    _stage_scales(s_ptr, z_ptr, sc_sm, zz_sm, n0, k0 // GROUP, offset, stride_sn, BM, NG, HAS_ZERO)
+    pdl_enter(USE_PDL)
+
+    xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NP, KC], DT)
+    xs = gl.allocate_shared_memory(DT, [CHUNKS, NP, KC], xs_l)
+    sums = gl.allocate_shared_memory(gl.float32, [CHUNKS, NP], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP, KC, CHUNKS, GROUPED)
+    fence_async_shared()  # generic-proxy stores, before the wgmmas read them
+    _cta_barrier()  # every warp's share of x, the sums, the scales and zeros
+
+    tot = gl.zeros([BM, NP], gl.float32, mma)
+    zero = gl.zeros([BM, NP], gl.float32, mma)  # the accumulator each chunk's first wgmma ignores (use_acc=False)
+    for c in range(CHUNKS):
+        slot = c % STAGES
+        mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+        q = gl.convert_layout(gl.reshape(ring.index(slot).load(slot_l), [BM, 4, RW]), w_l, assert_trivial=True)
+        _cta_barrier()  # every thread has its words of the slot: refill it STAGES chunks on
+        if c + STAGES < CHUNKS:
+            mbarrier.expect(ready.index(slot), BM * KCW * 4)
+            _tma_load(desc, [n0, k0 // 8 + (c + STAGES) * KCW], ready.index(slot), ring.index(slot))
+        a = _a_fragment(q, magic, DT, a_l, BM, RW)
+        acc = warpgroup_mma(a, xs.index(c).permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+        g = c // PER_GROUP
+        scale = gl.expand_dims(sc_sm.index(g).load(gl.SliceLayout(1, mma)), 1)  # [BM, 1]
+        zz = gl.expand_dims(zz_sm.index(g).load(gl.SliceLayout(1, mma)), 1)
+        colsum = gl.expand_dims(sums.index(c).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
+        tot += scale * (acc - zz * colsum)
+
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+    n_idx = gl.expand_dims(n0 + rows, 1)  # [BM, 1]
+    toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
+    _split_store_y(tot, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, toks, M, N, stride_ym, HAS_BIAS, SPLIT)
+
+
+def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: TmaLinearConfig) -> dict:
+    """The kernel's compile-time arguments for M rows of x, K, the group and cfg (shapes that `fits`)."""
+    chunks = k // cfg.split // cfg.kc
+    np_ = columns(m)
+    return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=cfg.kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
+                SPLIT=cfg.split, STAGES=cfg.stages, GROUPED=math.gcd(chunks, STAGE_CHUNKS),
+                **layouts(cfg.tiles, cfg.kc, np_))  # fmt: skip
+
+
+def descriptor(qweight: torch.Tensor, cfg: TmaLinearConfig):  # -> TensorDescriptor
+    """The TMA descriptor of qweight [N, K // 8] int32 in boxes of one chunk: [64 x TILES rows, KC / 8 words]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(qweight, [cfg.rows(), cfg.kc // 8], ring_layout())
+
+
+def w4a16_tma(
+    x: torch.Tensor,  # [M, K] bf16 / fp16, unit stride along K, 1 <= M <= 16
+    qweight: torch.Tensor,  # int32 [N, K // 8], unit stride along K
+    scales: torch.Tensor,  # [N, K // G]
+    zeros: torch.Tensor | None,  # uint8 [N, K // G] or None (zero 8)
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+    cfg: TmaLinearConfig | None = None,
+) -> torch.Tensor:  # [M, N] x.dtype
+    m, k = x.shape
+    n = qweight.shape[0]
+    cfg = cfg or default_config(m, n, k, group)
+    assert supported(x, qweight, group, cfg), (tuple(x.shape), group, cfg)
+    assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1
+    assert zeros is None or zeros.stride() == scales.stride()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles = n // cfg.rows()
+    split, cnt, part = split_scratch(x.device, "w4a16_tma", tiles, cfg.split, m, n)
+    if split != cfg.split and not fits(m, n, k, group, replace(cfg, split=split)):
+        raise RuntimeError(f"w4a16_tma: no split-K scratch here and K {k} unsplit does not fit {cfg}")
+    cfg = replace(cfg, split=split)
+    magic, offset = MAGIC[x.dtype]
+    _w4a16_tma_kernel[(tiles, split)](
+        descriptor(qweight, cfg), x, scales, zeros if zeros is not None else scales,
+        bias if bias is not None else scales, y, part if part is not None else y,
+        cnt if cnt is not None else qweight,
+        magic, offset, m, n, x.stride(0), scales.stride(0), y.stride(0),
+        **constexprs(m, k, group, zeros is not None, bias is not None, cfg), num_warps=4, **pdl_launch(x.device),
+    )  # fmt: skip
+    return y
