@@ -35,7 +35,7 @@ from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_re
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
 VARIANT = "int4-asym"
-DEFAULT_CONFIGS = "1:4:0,2:4:0,1:6:0,2:6:0,1:4:-2,2:4:-2,2:8:0"
+DEFAULT_CONFIGS = "1:4:0,2:4:0,1:6:0,2:6:0,1:4:-2,2:4:-2,1:8:0,1:4:-4"
 Job = tuple[int, int, int, tm.TmaLinearConfig | None]
 
 
@@ -109,7 +109,8 @@ def main() -> None:
     bw = copy_bandwidth()
     now = datetime.datetime.now().isoformat(timespec="seconds")
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": now, "command": " ".join(sys.argv),
-                           "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw, "rows": []}  # fmt: skip
+                           "torch": torch.__version__, "triton": triton.__version__, "copy_GBps": bw,
+                           "rows": []}  # fmt: skip
     print(f"{out['device']}  copy {bw:.0f} GB/s", flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     for name in shapes:

@@ -53,7 +53,7 @@ def _compile() -> list[dict]:  # in this process, per job: its name, N, shared b
             cmd = [get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"]
             log = run(cmd, capture_output=True, text=True, check=True).stderr
         out.append({"name": f"M={m} {n}x{k} g{group} {cfg} zeros {zeros}", "np": consts["NP"], "kc": kc,
-                    "shared": kernel.metadata.shared, "shared_bytes": tm.shared_bytes(m, k, group, cfg),
+                    "shared": kernel.metadata.shared, "shared_bytes": tm.shared_bytes(m, cfg),
                     "ptx": kernel.asm["ptx"], "ptxas": log})  # fmt: skip
     return out
 
