@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _capability
 from ftransformers.kernels.gluon_w4a16_mma import _split_store_y
-from ftransformers.kernels.gluon_w4a16_wgmma import _a_fragment, _group_scale, columns, put_x, x_chunk_ptrs
+from ftransformers.kernels.gluon_w4a16_wgmma import _a_fragment, columns, put_x, x_chunk_ptrs
 from ftransformers.kernels.gluon_w4a16_wgmma import layouts as wgmma_layouts
 from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
@@ -65,32 +65,39 @@ MIN_SHARE = 512  # K a program takes at least
 @dataclass(frozen=True)
 class TmaLinearConfig:
     """TILES 64-row tiles of W a program (one warpgroup), chunks of KC (a TMA box of 64 x TILES rows by KC / 8
-    words), SPLIT programs along K and STAGES ring slots (chunks in flight ahead of the one being multiplied)."""
+    words), SPLIT programs along K, STAGES ring slots (chunks in flight ahead of the one being multiplied) and
+    X_AHEAD chunks of x loaded ahead."""
 
     tiles: int = 2
     kc: int = 128
     split: int = 1
     stages: int = 4
+    # chunks of x in flight ahead of the one being stored (1 or 2; module docstring)
+    x_ahead: int = 1
 
     def rows(self) -> int:
         return 64 * self.tiles
 
 
-def shared_bytes(m: int, cfg: TmaLinearConfig) -> int:
-    """A program's shared memory: the ring of words, three chunks of x with their column sums, and one mbarrier a
-    slot."""
+def shared_bytes(m: int, k: int, group: int, cfg: TmaLinearConfig) -> int:
+    """A program's shared memory: the ring of words, x_ahead + 1 chunks of x with their column sums, the K
+    share's scales and offset zeros (float32), and one mbarrier a slot."""
     np_ = columns(m)
-    return cfg.stages * cfg.rows() * cfg.kc // 2 + 3 * (np_ * cfg.kc * 2 + np_ * 4) + 8 * cfg.stages
+    xs = (cfg.x_ahead + 1) * (np_ * cfg.kc * 2 + np_ * 4)
+    scales = 2 * cfg.rows() * (k // cfg.split // group) * 4
+    return cfg.stages * cfg.rows() * cfg.kc // 2 + xs + scales + 8 * cfg.stages
 
 
 def fits(m: int, n: int, k: int, group: int, cfg: TmaLinearConfig) -> bool:
     """1 <= M <= 16, N a multiple of a program's rows, K split into whole groups, a chunk (32-128, dividing the
-    group) a TMA box can carry, 2-8 stages, and shared memory within MAX_SHARED."""
+    group) a TMA box can carry, 2-8 stages, x 1-2 chunks ahead, and shared memory within MAX_SHARED."""
     if not 1 <= m <= MAX_ROWS or cfg.tiles not in (1, 2) or n % cfg.rows() or cfg.split < 1 or k % cfg.split:
         return False
-    if cfg.kc not in (32, 64, 128) or group % cfg.kc or (k // cfg.split) % group or not 2 <= cfg.stages <= 8:
+    if cfg.kc not in (32, 64, 128) or group % cfg.kc or (k // cfg.split) % group:
         return False
-    return shared_bytes(m, cfg) <= MAX_SHARED
+    if not 2 <= cfg.stages <= 8 or cfg.x_ahead not in (1, 2):
+        return False
+    return shared_bytes(m, k, group, cfg) <= MAX_SHARED
 
 
 def default_config(m: int, n: int, k: int, group: int, tiles: int = 2, stages: int = 4) -> TmaLinearConfig:
@@ -142,27 +149,45 @@ def ring_layout() -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
+@gluon.jit
+def _stage_scales(s_ptr, z_ptr, sc_sm, zz_sm, n0, g0, offset, stride_sn, BM: gl.constexpr, NG: gl.constexpr,
+                  HAS_ZERO: gl.constexpr):  # fmt: skip
+    # sc_sm, zz_sm [NG, BM] float32 <- the scales, and offset + zero (8 + offset without zeros), of groups
+    # g0 .. g0 + NG - 1 of rows n0 .. n0 + BM - 1 (a group's row of the buffers at a time: their rank-1 layout)
+    ld: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    off = (n0 + gl.arange(0, BM, layout=ld)).to(gl.int64) * stride_sn + g0
+    for g in gl.static_range(NG):
+        sc_sm.index(g).store(gl.load(s_ptr + off + g).to(gl.float32))
+        if HAS_ZERO:
+            zz_sm.index(g).store(gl.load(z_ptr + off + g).to(gl.float32) + offset)
+        else:
+            zz_sm.index(g).store(gl.full([BM], 8.0, gl.float32, ld) + offset)
+
+
 @cached_launch
 @gluon.jit
 def _w4a16_tma_kernel(
     desc, x_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N, stride_xm, stride_sn,
     stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
-    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr,
-    a_l: gl.constexpr, w_l: gl.constexpr, slot_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, X_AHEAD: gl.constexpr,
+    mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, slot_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
     RW: gl.constexpr = KC // 32
     KCW: gl.constexpr = KC // 8
     BM: gl.constexpr = 64 * TILES
     KS: gl.constexpr = CHUNKS * KC
+    NG: gl.constexpr = KS // GROUP
+    PER_GROUP: gl.constexpr = GROUP // KC
+    XS: gl.constexpr = X_AHEAD + 1  # x's slots
     DT: gl.constexpr = x_ptr.dtype.element_ty
     C1: gl.constexpr = 1 if CHUNKS > 1 else 0  # chunks 1 and 2 (the last where there are fewer)
     C2: gl.constexpr = 2 if CHUNKS > 2 else CHUNKS - 1
     n0 = gl.program_id(0) * BM
     k0 = gl.program_id(1) * KS
 
-    # the words: STAGES chunks in flight, the first before the PDL wait, as are chunks 0-2's scales and zeros
+    # the words: STAGES chunks in flight, the first before the PDL wait, as are the share's scales and zeros
     ring = gl.allocate_shared_memory(gl.int32, [STAGES, BM, KCW], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -172,48 +197,56 @@ def _w4a16_tma_kernel(
         if s < CHUNKS:
             mbarrier.expect(ready.index(s), BM * KCW * 4)
             _tma_load(desc, [n0, k0 // 8 + s * KCW], ready.index(s), ring.index(s))
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-    s_rows = gl.expand_dims((n0 + rows).to(gl.int64) * stride_sn, 1)  # [BM, 1]
-    sc0, zz0 = _group_scale(s_ptr, z_ptr, s_rows, k0, offset, GROUP, HAS_ZERO)
-    sc1, zz1 = _group_scale(s_ptr, z_ptr, s_rows, k0 + C1 * KC, offset, GROUP, HAS_ZERO)
-    sc2, zz2 = _group_scale(s_ptr, z_ptr, s_rows, k0 + C2 * KC, offset, GROUP, HAS_ZERO)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # as `sums`: the rank of a row
+    sc_sm = gl.allocate_shared_memory(gl.float32, [NG, BM], plain)
+    zz_sm = gl.allocate_shared_memory(gl.float32, [NG, BM], plain)
+    _stage_scales(s_ptr, z_ptr, sc_sm, zz_sm, n0, k0 // GROUP, offset, stride_sn, BM, NG, HAS_ZERO)
     pdl_enter(USE_PDL)
 
-    # x: chunk c in slot c % 3 (logical K order, column sums beside it); chunks c + 1 and c + 2 in registers
+    # x: chunk c in slot c % XS (logical K order, column sums beside it), the next X_AHEAD in registers. Their loads
+    # are issued after each chunk's fence: fence.proxy.async comes with a MEMBAR, which waits for the thread's
+    # loads in flight
     xs_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NP, KC], DT)
-    xs = gl.allocate_shared_memory(DT, [3, NP, KC], xs_l)
-    sums = gl.allocate_shared_memory(gl.float32, [3, NP], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    xs = gl.allocate_shared_memory(DT, [XS, NP, KC], xs_l)
+    sums = gl.allocate_shared_memory(gl.float32, [XS, NP], plain)
     x_ptrs = x_chunk_ptrs(x_ptr, k0, M, stride_xm, NP, KC)
     put_x(gl.load(x_ptrs), xs.index(0), sums.index(0), NP, KC)
-    xa = gl.load(x_ptrs + C1 * KC)
-    xb = gl.load(x_ptrs + C2 * KC)
     fence_async_shared()  # generic-proxy stores, before the wgmmas read them
-    _cta_barrier()
+    _cta_barrier()  # every warp's chunk 0 of x, the scales and zeros
+    xa = gl.load(x_ptrs + C1 * KC)
+    xb = xa
+    if X_AHEAD == 2:
+        xb = gl.load(x_ptrs + C2 * KC)
 
     tot = gl.zeros([BM, NP], gl.float32, mma)
     zero = gl.zeros([BM, NP], gl.float32, mma)  # the accumulator each chunk's first wgmma ignores (use_acc=False)
     for c in range(CHUNKS):
-        # chunk c + 1's x to its slot (last read by chunk c - 2's wgmmas, waited for), chunk c + 3's requested
-        put_x(xa, xs.index((c + 1) % 3), sums.index((c + 1) % 3), NP, KC)
-        xa = xb
-        xb = gl.load(x_ptrs + gl.minimum(c + 3, CHUNKS - 1) * KC)
+        # chunk c + 1's x to its slot (last read by chunk c + 1 - XS's wgmmas, waited for)
+        put_x(xa, xs.index((c + 1) % XS), sums.index((c + 1) % XS), NP, KC)
         slot = c % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
         q = gl.convert_layout(gl.reshape(ring.index(slot).load(slot_l), [BM, 4, RW]), w_l, assert_trivial=True)
         fence_async_shared()  # chunk c + 1's x, before its wgmmas
         _cta_barrier()  # every thread has its words of the slot (refill it STAGES chunks on) and stored its x
+        far = x_ptrs + gl.minimum(c + 1 + X_AHEAD, CHUNKS - 1) * KC
+        if X_AHEAD == 2:
+            xa = xb
+            xb = gl.load(far)
+        else:
+            xa = gl.load(far)
         if c + STAGES < CHUNKS:
             mbarrier.expect(ready.index(slot), BM * KCW * 4)
             _tma_load(desc, [n0, k0 // 8 + (c + STAGES) * KCW], ready.index(slot), ring.index(slot))
         a = _a_fragment(q, magic, DT, a_l, BM, RW)
-        acc = warpgroup_mma(a, xs.index(c % 3).permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(a, xs.index(c % XS).permute((1, 0)), zero, use_acc=False, is_async=True)
         acc, a = warpgroup_mma_wait(0, deps=[acc, a])
-        colsum = gl.expand_dims(sums.index(c % 3).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
-        tot += sc0 * (acc - zz0 * colsum)
-        sc0, zz0, sc1, zz1 = sc1, zz1, sc2, zz2
-        k3 = k0 + gl.minimum(c + 3, CHUNKS - 1) * KC
-        sc2, zz2 = _group_scale(s_ptr, z_ptr, s_rows, k3, offset, GROUP, HAS_ZERO)
+        g = c // PER_GROUP
+        scale = gl.expand_dims(sc_sm.index(g).load(gl.SliceLayout(1, mma)), 1)  # [BM, 1]
+        zz = gl.expand_dims(zz_sm.index(g).load(gl.SliceLayout(1, mma)), 1)
+        colsum = gl.expand_dims(sums.index(c % XS).load(gl.SliceLayout(0, mma)), 0)  # [1, NP]
+        tot += scale * (acc - zz * colsum)
 
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
     n_idx = gl.expand_dims(n0 + rows, 1)  # [BM, 1]
     toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
     _split_store_y(tot, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, toks, M, N, stride_ym, HAS_BIAS, SPLIT)
@@ -224,7 +257,7 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     chunks = k // cfg.split // cfg.kc
     np_ = columns(m)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=cfg.kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
-                SPLIT=cfg.split, STAGES=cfg.stages, **layouts(cfg.tiles, cfg.kc, np_))  # fmt: skip
+                SPLIT=cfg.split, STAGES=cfg.stages, X_AHEAD=cfg.x_ahead, **layouts(cfg.tiles, cfg.kc, np_))  # fmt: skip
 
 
 def descriptor(qweight: torch.Tensor, cfg: TmaLinearConfig):  # -> TensorDescriptor
