@@ -5,8 +5,9 @@ process, on the issue's dense shapes (int4 g128, asymmetric as AWQ).
 Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros + x + y; floor = bytes / the copy
 bandwidth measured in this run; each time is the median of a CUDA graph of products over enough weight copies to
 exceed L2 four times. Every timed config is first checked against quant_linear_ref (||y - ref|| / ||ref|| < 1e-2).
-`--configs T:S:P:X,..` are the TMA configs timed: T 64-row tiles a program, S ring stages, P the K split
-(0: gluon_w4a16_tma.default_config's, -2: twice it, -4: four times), X chunks of x loaded ahead. Kernels are compiled first in a process pool.
+`--configs T:S:P:X:H,..` are the TMA configs timed: T 64-row tiles a program, S ring stages, P the K split
+(0: gluon_w4a16_tma.default_config's, -2: twice it, -4: four times), X chunks of x loaded ahead, H = 1 for
+each half of a chunk on its own accumulator. Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_tma.py --out $OUT/w4a16_tma_h200.json
 """
@@ -35,14 +36,14 @@ from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_re
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
 VARIANT = "int4-asym"
-DEFAULT_CONFIGS = "1:4:0:1,2:4:0:1,2:4:0:2,1:4:-2:1,2:4:-2:1,2:6:0:1,2:4:-4:1,1:6:-2:1"
+DEFAULT_CONFIGS = "2:4:0:1:0,2:4:0:1:1,1:4:0:1:1,2:3:0:1:1,1:4:-2:1:1,2:4:-2:1:1,2:4:0:2:1,2:4:-2:1:0"
 Job = tuple[int, int, int, tm.TmaLinearConfig | None]
 
 
 def resolve(spec: str, m: int, n: int, k: int, group: int) -> tm.TmaLinearConfig | None:
-    """T:S:P:X -> the config at M rows of this weight, or None where it does not fit."""
-    tiles, stages, split, x_ahead = (int(v) for v in spec.split(":"))
-    cfg = replace(tm.default_config(m, n, k, group, tiles, stages), x_ahead=x_ahead)
+    """T:S:P:X:H -> the config at M rows of this weight, or None where it does not fit."""
+    tiles, stages, split, x_ahead, halves = (int(v) for v in spec.split(":"))
+    cfg = replace(tm.default_config(m, n, k, group, tiles, stages), x_ahead=x_ahead, halves=bool(halves))
     if split > 0:
         cfg = replace(cfg, split=split)
     elif split < 0:
@@ -83,7 +84,7 @@ def pct(nbytes: int, t: float | str, bw: float) -> str:
 
 
 def cname(c: tm.TmaLinearConfig) -> str:
-    return f"t{c.tiles} st{c.stages} s{c.split} x{c.x_ahead}"
+    return f"t{c.tiles} st{c.stages} s{c.split} x{c.x_ahead}" + (" h" if c.halves else "")
 
 
 def main() -> None:
@@ -91,7 +92,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rows", default="1,8,16")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, metavar="T:S:P:X,..")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, metavar="T:S:P:X:H,..")
     p.add_argument("--workers", type=int, default=8)
     args = p.parse_args()
     shapes = args.shapes.split(",")

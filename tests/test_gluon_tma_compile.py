@@ -22,7 +22,7 @@ from test_gluon_mma_compile import _sig, compiled_in_child
 
 # (rows of x, N, K, group, tiles, chunk, split, stages, zeros and bias): 16, 11, 8 and 1 rows; one and two tiles;
 # chunks of 128, 64 and 32 (one word a thread); 2-8 stages, fewer chunks than stages; unsplit and split; x one
-# chunk ahead (even splits) and two (odd)
+# chunk ahead (even splits) and two (odd); halves of a chunk at 9-16 rows where chunks are 128
 JOBS = [(16, 24576, 4096, 128, 2, 128, 2, 4, True), (11, 4096, 12288, 128, 1, 128, 8, 6, True),
         (8, 7168, 16384, 128, 2, 128, 8, 8, False), (1, 2048, 2048, 64, 1, 64, 4, 3, True),
         (16, 1024, 1024, 32, 2, 32, 1, 2, False), (16, 1024, 256, 128, 1, 128, 1, 4, True)]  # fmt: skip
@@ -42,7 +42,7 @@ def _compile() -> list[dict]:  # in this process, per job: its name, N, shared b
 
     out = []
     for m, n, k, group, tiles, kc, split, stages, zeros in JOBS:
-        cfg = tm.TmaLinearConfig(tiles, kc, split, stages, x_ahead=1 + split % 2)
+        cfg = tm.TmaLinearConfig(tiles, kc, split, stages, x_ahead=1 + split % 2, halves=kc == 128 and m > 8)
         assert tm.fits(m, n, k, group, cfg), (m, n, k, group, cfg)
         consts = tm.constexprs(m, k, group, zeros, zeros, cfg)
         sig, attrs = _sig(tm._w4a16_tma_kernel, consts)

@@ -28,13 +28,15 @@ TOL = 1e-2
 # (group, zeros, scale dtype)
 WEIGHTS = [(128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16),
            (32, False, torch.float16), (256, True, torch.float32)]  # fmt: skip
-# (tiles, most KC, split, stages, x ahead) over K 2048: 16, 8, 4 and 32 chunks a program, against 2-8 stages
-CONFIGS = [(2, 128, 1, 4, 1), (1, 128, 2, 2, 2), (2, 64, 4, 8, 1), (1, 64, 1, 3, 2), (2, 128, 8, 4, 1),
-           (1, 128, 16, 4, 2)]  # fmt: skip
+# (tiles, most KC, split, stages, x ahead, halves) over K 2048: 16, 8, 4 and 32 chunks a program, against 2-8
+# stages; halves only where chunks are 128 (groups of 128 and 256)
+CONFIGS = [(2, 128, 1, 4, 1, False), (1, 128, 2, 2, 2, False), (2, 64, 4, 8, 1, False), (1, 64, 1, 3, 2, False),
+           (2, 128, 8, 4, 1, False), (1, 128, 16, 4, 2, False), (2, 128, 2, 4, 1, True),
+           (1, 128, 4, 3, 2, True)]  # fmt: skip
 
 
-def config(group: int, tiles: int, kc: int, split: int, stages: int, x_ahead: int) -> tm.TmaLinearConfig:
-    return tm.TmaLinearConfig(tiles, min(kc, group), split, stages, x_ahead)
+def config(group: int, tiles: int, kc: int, split: int, stages: int, x_ahead: int, halves: bool) -> tm.TmaLinearConfig:
+    return tm.TmaLinearConfig(tiles, min(kc, group), split, stages, x_ahead, halves)
 
 
 def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros: bool, sdt: torch.dtype,
@@ -52,10 +54,10 @@ def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros
 @pytest.mark.parametrize("w", range(len(WEIGHTS)))
 @pytest.mark.parametrize("m", [1, 3, 8, 11, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_matches_reference(c: tuple[int, int, int, int, int], w: int, m: int, dtype: torch.dtype) -> None:
+def test_matches_reference(c: tuple[int, int, int, int, int, bool], w: int, m: int, dtype: torch.dtype) -> None:
     group, zeros, sdt = WEIGHTS[w]
     cfg = config(group, *c)
-    if not tm.fits(m, 1024, 2048, group, cfg):  # a group of 256 over a share of 128 or 256
+    if not tm.fits(m, 1024, 2048, group, cfg):  # a group of 256 over a share of 128, or halves of smaller chunks
         pytest.skip(f"{cfg} does not fit group {group}")
     assert run(m, 1024, 2048, dtype, 10 * w + m, group, zeros, sdt, cfg) <= TOL
 
@@ -74,7 +76,7 @@ def test_split_k_sum_is_deterministic_and_resets() -> None:
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(16, 8192, generator=gen).to("cuda", torch.bfloat16)
     qw = random_weight("int4", 2048, 8192, gen, group=128, zeros=True, scale_dtype=torch.float16)
-    cfg = tm.TmaLinearConfig(2, 128, 8, 4, 2)
+    cfg = tm.TmaLinearConfig(2, 128, 8, 4, 2, True)
     ys = [tm.w4a16_tma(x, qw.qweight, qw.scales, qw.zeros, 128, None, cfg) for _ in range(3)]
     assert rel_err(ys[0], quant_linear_ref(x, qw)) <= TOL
     assert all(torch.equal(ys[0], y) for y in ys[1:])

@@ -74,6 +74,8 @@ class TmaLinearConfig:
     stages: int = 4
     # chunks of x in flight ahead of the one being stored (1 or 2; module docstring)
     x_ahead: int = 1
+    # each half of a chunk's K on its own accumulator: two wgmma chains half as long (chunks of 128)
+    halves: bool = False
 
     def rows(self) -> int:
         return 64 * self.tiles
@@ -95,7 +97,7 @@ def fits(m: int, n: int, k: int, group: int, cfg: TmaLinearConfig) -> bool:
         return False
     if cfg.kc not in (32, 64, 128) or group % cfg.kc or (k // cfg.split) % group:
         return False
-    if not 2 <= cfg.stages <= 8 or cfg.x_ahead not in (1, 2):
+    if not 2 <= cfg.stages <= 8 or cfg.x_ahead not in (1, 2) or (cfg.halves and cfg.kc != 128):
         return False
     return shared_bytes(m, k, group, cfg) <= MAX_SHARED
 
@@ -132,6 +134,7 @@ def layouts(tiles: int, kc: int, np_: int) -> dict:
     lanes and warps as its [BM, 4 (t), RW (r)] words layout, word RW t + r of a row."""
     rw = kc // 32
     out = wgmma_layouts(tiles, kc, np_)
+    out["wh_l"] = wgmma_layouts(tiles, kc // 2, np_)["w_l"] if kc >= 64 else out["w_l"]  # half a chunk's words
     out["slot_l"] = gl.DistributedLinearLayout(
         reg_bases=[[0, 1 << i] for i in range(rw.bit_length() - 1)] + [[8, 0]]
         + [[64 << i, 0] for i in range(tiles.bit_length() - 1)],
@@ -171,7 +174,8 @@ def _w4a16_tma_kernel(
     stride_ym,
     HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     NP: gl.constexpr, TILES: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, X_AHEAD: gl.constexpr,
-    mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, slot_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    HALVES: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, wh_l: gl.constexpr,
+    slot_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # y[m, n] for m < M, n in [n0, n0 + BM), over K [k0, k0 + KS); SPLIT > 1: partials and the last one out
     RW: gl.constexpr = KC // 32
@@ -237,9 +241,21 @@ def _w4a16_tma_kernel(
         if c + STAGES < CHUNKS:
             mbarrier.expect(ready.index(slot), BM * KCW * 4)
             _tma_load(desc, [n0, k0 // 8 + (c + STAGES) * KCW], ready.index(slot), ring.index(slot))
-        a = _a_fragment(q, magic, DT, a_l, BM, RW)
-        acc = warpgroup_mma(a, xs.index(c % XS).permute((1, 0)), zero, use_acc=False, is_async=True)
-        acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+        xc = xs.index(c % XS)
+        if HALVES:  # two chains of KC / 32 wgmmas, a half of K each on its own accumulator (k < KC / 2: r < RW / 2)
+            q_lo, q_hi = gl.split(gl.permute(gl.reshape(q, [BM, 4, 2, RW // 2]), (0, 1, 3, 2)))
+            a_lo = _a_fragment(gl.convert_layout(q_lo, wh_l, assert_trivial=True), magic, DT, a_l, BM, RW // 2)
+            a_hi = _a_fragment(gl.convert_layout(q_hi, wh_l, assert_trivial=True), magic, DT, a_l, BM, RW // 2)
+            acc_lo = warpgroup_mma(a_lo, xc.slice(0, KC // 2, dim=1).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)  # fmt: skip
+            acc_hi = warpgroup_mma(a_hi, xc.slice(KC // 2, KC // 2, dim=1).permute((1, 0)), zero, use_acc=False,
+                                   is_async=True)  # fmt: skip
+            acc_lo, acc_hi, a_lo, a_hi = warpgroup_mma_wait(0, deps=[acc_lo, acc_hi, a_lo, a_hi])
+            acc = acc_lo + acc_hi
+        else:
+            a = _a_fragment(q, magic, DT, a_l, BM, RW)
+            acc = warpgroup_mma(a, xc.permute((1, 0)), zero, use_acc=False, is_async=True)
+            acc, a = warpgroup_mma_wait(0, deps=[acc, a])
         g = c // PER_GROUP
         scale = gl.expand_dims(sc_sm.index(g).load(gl.SliceLayout(1, mma)), 1)  # [BM, 1]
         zz = gl.expand_dims(zz_sm.index(g).load(gl.SliceLayout(1, mma)), 1)
@@ -257,7 +273,8 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     chunks = k // cfg.split // cfg.kc
     np_ = columns(m)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=cfg.kc, CHUNKS=chunks, NP=np_, TILES=cfg.tiles,
-                SPLIT=cfg.split, STAGES=cfg.stages, X_AHEAD=cfg.x_ahead, **layouts(cfg.tiles, cfg.kc, np_))  # fmt: skip
+                SPLIT=cfg.split, STAGES=cfg.stages, X_AHEAD=cfg.x_ahead, HALVES=cfg.halves,
+                **layouts(cfg.tiles, cfg.kc, np_))  # fmt: skip
 
 
 def descriptor(qweight: torch.Tensor, cfg: TmaLinearConfig):  # -> TensorDescriptor
