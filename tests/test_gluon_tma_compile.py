@@ -81,3 +81,26 @@ def test_tma_kernel_compiles_for_hopper(kernels: list[dict]) -> None:
         spilled = re.search(r"\b(\d+) bytes spill stores, (\d+) bytes spill loads", k["ptxas"])
         assert spilled and max(map(int, spilled.groups())) == 0, (name, k["ptxas"])
         assert not re.search(r"C751\d", k["ptxas"]), (name, k["ptxas"])
+
+
+def test_the_engine_takes_the_measured_wins_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """w4a16_linear's rule for this kernel: 9-16 rows of the weights of N >= 16384 and K <= 4096 (the H200's wins in
+    session 59: Qwen3-8B gate_up, DeepSeek-V3 q_b), group a multiple of 128, two tiles, three stages and halves, on
+    a config that fits; no rows at all with ENGINE_MIN_ROWS 0."""
+    from test_w4a16_mma_rule import LINEARS
+
+    from ftransformers.kernels import gluon_w4a16_tma as tm
+
+    wins = {"qwen3-8b gate_up", "dsv3 q_b"}
+    for m in range(1, 18):
+        taken = {name for name, (n, k) in LINEARS.items() if tm.engine_config(m, n, k, 128) is not None}
+        assert taken == (wins if 9 <= m <= 16 else set()), (m, taken)
+    for name in wins:
+        n, k = LINEARS[name]
+        for m in range(9, 17):
+            cfg = tm.engine_config(m, n, k, 128)
+            assert cfg is not None and (cfg.tiles, cfg.stages, cfg.halves) == (2, 3, True), (name, m, cfg)
+            assert tm.fits(m, n, k, 128, cfg), (name, m, cfg)
+        assert tm.engine_config(16, n, k, 64) is None and tm.engine_config(16, n, k, 256) is not None
+    monkeypatch.setattr(tm, "ENGINE_MIN_ROWS", 0)
+    assert all(tm.engine_config(m, n, k, 128) is None for n, k in LINEARS.values() for m in range(1, 17))

@@ -12,6 +12,8 @@ rounding.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -80,3 +82,49 @@ def test_split_k_sum_is_deterministic_and_resets() -> None:
     ys = [tm.w4a16_tma(x, qw.qweight, qw.scales, qw.zeros, 128, None, cfg) for _ in range(3)]
     assert rel_err(ys[0], quant_linear_ref(x, qw)) <= TOL
     assert all(torch.equal(ys[0], y) for y in ys[1:])
+
+
+def test_w4a16_linear_takes_it_at_9_to_16_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """w4a16_linear runs 9-16 rows of a DeepSeek-V3 q_b weight here (engine_config's rule), with bias; 8 rows not."""
+    from ftransformers.kernels.triton_w4a16 import w4a16_linear
+
+    calls: list[int] = []
+    kernel = tm.w4a16_tma
+    monkeypatch.setattr(tm, "w4a16_tma", lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw))
+    gen = torch.Generator().manual_seed(9)
+    qw = random_weight("int4", 24576, 1536, gen, group=128, zeros=True, scale_dtype=torch.float16)
+    b = torch.randn(24576, generator=gen).to("cuda", torch.bfloat16)
+    for m in (8, 12, 16):
+        x = torch.randn(m, 1536, generator=gen).to("cuda", torch.bfloat16)
+        assert rel_err(w4a16_linear(x, qw, b), quant_linear_ref(x, qw, b)) <= TOL
+    assert calls == [12, 16]
+
+
+def test_a_capture_without_ticket_counters_takes_another_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a CUDA-graph capture before this family's ticket counters exist (none can be allocated there),
+    w4a16_linear takes the split kernel only where it fits unsplit (`runs_now`); here it does not, another kernel
+    runs instead, and the graph replays to the reference."""
+    from ftransformers.kernels import tickets
+    from ftransformers.kernels.triton_w4a16 import w4a16_linear
+
+    monkeypatch.setattr(tm, "MAX_SHARED", 48 * 1024)  # K 4096 unsplit takes 64 KB here (32 KB of scales): no fit
+    calls: list[int] = []
+    kernel = tm.w4a16_tma
+    monkeypatch.setattr(tm, "w4a16_tma", lambda x, *a, **kw: calls.append(x.shape[0]) or kernel(x, *a, **kw))
+    gen = torch.Generator().manual_seed(11)
+    qw = random_weight("int4", 16384, 4096, gen, group=128, zeros=True, scale_dtype=torch.float16)
+    x = torch.randn(12, 4096, generator=gen).to("cuda", torch.bfloat16)
+    cfg = tm.engine_config(12, 16384, 4096, 128)
+    assert cfg is not None and cfg.split > 1 and not tm.fits(12, 16384, 4096, 128, replace(cfg, split=1))
+    monkeypatch.setattr(tm, "ENGINE_MIN_ROWS", 0)
+    w4a16_linear(x, qw)  # the kernel taken instead, compiled (and its counters allocated) outside the capture
+    torch.cuda.synchronize()
+    monkeypatch.setattr(tm, "ENGINE_MIN_ROWS", 9)
+    monkeypatch.setattr(tickets, "_POOLS", {key: v for key, v in tickets._POOLS.items() if key[0] != "w4a16_tma"})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_linear(x, qw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert calls == [] and ("w4a16_tma", x.device) not in tickets._POOLS
+    assert rel_err(y, quant_linear_ref(x, qw)) <= TOL

@@ -51,12 +51,22 @@ from ftransformers.kernels.gluon_w4a16_wgmma import _a_fragment, columns, put_x,
 from ftransformers.kernels.gluon_w4a16_wgmma import layouts as wgmma_layouts
 from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
-from ftransformers.kernels.tickets import split_scratch
+from ftransformers.kernels.tickets import split_scratch, ticket_counters
 
 # Triton 3.6 (the device image) names the TMA load async_copy_global_to_shared; newer ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 MAX_ROWS = 16
+# w4a16_linear sends an int4 product of ENGINE_MIN_ROWS to 16 rows here (0: never), on `engine_config`, for weights of
+# N >= ENGINE_MIN_N and K <= ENGINE_MAX_K. H200, session 59 (bench_w4a16_tma.py, w4a16_tma_halves_s59_h200.*), at 16
+# rows against the kernel w4a16_linear took before: Qwen3-8B gate_up 27.6 against 31.8 us (mma.sync), DeepSeek-V3
+# q_b 12.3 against 13.4 (wgmma). Slower at 8 rows on every shape measured, and at 16 on DeepSeek-V3 o (K 16384),
+# Qwen3-8B down (K 12288) and qkv (N 6144); level on Qwen3-30B-A3B qkv and DeepSeek-V3 shared gate_up
+ENGINE_MIN_ROWS = 9
+ENGINE_MIN_N = 16384
+ENGINE_MAX_K = 4096
+ENGINE_TILES = 2
+ENGINE_STAGES = 3
 MAX_SHARED = 200 * 1024  # a program's shared memory at most (`shared_bytes`; the H100 and H200 give 227 KB)
 AIM_PROGRAMS = 264  # programs `default_config`'s split aims for: two an SM on 132 SMs
 MIN_SHARE = 512  # K a program takes at least
@@ -119,6 +129,30 @@ def default_config(m: int, n: int, k: int, group: int, tiles: int = 2, stages: i
                 break
         split *= 2
     return best
+
+
+def engine_config(m: int, n: int, k: int, group: int) -> TmaLinearConfig | None:
+    """The config w4a16_linear runs M rows of an int4 [N, K] weight with here (`default_config` with ENGINE_TILES
+    tiles and ENGINE_STAGES stages, halves on), or None: rows outside ENGINE_MIN_ROWS..16 (all while it is 0), N
+    under ENGINE_MIN_N, K over ENGINE_MAX_K, groups that do not hold chunks of 128, or a shape that does not fit."""
+    if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= MAX_ROWS or n < ENGINE_MIN_N or k > ENGINE_MAX_K:
+        return None
+    if group % 128:
+        return None
+    cfg = replace(default_config(m, n, k, group, ENGINE_TILES, ENGINE_STAGES), halves=True)
+    return cfg if fits(m, n, k, group, cfg) else None
+
+
+def runs_now(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: TmaLinearConfig) -> bool:
+    """`supported`, and launchable now: a split config needs its ticket counters, which a CUDA-graph capture
+    cannot allocate (the engine's warm-up runs allocate them first); without them it runs unsplit, where that fits.
+    w4a16_linear asks this, and takes its other kernels otherwise."""
+    if not supported(x, qweight, group, cfg):
+        return False
+    m, k = x.shape
+    if cfg.split == 1 or fits(m, qweight.shape[0], k, group, replace(cfg, split=1)):
+        return True
+    return ticket_counters(x.device, "w4a16_tma", qweight.shape[0] // cfg.rows()) is not None
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: TmaLinearConfig) -> bool:
