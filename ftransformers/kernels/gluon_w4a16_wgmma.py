@@ -220,36 +220,24 @@ def _a_fragment(q, magic, DT: gl.constexpr, a_l: gl.constexpr, BM: gl.constexpr,
 
 
 @gluon.jit
-def x_chunk_ptrs(x_ptr, k0, M, stride_xm, NP: gl.constexpr, KC: gl.constexpr):
-    # [NP, KC] pointers to x[min(col, M - 1), k0 + e] (padding columns repeat the last row), 16-byte runs a thread
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    col = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(1, ld)), 1)
-    e = gl.expand_dims(gl.arange(0, KC, layout=gl.SliceLayout(0, ld)), 0)
-    return x_ptr + gl.minimum(col, M - 1).to(gl.int64) * stride_xm + k0 + e
-
-
-@gluon.jit
-def put_x(x, xs_c, sums_c, NP: gl.constexpr, KC: gl.constexpr):
-    # one chunk of x [NP, KC] in memory order (element e = 8 (RW t + r) + 4h + i) -> xs_c [NP, KC] at logical k
-    # (module docstring), and its column sums (float32) -> sums_c [NP]
-    RW: gl.constexpr = KC // 32
-    sums_c.store(gl.sum(x.to(gl.float32), axis=1))
-    x6 = gl.reshape(x, [NP, 4, RW, 2, 4])  # [col, t, r, h, i]
-    xs_c.store(gl.reshape(gl.permute(x6, (0, 2, 4, 1, 3)), [NP, KC]))  # [col, r, i, t, h]
-
-
-@gluon.jit
 def _stage_x(x_ptr, xs, sums, k0, M, stride_xm, NP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
              GROUPED: gl.constexpr):  # fmt: skip
     # xs [CHUNKS, NP, KC] <- x[min(col, M - 1), k0 + c KC + e] at logical k (module docstring); sums [CHUNKS, NP]
     # <- each chunk's column sums (float32). GROUPED chunks a step, unrolled so that their loads are in flight
     # together (one at a time put a round trip to L2 per chunk before the first wgmma; all at once, ptxas hoisted
     # them and took 167 registers for the kernel against 127)
-    ptrs = x_chunk_ptrs(x_ptr, k0, M, stride_xm, NP, KC)
+    RW: gl.constexpr = KC // 32
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte runs of memory order
+    col = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(1, ld)), 1)
+    e = gl.expand_dims(gl.arange(0, KC, layout=gl.SliceLayout(0, ld)), 0)
+    ptrs = x_ptr + gl.minimum(col, M - 1).to(gl.int64) * stride_xm + k0 + e
     for c0 in range(0, CHUNKS, GROUPED):
         for j in gl.static_range(GROUPED):
             c = c0 + j
-            put_x(gl.load(ptrs + c * KC), xs.index(c), sums.index(c), NP, KC)
+            x = gl.load(ptrs + c * KC)  # [NP, KC], memory element e = 8 (RW t + r) + 4h + i
+            sums.index(c).store(gl.sum(x.to(gl.float32), axis=1))
+            x6 = gl.reshape(x, [NP, 4, RW, 2, 4])  # [col, t, r, h, i]
+            xs.index(c).store(gl.reshape(gl.permute(x6, (0, 2, 4, 1, 3)), [NP, KC]))  # [col, r, i, t, h]
 
 
 @gluon.jit

@@ -3,9 +3,8 @@ and "nvfp4" layouts of kernels/quant_formats.py, dequantizing W in registers (no
 
 int4 with 16-bit x at decode sizes goes first to kernels/gluon_w4a16_mma.py (mma.sync, the weights
 decoded straight into operand registers) where its `takes` says it measured faster (and before that, at 9-16 rows
-on the weights of their `engine_config`s, to kernels/gluon_w4a16_tma.py, whose words reach shared memory by TMA,
-then to the wgmma kernel kernels/gluon_w4a16_wgmma.py); elsewhere three kernels, chosen by `w4a16_config` from M,
-the format and the weight size:
+on the weights of its `engine_config`, to the wgmma kernel kernels/gluon_w4a16_wgmma.py); elsewhere three
+kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
 - `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights; two words a thread): CUDA cores. Tensors are
   [word, n, m, nibble]; each thread owns word columns of a K tile for all its n, m and the 8 nibbles,
@@ -48,7 +47,6 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import gluon_w4a16_mma as mma_path
-from ftransformers.kernels import gluon_w4a16_tma as tma_path
 from ftransformers.kernels import gluon_w4a16_wgmma as wgmma_path
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
@@ -488,10 +486,6 @@ def w4a16_linear(
     N = qw.out_features
     if M == 0:
         return x.new_empty(*lead, N)
-    cfg_tma = tma_path.engine_config(M, N, K, qw.group_size) if config is None and qw.fmt == "int4" else None
-    if cfg_tma is not None and tma_path.runs_now(x, qw.qweight, qw.group_size, cfg_tma):  # 9-16 rows (its module)
-        y = tma_path.w4a16_tma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_tma)
-        return y.reshape(*lead, N)
     cfg_wg = wgmma_path.engine_config(M, N, K, qw.group_size) if config is None and qw.fmt == "int4" else None
     if cfg_wg is not None and wgmma_path.runs_now(x, qw.qweight, qw.group_size, cfg_wg):  # 9-16 rows (its module)
         y = wgmma_path.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_wg)
