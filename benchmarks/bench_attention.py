@@ -24,6 +24,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -401,6 +402,13 @@ def bench_extend(kind: str, T: int) -> list[dict]:
     return res
 
 
+def device_tag(name: str) -> str:
+    """The results file's device tag: the GPU's model number ("NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" ->
+    "h100"), else the name folded to lower-case words ("gpu" for an empty one)."""
+    model = re.search(r"\b[A-Z]{1,2}\d{2,4}[A-Z]?\b", name)
+    return model.group(0).lower() if model else "_".join(re.findall(r"[a-z0-9]+", name.lower())) or "gpu"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -465,7 +473,7 @@ def main() -> None:
                command="PYTHONPATH=. python benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
                checks=checks, results=results)  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "attention_h100.json").write_text(json.dumps(doc, indent=1))
+    (Path(args.out) / f"attention_{device_tag(props.name)}.json").write_text(json.dumps(doc, indent=1))
     print("\n".join(["", "summary:"] + lines))
 
 
