@@ -1,12 +1,15 @@
 """benchmarks/bench_attention.py names its results file after the GPU it ran on."""
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-bench_attention = pytest.importorskip("bench_attention")
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+_SPEC = importlib.util.spec_from_file_location("bench_attention", _PATH)
+assert _SPEC is not None and _SPEC.loader is not None
+bench_attention = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench_attention)
 
 
 @pytest.mark.parametrize(
