@@ -54,7 +54,7 @@ from ftransformers.kernels.triton_decode_attention import (
 )
 from ftransformers.kernels.triton_extend_attention import extend_attention_fwd
 from ftransformers.kernels.triton_mla_attention import (
-    FEW_HEADS_PAIR_LIMIT,
+    FEW_HEADS_LIMIT,
     latent_views,
     mla_attention_ref,
     mla_decode_fwd,
@@ -108,10 +108,6 @@ MLA_VARIANTS = {
     "few_b32": dict(kernel="gluon_few", block_h=32),
     "few_b16": dict(kernel="gluon_few", block_h=16),
     "few_b8": dict(kernel="gluon_few", block_h=8),
-    # 64 heads a program on the few-heads kernel's two compute warpgroups (32 each), with the backend's split cap or
-    # up to 128 (not run unless named)
-    "few_b64": dict(kernel="gluon_few", block_h=64),
-    "few_b64_s128": dict(kernel="gluon_few", block_h=64, max_splits=128),
     # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
     # the first two tiles (its compute path alone), no wgmma (its copies, softmax and barriers alone).
     # The schedules it was chosen from (gluon_pipe, gluon_seq, gluon_ws_seq_p2, ...) are in commit dcbcafd.
@@ -198,10 +194,9 @@ def mla_block(var: str, B: int, H: int) -> int | None:
 
 
 def mla_applies(var: str, H: int) -> bool:
-    # the few-heads kernel: on blocks it can take (gluon_few: up to 64 heads, as the backend may run it; 64 a
-    # program on two warpgroups)
+    # the few-heads kernel: on blocks it can take (gluon_few: up to 64 heads, as the backend may run it)
     spec = MLA_VARIANTS[var]
-    return spec.get("kernel") != "gluon_few" or min(H, spec.get("block_h", H // 2)) <= FEW_HEADS_PAIR_LIMIT
+    return spec.get("kernel") != "gluon_few" or min(H, spec.get("block_h", H // 2)) <= FEW_HEADS_LIMIT
 
 
 def mla_call(var: str, q_nope, q_rope, buf, out, r2t, rows, seq_lens, scratch, splits, min_split_len=0) -> None:

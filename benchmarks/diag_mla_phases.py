@@ -103,12 +103,12 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
     q_rope = torch.randn(batch, heads, R, device=DEV, dtype=DT)
     seq_lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int64)
     block_h = mla_block_h(heads, batch, "gluon_few")
-    wgs, hn = few.program_heads(heads, block_h)  # (compute warpgroups, heads each) a program
+    hn = few.heads_block(heads) if block_h is None or block_h >= heads else few.heads_block(block_h)
     gbps = peak_gbps_per_sm(torch.cuda.get_device_properties(DEV))
-    splits = mla_num_kv_splits(batch, cdiv(heads, wgs * hn), sms, mla_max_kv_splits(heads, "gluon_few", gbps))
+    splits = mla_num_kv_splits(batch, cdiv(heads, hn), sms, mla_max_kv_splits(heads, "gluon_few", gbps))
     mid_o, mid_lse = decode_scratch(batch, heads, L, splits, DEV)
     outs = [torch.empty_like(q_nope) for _ in range(layers)]
-    p1 = cdiv(heads, wgs * hn) * splits * batch
+    p1 = cdiv(heads, hn) * splits * batch
     p2 = math.prod(tda.combine_launch(batch, heads, L, splits)[0])
     stamps = [
         (stamp_buffer(p1, few.STAMP_SLOTS, DEV), stamp_buffer(p2, COMBINE_STAMP_SLOTS, DEV)) for _ in range(layers)
@@ -148,7 +148,7 @@ def run_case(heads: int, batch: int, ctx: int, sms: int, copy_gbps: float, order
         "batch": batch,
         "context": ctx,
         "splits": splits,
-        "heads_a_program": wgs * hn,
+        "heads_a_program": hn,
         "layers": layers,
         "programs": [p1, p2],
         "bytes": kv_bytes,

@@ -32,11 +32,10 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, wgs: int = 1) -> dict:
+def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
     # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
-    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's; wgs: its compute
-    warpgroups a program)."""
+    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -75,8 +74,6 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, wgs: int 
     if heads_n:
         consts["EARLY_TILES"] = g.EARLY_TILES if early < 0 else early
     consts |= {"USE_PDL": True, "DIAG": 0}
-    if heads_n:
-        consts |= {"WGS": wgs, "PAIR_REGS": g.PAIR_COMPUTE_REGS}
     if heads_n and stamped:
         sig["stamps"] = "*i64"
         consts["STAMPS"] = True
@@ -89,7 +86,7 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, wgs: int 
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     fn = g.mla_decode_stage1_few_heads if heads_n else g.mla_decode_stage1_gluon
     src = gluon_runtime.GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    options = {"num_warps": g.NUM_WARPS, "maxnreg": g.maxnreg(wgs) if heads_n else g.maxnreg()}
+    options = {"num_warps": g.NUM_WARPS, "maxnreg": g.maxnreg()}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,10 +96,10 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, wgs: int 
     return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS}
 
 
-def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1, wgs: int = 1) -> dict:
+def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early}, {wgs})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )

@@ -171,13 +171,13 @@ def test_mla_decode(shape: tuple[int, int, int]) -> None:
     ref = mla_attention_ref(q_nope[:real], q_rope[:real], buf, r2t, rows[:real], [n - 1 for n in MLA_LENS[:real]],
                             [1] * real, scale)  # fmt: skip
     cases = [(1, 0), (3, 0), (4, 32)] if not CUDA else [(1, 0), (2, 0), (33, 0), (64, 0), (128, 0), (16, 512)]
-    # the Gluon kernels where they apply (Hopper; the few-heads one up to 64 heads, 33-64 on its two warpgroups), one
-    # of which "auto" picks; the few-heads one also on blocks of 8 / 16 / 32 / 64 heads, two to four programs a tile
-    # (the last block padded at 12 heads)
+    # the Gluon kernels where they apply (Hopper; the few-heads one up to 32 heads), one of which "auto" picks;
+    # the few-heads one also on blocks of 8 / 16 / 32 heads, two to four programs a tile (the last block padded
+    # at 12 heads)
     gluon = [k for k, few in (("gluon", False), ("gluon_few", True)) if gluon_mla_unsupported(q_nope, buf, few) is None]
     kernels = [("triton", None), ("auto", None), *((k, None) for k in gluon)]
     if gluon_mla_unsupported(q_nope, buf, True, 8) is None:
-        kernels += [("gluon_few", hb) for hb in (8, 16, 32, 64) if hb < H <= 4 * hb]
+        kernels += [("gluon_few", hb) for hb in (8, 16, 32) if hb < H <= 4 * hb]
     for kernel, block_h in kernels:
         for splits, min_split_len in cases:
             mid_o, mid_lse = decode_scratch(B, H, L, splits, DEV)
@@ -520,9 +520,9 @@ def test_mla_decode_kernel_choice() -> None:
         mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon")
     with pytest.raises(ValueError, match="Gluon MLA decode kernel does not apply here: it needs a Hopper GPU"):
         mla_decode_fwd(q_nope, q_rope, *args, kernel="gluon_few")
-    wide = torch.zeros(1, 128, 64), torch.zeros(1, 128, 16)  # more heads than the few-heads kernel's two N of 32
-    args = (buf, torch.zeros(1, 128, 64), *args[2:5], *decode_scratch(1, 128, 64, 1, "cpu"), 1, 0.1)
-    too_many = "does not apply here: the few-heads kernel takes at most 64 heads a program, not 128"
+    wide = torch.zeros(1, 64, 64), torch.zeros(1, 64, 16)  # more heads than the few-heads kernel's widest N
+    args = (buf, torch.zeros(1, 64, 64), *args[2:5], *decode_scratch(1, 64, 64, 1, "cpu"), 1, 0.1)
+    too_many = "does not apply here: the few-heads kernel takes at most 32 heads a program, not 64"
     with pytest.raises(ValueError, match=too_many):
         mla_decode_fwd(*wide, *args, kernel="gluon_few")
     if CUDA and torch.cuda.get_device_capability()[0] == 9:  # what "auto" takes on Hopper, by head count

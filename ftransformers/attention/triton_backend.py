@@ -120,10 +120,6 @@ MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 # 16 heads 8.0 / 12.8 / 19.8 -> 7.6 / 12.9 / 18.0, 8 heads 7.0 / 11.7 / 18.3 -> 6.7 / 11.8 / 16.6
 # (benchmarks/results/attention_mla_splits_h200.log). The H100 (3.35 TB/s, 25 GB/s an SM) keeps 64 (above).
 MLA_FEW_WIDE_SPLITS_GBPS_PER_SM = 30.0
-# 33-64 heads a program on the few-heads kernel's two compute warpgroups (gluon_mla_few_heads, WGS 2: 32 heads each,
-# one copy of each tile for both) instead of two programs of 32 a tile (to batch 4) or the 64-head kernel; 128 heads
-# as two such programs. On wide GPUs (MLA_FEW_WIDE_SPLITS_GBPS_PER_SM) up to MLA_FEW_HEADS_MAX_KV_SPLITS splits.
-MLA_PAIRED_WARPGROUPS = 0
 MLA_BLOCK_H = 64  # heads per MLA decode program on CUDA (wgmma M; the accumulator fills the registers)
 MLA_NUM_STAGES = 3  # H100: 3-6% faster than 2 from batch 4 (benchmarks/results/attention_h100.json)
 # MLA decode stage 1: "auto" takes a Gluon kernel on Hopper where it applies (kernels/gluon_mla_decode.py;
@@ -188,9 +184,7 @@ def mla_block_h(
     takes that kernel where a program's heads fit it, the 64-head one (MLA_BLOCK_H a program) otherwise.
     With "auto", on a GPU of `gbps_per_sm` a batch whose longest sequence holds `context` tokens may take one
     block instead (mla_one_block_from). With the few-heads kernel forced (`kernel` "gluon_few"), blocks it can
-    take. With MLA_PAIRED_WARPGROUPS, 64 above FEW_HEADS_LIMIT heads (the few-heads kernel's two warpgroups)."""
-    if MLA_PAIRED_WARPGROUPS and num_heads > FEW_HEADS_LIMIT and kernel in ("auto", "gluon_few"):
-        return 2 * FEW_HEADS_LIMIT
+    take."""
     if MLA_FEW_HEADS < num_heads <= 2 * FEW_HEADS_LIMIT and batch_size <= MLA_FEW_SPLIT_HEADS_MAX_BS:
         one_from = mla_one_block_from(num_heads, batch_size, gbps_per_sm) if kernel == "auto" else None
         if one_from is None or context < one_from:
@@ -235,9 +229,6 @@ def mla_decode_launch(
     wide_from = mla_64_head_kernel_from(H, batch_size, gbps_per_sm) if kernel == "auto" else None
     if wide_from is not None and context >= wide_from and gluon_mla_unsupported(q_nope, latent_buf) is None:
         kernel = "gluon"
-    paired = kernel == "auto" and want > FEW_HEADS_LIMIT and MLA_PAIRED_WARPGROUPS
-    if paired and gluon_mla_unsupported(q_nope, latent_buf, True, want) is None:
-        kernel = "gluon_few"
     kernel = mla_decode_kernel(q_nope, latent_buf, kernel, want)
     block_h = want if kernel == "gluon_few" else MLA_BLOCK_H if q_nope.is_cuda else 16
     splits = mla_num_kv_splits(batch_size, cdiv(H, block_h), num_sms, mla_max_kv_splits(H, kernel, gbps_per_sm))
@@ -248,8 +239,6 @@ def mla_max_kv_splits(num_heads: int, kernel: str = "triton", gbps_per_sm: float
     """mla_num_kv_splits's cap for this many heads a GPU on this stage-1 kernel (mla_decode_kernel's name;
     see MLA_FEW_HEADS), on a GPU of this peak DRAM bandwidth an SM (peak_gbps_per_sm; 0: unknown, the
     few-heads kernel keeps 64; see MLA_FEW_WIDE_SPLITS_GBPS_PER_SM)."""
-    if MLA_PAIRED_WARPGROUPS and num_heads > FEW_HEADS_LIMIT and kernel == "gluon_few":
-        return MLA_FEW_HEADS_MAX_KV_SPLITS if gbps_per_sm >= MLA_FEW_WIDE_SPLITS_GBPS_PER_SM else MLA_MAX_KV_SPLITS
     if num_heads > MLA_FEW_HEADS:
         wide = kernel == "gluon" and num_heads <= 2 * FEW_HEADS_LIMIT and gbps_per_sm >= MLA_FEW_WIDE_SPLITS_GBPS_PER_SM
         return MLA_FEW_HEADS_MAX_KV_SPLITS if wide else MLA_MAX_KV_SPLITS  # 33-64 heads on the 64-head kernel: 128

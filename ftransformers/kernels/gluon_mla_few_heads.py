@@ -47,7 +47,9 @@ Measured there and not kept (docs/performance.md, session 58): the splits merged
 waiting on a row counter for the others (c4a49d4 has it; 15.1 -> 16.0 us at 16 heads: the waiting programs hold every
 SM, so the next layer's programs no longer start beside the merge as they do beside stage 2), the split's output
 stored from the accumulator's layout (level), and the load partition's first tile held until the queries are in
-(slower).
+(slower). Session 61 (2e9aec8 has it): 64 heads a program as two compute warpgroups of 32 on each stage, slower at
+64 and 128 heads (64 heads, B=1 x 32K: 26.5 us against 23.6). Side by side the two warpgroups take 1.4x one's time
+a tile: with the tokens as the M, each reads the whole tile from shared memory for both products.
 
 Shared memory (16 heads, bf16): q 18 KB + 2 x 72 KB latent + 2 KB P + the epilogue's layout change.
 Needs L = 512, R = 64, 16-bit dtypes, compute capability 9.x and at most 32 heads a program.
@@ -71,13 +73,12 @@ from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.stamps import gl_stamp
 from ftransformers.kernels.triton_decode_attention import decode_combine
-from ftransformers.kernels.triton_mla_attention import FEW_HEADS_LIMIT, FEW_HEADS_PAIR_LIMIT
+from ftransformers.kernels.triton_mla_attention import FEW_HEADS_LIMIT
 
 # stamps (kernels/stamps.py) of stage 1, a program: entry, after the PDL wait, tile 0's copies issued, the queries
 # in shared memory, tile 0 landed, the last tile's product done, the split's output stored
 STAMP_SLOTS = gl.constexpr(7)
 MAX_HEADS = FEW_HEADS_LIMIT  # the widest wgmma N here: O^T [512, 32] is 128 float32 registers a thread
-PAIR_MAX_HEADS = FEW_HEADS_PAIR_LIMIT  # a program's heads on two compute warpgroups (WGS 2) of MAX_HEADS
 BLOCK_N = 64  # tokens per tile: the wgmma M
 NUM_WARPS = 4  # the compute partition: one warpgroup
 LOAD_WARPS = NUM_WARPS  # the kernel's own warps copy tile 0 with the load partition's count of arrivals
@@ -100,9 +101,6 @@ EARLY_TILES = 1
 # 43.37, B=1 x 4K level (7.43 / 7.44); 184 registers level with 248; DeepSeek-V3 at 16 heads, 3 layers, B=1 ctx 32K,
 # graph replay 1.245 against 1.244 ms
 LAUNCH_REGS = 152
-# Two compute warpgroups a program (WGS 2: 33-64 heads, HN 32 each, on one copy of each tile): the second one's
-# registers a thread; the launch takes all of an SM's for its 12 warps (168), the load partition keeps LOAD_REGS
-PAIR_COMPUTE_REGS = 232
 # timing experiments only, wrong results: 1 = the stream alone (no wgmma, no softmax; the same barriers), 2 = the
 # compute alone (no copies past the first two tiles: latent_loads' DIAG 1)
 DIAG = 0
@@ -115,28 +113,13 @@ def heads_block(num_heads: int) -> int:
     return max(8, next_pow2(num_heads))
 
 
-def program_heads(num_heads: int, block_h: int | None = None) -> tuple[int, int]:
-    """(compute warpgroups, wgmma N) of a program for `num_heads` heads a GPU in blocks of at most `block_h` (None:
-    all): one warpgroup up to MAX_HEADS heads a program, two of MAX_HEADS each up to PAIR_MAX_HEADS."""
-    want = num_heads if block_h is None else min(block_h, num_heads)
-    if want > PAIR_MAX_HEADS:
-        raise ValueError(f"the few-heads MLA kernel takes at most {PAIR_MAX_HEADS} heads a program, not {want}")
-    return (1, heads_block(want)) if want <= MAX_HEADS else (2, MAX_HEADS)
-
-
 @gluon.jit
 def _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
                    s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                   L: gl.constexpr, HN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                   DIRECT: gl.constexpr = False):  # fmt: skip
+                   L: gl.constexpr, HN: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
     # acc [L, HN] unnormalised (O^T), m_i / l_i [HN] this split's running max and sum (base 2); written
-    # along L, after a layout change (16-byte vectors), or (DIRECT: no shared memory for the change) from the
-    # accumulator's own layout (a warp's store covers 8 rows of 4 heads, one 32-byte sector a head); heads past
-    # num_heads are not stored
-    if DIRECT:
-        st_layout: gl.constexpr = o_layout
-    else:
-        st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    # along L (16-byte vectors) after a layout change; heads past num_heads are not stored
+    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(0, o_layout))[None, :]
     out = gl.convert_layout(out, st_layout)
     rows = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
@@ -155,7 +138,7 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
                split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
                s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, stamps, program,
                L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAMPS: gl.constexpr, DIAG: gl.constexpr, DIRECT: gl.constexpr = False):  # fmt: skip
+               STAMPS: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
     # The default partition (one warpgroup): per tile, wait for its stage, S^T, the online softmax over
     # the tile's tokens, P^T through shared memory, O^T += c_kv^T P^T; then hand the stage back.
     dtype: gl.constexpr = kvn.dtype
@@ -213,7 +196,7 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
     if STAMPS:
         gl_stamp(stamps, program, 5, STAMP_SLOTS)
     _store_split_t(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
-                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout, DIRECT)  # fmt: skip
+                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout)  # fmt: skip
     if STAMPS:
         gl_stamp(stamps, program, 6, STAMP_SLOTS)
 
@@ -261,9 +244,7 @@ def mla_decode_stage1_few_heads(
     L: gl.constexpr, R: gl.constexpr, HN: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr, EARLY_TILES: gl.constexpr,
     USE_PDL: gl.constexpr = False, stamps=None, STAMPS: gl.constexpr = False, DIAG: gl.constexpr = 0,
-    WGS: gl.constexpr = 1, PAIR_REGS: gl.constexpr = 232,
 ):  # fmt: skip
-    # a program's WGS * HN heads: compute warpgroup w takes the HN of head block pid_h * WGS + w
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
     b = gl.program_id(2)
@@ -292,7 +273,7 @@ def mla_decode_stage1_few_heads(
     first_slots = gl.allocate_shared_memory(slot_t, [FIRST * BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for i in gl.static_range(2):
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
-        mbarrier.init(empty.index(i), count=WGS)  # each compute warpgroup frees the stage
+        mbarrier.init(empty.index(i), count=1)
     if EARLY_TILES > 0:
         _load_slots(r2t_row, first_slots, start, end, FIRST * BLOCK_N)
         for t in gl.static_range(EARLY_TILES):
@@ -308,10 +289,10 @@ def mla_decode_stage1_few_heads(
     if end <= start:
         if split_id == 0:  # seq_len 0 (a padded CUDA-graph row): zeros, not garbage
             ld_z: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-            heads_z = pid_h * (WGS * HN) + gl.arange(0, WGS * HN, layout=gl.SliceLayout(1, ld_z))
+            heads_z = pid_h * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, ld_z))
             cols_z = gl.arange(0, L, layout=gl.SliceLayout(0, ld_z))
             gl.store(O + b * s_o_b + heads_z[:, None] * s_o_h + cols_z[None, :],
-                     gl.zeros([WGS * HN, L], O.dtype.element_ty, ld_z), mask=(heads_z < num_heads)[:, None])  # fmt: skip
+                     gl.zeros([HN, L], O.dtype.element_ty, ld_z), mask=(heads_z < num_heads)[:, None])  # fmt: skip
         return
     if EARLY_TILES == 0:
         _load_slots(r2t_row, first_slots, start, end, FIRST * BLOCK_N)
@@ -325,50 +306,28 @@ def mla_decode_stage1_few_heads(
     q_rope = gl.allocate_shared_memory(dtype, [HN, R], sl_qr)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HN], sl_p)
     num_tiles = gl.cdiv(end - start, BLOCK_N)
-    if WGS == 1:
-        gl.warp_specialize(
-            [
-                (_compute_t, (Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b,
-                              pid_h, split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
-                              s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                              stamps, program, L, R, HN, BLOCK_N, STAMPS, DIAG, False)),
-                (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG // 2, FIRST)),  # tiles before FIRST: above
-            ],
-            [LOAD_WARPS],
-            [LOAD_REGS],
-        )  # fmt: skip
-    else:  # two compute warpgroups on each stage, HN heads each (their own queries and P), stores from registers
-        q_nope1 = gl.allocate_shared_memory(dtype, [HN, L], sl_ql)
-        q_rope1 = gl.allocate_shared_memory(dtype, [HN, R], sl_qr)
-        p_smem1 = gl.allocate_shared_memory(dtype, [BLOCK_N, HN], sl_p)
-        gl.warp_specialize(
-            [
-                (_compute_t, (Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b,
-                              2 * pid_h, split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
-                              s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                              stamps, program, L, R, HN, BLOCK_N, STAMPS, DIAG, True)),
-                (_compute_t, (Q_NOPE, Q_ROPE, q_nope1, q_rope1, kvn, kvr, p_smem1, ready, empty, O, mid_o, mid_lse, b,
-                              2 * pid_h + 1, split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
-                              s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                              stamps, program, L, R, HN, BLOCK_N, False, DIAG, True)),
-                (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG // 2, FIRST)),
-            ],
-            [4, LOAD_WARPS],  # a warpgroup
-            [PAIR_REGS, LOAD_REGS],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_compute_t, (Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h,
+                          split_id, seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
+                          s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+                          stamps, program, L, R, HN, BLOCK_N, STAMPS, DIAG)),
+            (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
+                            L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG // 2, FIRST)),  # tiles before FIRST: above
+        ],
+        [LOAD_WARPS],
+        [LOAD_REGS],
+    )  # fmt: skip
 
 
-def maxnreg(wgs: int = 1) -> int:
+def maxnreg() -> int:
     """Registers a thread at launch (the load partition gives back all but LOAD_REGS, and the compute warpgroup takes
-    256): LAUNCH_REGS, or (0) all an SM has for one program; with two compute warpgroups, all of it."""
-    warps = wgs * NUM_WARPS + LOAD_WARPS
-    return (LAUNCH_REGS if wgs == 1 else 0) or min(248, 65536 // (warps * 32) // 8 * 8)
+    256): LAUNCH_REGS, or (0) all an SM has for one program."""
+    return LAUNCH_REGS or min(248, 65536 // ((NUM_WARPS + LOAD_WARPS) * 32) // 8 * 8)
 
 
 def mla_decode_few_heads(
-    q_nope: torch.Tensor,  # [B, H, L]; a program takes at most PAIR_MAX_HEADS (program_heads)
+    q_nope: torch.Tensor,  # [B, H, L], H <= MAX_HEADS
     q_rope: torch.Tensor,  # [B, H, R]
     latent_buf: torch.Tensor,  # [N, L + R], rows 16-element aligned
     out: torch.Tensor,  # [B, H, L]
@@ -380,20 +339,20 @@ def mla_decode_few_heads(
     num_kv_splits: int,
     sm_scale: float,
     min_split_len: int,  # rounded up to BLOCK_N; 0 = BLOCK_N
-    block_h: int | None = None,  # heads a program: all (None, or >= H), else block_h (program_heads)
+    block_h: int | None = None,  # heads a program: all (None, or >= H), else heads_block(block_h) a program
     stamps: tuple[torch.Tensor, torch.Tensor] | None = None,  # diagnostics: stage 1's [programs, STAMP_SLOTS, 2]
     # and stage 2's (kernels/stamps.py; triton_decode_attention.COMBINE_STAMP_SLOTS)
 ) -> torch.Tensor:
     """Stage 1 here, then `decode_combine` for rows of several splits; returns `out`."""
     B, H, L = q_nope.shape
-    wgs, hn = program_heads(H, block_h)
+    hn = heads_block(H) if block_h is None or block_h >= H else heads_block(block_h)
     min_split_len = cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                        num_kv_splits, sm_scale, min_split_len)  # fmt: skip
-    mla_decode_stage1_few_heads[(cdiv(H, wgs * hn), num_kv_splits, B)](
+    mla_decode_stage1_few_heads[(cdiv(H, hn), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], HN=hn, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, EARLY_TILES=EARLY_TILES, DIAG=DIAG, WGS=wgs, PAIR_REGS=PAIR_COMPUTE_REGS, num_warps=NUM_WARPS, maxnreg=maxnreg(wgs),
+        LOAD_ROWS=LOAD_ROWS, EARLY_TILES=EARLY_TILES, DIAG=DIAG, num_warps=NUM_WARPS, maxnreg=maxnreg(),
         **pdl_launch(q_nope.device), **({"stamps": stamps[0], "STAMPS": True} if stamps is not None else {}),
     )  # fmt: skip
     if num_kv_splits > 1:

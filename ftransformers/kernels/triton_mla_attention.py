@@ -131,8 +131,6 @@ MLA_DECODE_KERNELS = ("auto", "gluon", "gluon_few", "triton")
 # the few-heads kernel's widest wgmma N (gluon_mla_few_heads.MAX_HEADS); "auto" takes it wherever it applies
 # (H100: faster than the 64-head kernel at every batch 1-64 and context 4K-32K measured at 8, 16, 32 heads)
 FEW_HEADS_LIMIT = 32
-# heads a program of the few-heads kernel on its two compute warpgroups (gluon_mla_few_heads.PAIR_MAX_HEADS)
-FEW_HEADS_PAIR_LIMIT = 2 * FEW_HEADS_LIMIT
 
 
 @functools.cache
@@ -146,8 +144,8 @@ def gluon_mla_unsupported(
     """Why the Gluon decode kernel (`few_heads`: the one with the heads as the wgmma N, on blocks of at most
     `block_h` heads) cannot run on these tensors, or None when it can."""
     L, H = q_nope.shape[-1], q_nope.shape[1]
-    if few_heads and min(H, block_h or H) > FEW_HEADS_PAIR_LIMIT:
-        return f"the few-heads kernel takes at most {FEW_HEADS_PAIR_LIMIT} heads a program, not {min(H, block_h or H)}"
+    if few_heads and min(H, block_h or H) > FEW_HEADS_LIMIT:
+        return f"the few-heads kernel takes at most {FEW_HEADS_LIMIT} heads a program, not {min(H, block_h or H)}"
     if not q_nope.is_cuda or _capability_major(q_nope.device.index) != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
     if (L, latent_buf.shape[-1] - L) != (512, 64):
