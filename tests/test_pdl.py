@@ -66,9 +66,6 @@ READ_BEFORE_WAIT = {
     "that kernel's wait) and the first K tile of its experts' (constant) 16-bit rows",
     "_token_down_w8_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after that "
     "kernel's wait) and its rows of the experts' (constant) weights and scales",
-    "_token_down_w8_tiled_kernel": "the routing (ids, weights: read by its predecessor, the gate-up kernel, after "
-    "that kernel's wait), with PRELOAD the first K tile of its rows of the experts' (constant) weights, and (int8) "
-    "their scales",
 }
 # Kernels that prefetch into L2 ahead of their wait (an `if PREFETCH:` block): what they prefetch, and
 # what they load there only to form addresses (a hint: any value is safe while the address is in bounds).
@@ -91,10 +88,6 @@ STEP_DATA_BEFORE_WAIT: dict[str, str | tuple[str, ...]] = {
     "triton_moe_w4_gemv._token_down_kernel": "triton_moe_w4_gemv._token_gate_up_kernel",
     "triton_moe_token_down._moe_token_down_kernel": "triton_fused_moe._pair_gate_up_kernel",
     "triton_moe_w8_token._token_down_w8_kernel": (
-        "triton_moe_w8_token._token_gate_up_w8_kernel",  # int8
-        "triton_fused_moe_w8._pair_gate_up_kernel",  # fp8
-    ),
-    "triton_moe_w8_token._token_down_w8_tiled_kernel": (
         "triton_moe_w8_token._token_gate_up_w8_kernel",  # int8
         "triton_fused_moe_w8._pair_gate_up_kernel",  # fp8
     ),

@@ -43,7 +43,6 @@ from ftransformers.kernels.triton_fp8_gemm import Fp8GemmConfig, Fp8GemvConfig, 
 from ftransformers.kernels.triton_fused_moe import MoEConfig
 from ftransformers.kernels.triton_fused_moe_w8 import W8PairConfig, fused_moe_w8
 from ftransformers.kernels.triton_int8_gemm import Int8GemmConfig, Int8GemvConfig, int8_linear, quant_act_int8
-from ftransformers.kernels import triton_moe_w8_token as w8_token
 from ftransformers.kernels.triton_moe_w8_token import TokenW8Config, moe_w8_token, takes
 from ftransformers.kernels.triton_w8_row import w8_row
 
@@ -288,32 +287,6 @@ def test_token_path_matches_reference(fmt: str, case: int) -> None:
         out = moe_w8_token(hidden, w13, w2, weights.reshape(-1).float().contiguous(), ids, cfg)
         assert out.shape == hidden.shape and out.dtype == dtype
         assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL, (case, dtype)
-
-
-@pytest.mark.parametrize("fmt", ["fp8_block", "int8"])
-@pytest.mark.parametrize(("rows", "block_k", "preload"), [(2, 64, True), (4, 128, False), (1, 256, True)])
-def test_tiled_down_over_k_tiles_matches_reference(
-    fmt: str, rows: int, block_k: int, preload: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The down kernel over K tiles (DOWN_TILED): int8's per-slot scale from a pass over all of act, fp8's groups
-    quantized tile by tile (a tile is at least one 128 group), I = 200 leaving a ragged last tile, top-k 3 padded
-    to 4 slots; against quant_moe_ref and against the whole-K kernel (DOWN_TILED = 0) on the same act."""
-    monkeypatch.setattr(w8_token, "DOWN_TILED", True)
-    monkeypatch.setattr(w8_token, "TILED_N", rows)
-    monkeypatch.setattr(w8_token, "TILED_K", block_k)
-    monkeypatch.setattr(w8_token, "TILED_PRELOAD", preload)
-    d, inter, e, k = (160, 200, 6, 3) if not CUDA else (2048, 200 * 4, 64, 6)
-    gen = torch.Generator().manual_seed(rows + block_k)
-    hidden, w13, w2 = make_moe(fmt, 1, d, inter, e, torch.bfloat16, gen)
-    weights, ids = make_routing(1, e, k, gen)
-    tw = weights.reshape(-1).float().contiguous()
-    cfg = TokenW8Config(4, 4, 16, 8) if not CUDA else None
-    act = w8_token.token_gate_up(hidden, w13, ids, cfg or w8_token.default_config())
-    tiled = w8_token.token_down(act, w2, tw, ids, cfg or w8_token.default_config())
-    assert rel_err(tiled, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
-    monkeypatch.setattr(w8_token, "DOWN_TILED", False)
-    whole = w8_token.token_down(act, w2, tw, ids, cfg or w8_token.default_config())
-    assert rel_err(tiled, whole) <= 1e-2  # the same quantization, summed in another order (fp8)
 
 
 def test_token_path_takes_one_token_of_int8_experts_up_to_max_k() -> None:

@@ -57,7 +57,9 @@ class TokenW8Config:
 # (benchmarks/results/ab_w8tok{,2}_30b_{w8a8,fp8}_h100.*): 16 rows a program on 32 warps 562 us a step (128 programs,
 # one wave, every weight read ahead of the wait), 8 on 16 warps 724-728, 4 on 16 warps 1177, 2 on 8 warps 2831,
 # against the pair path's 1329-1337. The gate-up kernel is no faster than the pair path's (602-653 against 576 us);
-# 4 rows on 8 warps kept. Step: 2.841 against 3.612 ms (ab_w8tok3_30b_w8a8_h100.*).
+# 4 rows on 8 warps kept. Step: 2.841 against 3.612 ms (ab_w8tok3_30b_w8a8_h100.*). On the H200 (session 61,
+# ab_w8tiles_30b_{w8a8,fp8}_s61_h200.*) these tiles still won, and a down kernel over K tiles of a few rows a program,
+# reading only its first tile before the wait (d7588dd), lost: W8A8 2.302 -> 2.404-2.852 ms, FP8 2.467 -> 2.655-3.199.
 UP_N, UP_WARPS, DOWN_N, DOWN_WARPS = (TokenW8Config.up_n, TokenW8Config.up_warps, TokenW8Config.down_n,
                                       TokenW8Config.down_warps)  # fmt: skip
 
@@ -65,12 +67,6 @@ UP_N, UP_WARPS, DOWN_N, DOWN_WARPS = (TokenW8Config.up_n, TokenW8Config.up_warps
 # fp8: the down kernel on 16 warps (538 us a step against 913 on 32), after the pair path's gate-up kernel, which
 # was faster than this module's on fp8 (540 against 649-749 us); FP8_DOWN = 0 leaves one fp8 token to the pair path
 FP8_DOWN, FP8_DOWN_WARPS = True, 16
-
-
-# The down projection over K tiles, few rows a program (`_token_down_w8_tiled_kernel`), instead of all of K in one
-# program an SM; rows, K tile, warps and the first tile read before the PDL wait (DOWN_TILED = 0: the whole-K kernel)
-DOWN_TILED = False
-TILED_N, TILED_K, TILED_WARPS, TILED_PRELOAD = 2, 256, 8, True
 
 
 def default_config() -> TokenW8Config:
@@ -168,75 +164,6 @@ def _token_down_w8_kernel(
     tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
 
 
-@cached_launch
-@triton.jit
-def _token_down_w8_tiled_kernel(
-    act_ptr, w_ptr, ws_ptr, out_ptr, ids_ptr, tw_ptr, N, K,
-    stride_we, stride_wn, stride_se, stride_sn,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, PRELOAD: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    # _token_down_w8_kernel's function over K tiles of BLOCK_K, few rows a program (triton_moe_token_down's form):
-    # tiles [BLOCK_N, SLOTS, BLOCK_K]. int8: a first pass over act takes each slot's amax (its scale covers the row),
-    # the products are summed exactly in int32. fp8: BLOCK_K is a multiple of GROUP, so each tile quantizes its own
-    # groups. PRELOAD: the routing and the first tile of weights are loaded before the PDL wait (the weights are
-    # constant; the routing was read by the kernel before this one after its own wait); act comes after it.
-    pid = tl.program_id(0)
-    s = tl.arange(0, SLOTS)
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n3 = n[:, None, None]
-    s3 = s[None, :, None]
-    k3 = tl.arange(0, BLOCK_K)[None, None, :]
-    row_ok = (n3 < N) & (s3 < TOP_K)  # [BN, S, 1]
-    expert = tl.load(ids_ptr + s, mask=s < TOP_K, other=0).to(tl.int64)
-    tw = tl.load(tw_ptr + s, mask=s < TOP_K, other=0.0)
-    w_ptrs = w_ptr + expert[None, :, None] * stride_we + n3.to(tl.int64) * stride_wn + k3  # [BN, S, BK]
-    zero = 0.0 if FP8 else 0
-    if PRELOAD:
-        w0 = tl.load(w_ptrs, mask=row_ok & (k3 < K), other=zero)
-    if FP8:
-        GT: tl.constexpr = BLOCK_K // GROUP  # quantization groups a tile
-        gt = tl.arange(0, GT)[None, None, :]  # [1, 1, GT]
-        ws_ptrs = ws_ptr + expert[None, :, None] * stride_se + (pid * BLOCK_N // SCALE_N) * stride_sn + gt
-    else:
-        ws = tl.load(ws_ptr + expert[None, :] * stride_se + n[:, None] * stride_sn,
-                     mask=(n < N)[:, None] & (s < TOP_K)[None, :], other=0.0)  # [BN, S]  # fmt: skip
-    pdl_enter(USE_PDL)
-    if not PRELOAD:
-        w0 = tl.load(w_ptrs, mask=row_ok & (k3 < K), other=zero)
-    a_ptrs = act_ptr + s3 * K + k3  # [1, S, BK]
-    a_ok = s3 < TOP_K
-    if FP8:
-        acc = tl.zeros([BLOCK_N, SLOTS, BLOCK_K], dtype=tl.float32)
-        for kt in range(K_TILES):
-            k0 = kt * BLOCK_K
-            w = w0 if kt == 0 else tl.load(w_ptrs + k0, mask=row_ok & (k3 < K - k0), other=zero)
-            a = tl.load(a_ptrs + k0, mask=a_ok & (k3 < K - k0), other=0.0).to(tl.float32)
-            a4 = tl.reshape(a, [1, SLOTS, GT, GROUP])
-            sx = fp8_scale(tl.max(tl.abs(a4), axis=3))  # [1, S, GT]
-            wsg = tl.load(ws_ptrs + kt * GT, mask=a_ok & (kt * GT + gt < tl.cdiv(K, GROUP)), other=0.0)
-            xd = quant_fp8(a4, sx[:, :, :, None]).to(tl.float32) * (sx * wsg)[:, :, :, None]
-            acc += w.to(tl.float32) * tl.reshape(xd, [1, SLOTS, BLOCK_K])
-        y = tl.sum(acc, axis=2)  # [BN, S]
-    else:
-        amax = tl.zeros([1, SLOTS], dtype=tl.float32)
-        for kt in range(K_TILES):
-            a = tl.load(a_ptrs + kt * BLOCK_K, mask=a_ok & (k3 < K - kt * BLOCK_K), other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(a), axis=2))
-        sx = int8_scale(amax)  # [1, S]
-        acc = tl.zeros([BLOCK_N, SLOTS, BLOCK_K], dtype=tl.int32)
-        for kt in range(K_TILES):
-            k0 = kt * BLOCK_K
-            w = w0 if kt == 0 else tl.load(w_ptrs + k0, mask=row_ok & (k3 < K - k0), other=zero)
-            a = tl.load(a_ptrs + k0, mask=a_ok & (k3 < K - k0), other=0.0).to(tl.float32)
-            acc += w.to(tl.int32) * quant_int8(a, sx[:, :, None]).to(tl.int32)
-        y = tl.sum(acc, axis=2).to(tl.float32) * (sx * ws)  # [BN, S]
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32) * tw[None, :]
-    out = tl.sum(tl.where((s < TOP_K)[None, :], y, 0.0), axis=1)  # [BN]
-    tl.store(out_ptr + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
-
-
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight) -> bool:
     """Whether fused_moe_w8 runs this call here, both kernels: one token, int8 experts, D and I at most MAX_K. On fp8
     experts (H100, Qwen3-30B-A3B, ab_w8tok{2,3}_30b_fp8_h100.*) this gate-up kernel lost to the pair path's (649-749
@@ -299,20 +226,9 @@ def token_down(act: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, id
     fp8 = w2.fmt == "fp8_block"
     assert w2.qweight.stride(-1) == 1 and act.is_contiguous() and weights.is_contiguous()
     out = torch.empty(1, d, dtype=act.dtype, device=act.device)
+    bn = pow2_dividing(cfg.down_n, w2.block_n) if fp8 else cfg.down_n
     group, ng = k_tiles(w2)
     s2, se, sn = _scales(w2)
-    if DOWN_TILED:
-        bn = pow2_dividing(TILED_N, w2.block_n) if fp8 else TILED_N
-        bk = max(group, min(TILED_K, next_pow2(inter))) if fp8 else min(TILED_K, next_pow2(inter))
-        _token_down_w8_tiled_kernel[(cdiv(d, bn),)](
-            act, w2.qweight, s2, out, ids, weights, d, inter,
-            w2.qweight.stride(0), w2.qweight.stride(1), se, sn,
-            TOP_K=top_k, SLOTS=next_pow2(top_k), FP8=fp8, SCALE_N=w2.block_n, GROUP=group, BLOCK_N=bn,
-            BLOCK_K=bk, K_TILES=cdiv(inter, bk), PRELOAD=TILED_PRELOAD, num_warps=TILED_WARPS,
-            **pdl_launch(act.device),
-        )  # fmt: skip
-        return out
-    bn = pow2_dividing(cfg.down_n, w2.block_n) if fp8 else cfg.down_n
     _token_down_w8_kernel[(cdiv(d, bn),)](
         act, w2.qweight, s2, out, ids, weights, d, inter,
         w2.qweight.stride(0), w2.qweight.stride(1), se, sn,
