@@ -111,8 +111,11 @@ MLA_VARIANTS = {
     # timing-only diagnostics of the Gluon kernel (wrong results; not run unless named): no copies after
     # the first two tiles (its compute path alone), no wgmma (its copies, softmax and barriers alone).
     # The schedules it was chosen from (gluon_pipe, gluon_seq, gluon_ws_seq_p2, ...) are in commit dcbcafd.
+    # the 64-head kernel's scores split over both warpgroups by tokens (before SCORES_ONE_WG, session 61; not run
+    # unless named)
+    "gluon_split": dict(kernel="gluon", gluon_attrs={"SCORES_ONE_WG": 0}),
     "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1}),
-    "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2}),
+    "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2, "SCORES_ONE_WG": 0}),  # the split form's DIAG 2
 }
 
 

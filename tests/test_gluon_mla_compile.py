@@ -32,10 +32,11 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
+def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True) -> dict:
     # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
-    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's)."""
+    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's; one_wg:
+    gluon_mla_decode's SCORES_ONE_WG)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -74,6 +75,8 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
     if heads_n:
         consts["EARLY_TILES"] = g.EARLY_TILES if early < 0 else early
     consts |= {"USE_PDL": True, "DIAG": 0}
+    if not heads_n:
+        consts |= {"ONE_WG": one_wg, "HALF_REGS": g.HALF_REGS}
     if heads_n and stamped:
         sig["stamps"] = "*i64"
         consts["STAMPS"] = True
@@ -86,20 +89,21 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     fn = g.mla_decode_stage1_few_heads if heads_n else g.mla_decode_stage1_gluon
     src = gluon_runtime.GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    options = {"num_warps": g.NUM_WARPS, "maxnreg": g.maxnreg()}
+    options = {"num_warps": 4 if not heads_n and one_wg else g.NUM_WARPS, "maxnreg": g.maxnreg()}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptxas = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
         log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
                              capture_output=True, text=True, check=True).stderr  # fmt: skip
-    return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS}
+    return {"shared": kernel.metadata.shared, "ptx": kernel.asm["ptx"], "ptxas": log, "load_regs": g.LOAD_REGS,
+            "half_regs": getattr(g, "HALF_REGS", 0)}  # fmt: skip
 
 
-def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1) -> dict:
+def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early}, {one_wg})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -107,13 +111,19 @@ def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1) 
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_gluon_mla_decode_compiles_for_hopper() -> None:
-    kernel = _compile_in_child()
+@pytest.mark.parametrize("one_wg", [True, False])
+def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool) -> None:
+    """SCORES_ONE_WG: one warpgroup's m64n64 scores, and each warpgroup's m64n256 half of P V in its own partition
+    (so twice in the PTX), the second warpgroup on HALF_REGS; otherwise both warpgroups' m64n32 scores."""
+    kernel = _compile_in_child(one_wg=one_wg)
     assert 0 < kernel["shared"] <= SM90_MAX_SHARED
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", kernel["ptx"])
-    assert sorted(set(shapes)) == ["m64n256k16", "m64n32k16"], shapes
-    assert shapes.count("m64n32k16") == (512 + 64) // 16  # one loop body: the scores
-    assert shapes.count("m64n256k16") == 64 // 16  # P V over a 64-token tile
+    scores = "m64n64k16" if one_wg else "m64n32k16"
+    assert sorted(set(shapes)) == sorted(["m64n256k16", scores]), shapes
+    assert shapes.count(scores) == (512 + 64) // 16  # one loop body: the scores
+    assert shapes.count("m64n256k16") == (2 if one_wg else 1) * 64 // 16  # P V over a 64-token tile
+    if one_wg:
+        assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{kernel['half_regs']};", kernel["ptx"])
     assert "cp.async.cg.shared.global" in kernel["ptx"]  # the paged gather, 16 bytes a copy
     # each load thread's copies tracked by the stage's mbarrier; the load warps' registers handed back
     assert "cp.async.mbarrier.arrive.noinc" in kernel["ptx"]

@@ -5,11 +5,19 @@ Same contract as `triton_mla_attention._mla_decode_stage1_kernel` (one program p
 sequence); a row of one split is finished here, others leave a normalised partial output and its
 base-2 log-sum-exp for `decode_combine`). What Gluon lets us say that Triton does not:
 
-- Both dots keep the 8 compute warps as two warpgroups side by side along N (`warps_per_cta=[4, 2]`).
-  The scores S = q_nope c_kv^T + q_pe k_pe^T [64 heads, BLOCK_N tokens]: each warpgroup computes half
-  the tokens (Triton lays a chained dot's warps along M, so with 64 heads both warpgroups computed all
-  of S, and the 576-deep QK product ran twice). The output O += P c_kv [64, 512]: each warpgroup owns
-  256 latent columns, 128 float32 registers a thread.
+- Two compute warpgroups (Triton lays a chained dot's warps along M, so with 64 heads both of its warpgroups
+  computed all of the scores, and the 576-deep QK product ran twice). The scores S = q_nope c_kv^T + q_pe k_pe^T
+  [64 heads, BLOCK_N tokens] are computed once:
+  - SCORES_ONE_WG (the default): the first warpgroup computes S whole as m64n64 wgmmas and its online softmax,
+    each row's columns within one warp (shuffles, no shared-memory round trip). It hands P and the rescale factor
+    alpha to the second through shared memory (`p_full`; the second hands P back through `p_empty`). Each then
+    forms half of O += P c_kv [64, 512], 256 latent columns and 128 float32 registers a thread. A tile's products
+    read 224 KB of shared memory, against 296 KB in the split form below. H200, session 61, bench_attention:
+    128 heads 35.0 -> 33.4 us at B=1 x 32K, 186.5 -> 170.7 at B=4 x 64K; 64 heads at B=4 x 32K 60.4 -> 57.7
+    (62% of copy).
+  - Otherwise the 8 warps stand as two warpgroups side by side along N (`warps_per_cta=[4, 2]`): each computes S
+    for half the tokens as m64n32 wgmmas, the softmax's row reductions cross the two through shared memory, and
+    each owns 256 columns of O as above.
 - P goes through shared memory (8 KB a tile) so both warpgroups read all of it as the A operand.
 - Warp specialisation: a partition of LOAD_WARPS warps gathers the latent rows (the cache is paged per
   token: no TMA) with 16-byte cp.async into a two-stage ring of 128-byte-swizzled tiles, each thread's
@@ -23,9 +31,10 @@ issued by the compute warps. Slower, and not kept (commit dcbcafd has them): P V
 behind the next tile's scores (41-48%: the stage it frees is refilled half a tile later), and ready
 barriers per column part of a tile (no gain). At 128 heads MLA decode is as much matmul as copy (~240
 FLOPs a cached byte on an H100): the compute path alone (DIAG 1) runs at ~67% of copy; the scores,
-m64n32 wgmmas with both operands in shared memory, bound it. FlashMLA's ping-pong of the warpgroups
-over alternate tiles (n64 scores each) is the known way past that, and needs more than the 227 KB to
-hold its tiles next to Q here.
+m64n32 wgmmas with both operands in shared memory, bound it (the split form). SCORES_ONE_WG is FlashMLA's
+split of the work without its ping-pong of the warpgroups over alternate tiles, which would put one's softmax
+under the other's products; the second warpgroup idles while the first computes the scores. DIAG 2 (no wgmma)
+runs the split form.
 
 Shared memory at the defaults (64 heads, 64 tokens, bf16): q 72 KB + 2 x 72 KB latent + 8 KB P +
 slots and barriers = 225 KB of the H100's 227 KB. Needs L = 512, R = 64 (DeepSeek-V2/V3, Kimi-K2),
@@ -58,11 +67,16 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK_H = 64  # wgmma M: heads per program
 BLOCK_N = 64  # tokens per tile
-NUM_WARPS = 8  # the compute partition: two warpgroups
+NUM_WARPS = 8  # the compute warps: two warpgroups (SCORES_ONE_WG: the default partition and a worker)
 LOAD_WARPS = 4  # the load partition's warps (registers are handed out per warpgroup)
 LOAD_REGS = 32  # its registers a thread (24 spills); the compute warps get the rest: 232 at 12 warps
 LOAD_ROWS = 8  # latent rows per cp.async call in the load partition (bounds its address registers)
 DIAG = 0  # timing experiments only, wrong results: 1 = no copies after the first tile, 2 = no wgmma
+# ONE_WG: one warpgroup takes a tile's scores whole (m64n64, its softmax within its warps) and hands P to the other
+# through shared memory; each then forms half of the 512 output columns (FlashMLA's split of the work, without its
+# ping-pong). Registers a thread of the second warpgroup (the first takes what the launch leaves).
+SCORES_ONE_WG = 1
+HALF_REGS = 216
 
 
 @gluon.jit
@@ -186,6 +200,100 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
                  s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, s_layout, o_layout)  # fmt: skip
 
 
+@gluon.jit
+def _store_half(acc, l_i, O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads,
+                s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, COL0: gl.constexpr, LH: gl.constexpr,
+                BLOCK_H: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    # columns [COL0, COL0 + LH) of a split's output: acc [BLOCK_H, LH] unnormalised, l_i [BLOCK_H] (o_layout's rows)
+    o_rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    o_cols = COL0 + gl.arange(0, LH, layout=gl.SliceLayout(0, o_layout))
+    o_mask = (o_rows < num_heads)[:, None]
+    out = acc / l_i[:, None]
+    if gl.cdiv(seq_len, split_len) == 1:  # the row's only split: final output
+        gl.store(O + b * s_o_b + o_rows[:, None] * s_o_h + o_cols[None, :], out.to(O.dtype.element_ty), mask=o_mask)
+    else:
+        gl.store(mid_o + b * s_mo_b + o_rows[:, None] * s_mo_h + split_id * s_mo_s + o_cols[None, :], out,
+                 mask=o_mask)  # fmt: skip
+
+
+@gluon.jit
+def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin,
+                    O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start, end, num_tiles,
+                    sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+                    L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    # ONE_WG's first warpgroup: per tile, the scores [BLOCK_H, BLOCK_N] whole and their online softmax (a row's
+    # columns within one warp), P and the rescale alpha into shared memory for the other warpgroup (p_full, once it
+    # has released the previous P: p_empty), then its half of O += P V, columns [0, L / 2).
+    dtype: gl.constexpr = kvn.dtype
+    LH: gl.constexpr = L // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, LH, 16])  # fmt: skip
+    cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_H, LH], gl.float32, o_layout)
+    for it in range(num_tiles):
+        st = it % 2
+        kv_n = kvn.index(st)
+        mbarrier.wait(ready.index(st), (it // 2) & 1)
+        fence_async_shared()
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q_nope, kv_n.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope, kvr.index(st).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + it * BLOCK_N + cols_s < end, qk_scale)
+        mbarrier.wait(p_empty, (it & 1) ^ 1)  # the other warpgroup is past the previous P (a fresh barrier: parity 1)
+        p_smem.store(p.to(dtype))
+        a_smem.store(alpha)
+        fence_async_shared()
+        _cta_barrier()  # this warpgroup's P and alpha stored
+        mbarrier.arrive(p_full)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_smem, kv_n.slice(0, LH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _cta_barrier()
+        mbarrier.arrive(empty.index(st))
+    l_smem.store(l_i)
+    _cta_barrier()
+    mbarrier.arrive(fin)
+    _store_half(acc, gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), O, mid_o, b, pid_h, split_id, seq_len,
+                split_len, num_heads, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, 0, LH, BLOCK_H, o_layout)  # fmt: skip
+    if gl.cdiv(seq_len, split_len) > 1:  # log-sum-exp in base 2 of this split's scores
+        heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+        gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i), mask=heads_s < num_heads)
+
+
+@gluon.jit
+def _compute_half(kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin,
+                  O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads, num_tiles,
+                  s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s,
+                  L: gl.constexpr, BLOCK_H: gl.constexpr):  # fmt: skip
+    # ONE_WG's second warpgroup: per tile, once P and alpha are in (p_full), its half of O += P V, columns
+    # [L / 2, L); then it releases P (p_empty) and the stage (empty).
+    LH: gl.constexpr = L // 2
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, LH, 16])  # fmt: skip
+    row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([BLOCK_H, LH], gl.float32, o_layout)
+    for it in range(num_tiles):
+        st = it % 2
+        mbarrier.wait(ready.index(st), (it // 2) & 1)
+        mbarrier.wait(p_full, it & 1)
+        fence_async_shared()
+        acc = acc * a_smem.load(row_l)[:, None]
+        acc = warpgroup_mma(p_smem, kvn.index(st).slice(LH, LH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _cta_barrier()
+        mbarrier.arrive(p_empty)
+        mbarrier.arrive(empty.index(st))
+    mbarrier.wait(fin, 0)
+    _store_half(acc, l_smem.load(row_l), O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads,
+                s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, LH, LH, BLOCK_H, o_layout)  # fmt: skip
+
+
 @cached_launch
 @gluon.jit
 def mla_decode_stage1_gluon(
@@ -194,7 +302,8 @@ def mla_decode_stage1_gluon(
     s_qn_b, s_qn_h, s_qr_b, s_qr_h, s_kv, s_r2t, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
     L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
-    USE_PDL: gl.constexpr = False, DIAG: gl.constexpr = 0,
+    USE_PDL: gl.constexpr = False, DIAG: gl.constexpr = 0, ONE_WG: gl.constexpr = False,
+    HALF_REGS: gl.constexpr = 216,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
@@ -204,10 +313,11 @@ def mla_decode_stage1_gluon(
     req = gl.load(req_pool_indices + b)
     pdl_enter(USE_PDL)
     dtype: gl.constexpr = KV.dtype.element_ty
-    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [rows, L] 16-byte vectors
-    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [rows, R]
+    DW: gl.constexpr = 4 if ONE_WG else 8  # the default partition's warps
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [DW, 1], [1, 0])  # [rows, L] 16-byte vectors
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [DW, 1], [1, 0])  # [rows, R]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, L // 2, 16]
+        version=[3, 0], warps_per_cta=[4, DW // 4], instr_shape=[16, L // 2, 16]
     )
     sl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
     sl_r: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
@@ -249,21 +359,47 @@ def mla_decode_stage1_gluon(
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if ONE_WG else 1)  # ONE_WG: both warpgroups' halves of P V
     fence_async_shared()  # the queries' generic-proxy stores, before the first wgmma reads them
     num_tiles = gl.cdiv(end - start, BLOCK_N)
     r2t_row = req_to_token + req * s_r2t
-    gl.warp_specialize(
-        [
-            (_compute, (q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h, split_id,
-                        seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
-                        s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, BLOCK_N, DIAG)),
-            (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                      L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG)),
-        ],
-        [LOAD_WARPS],
-        [LOAD_REGS],
-    )  # fmt: skip
+    if ONE_WG:
+        a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(p_full, count=1)
+        mbarrier.init(p_empty, count=1)
+        mbarrier.init(fin, count=1)
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_compute_scores, (q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty,
+                                   fin, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start,
+                                   end, num_tiles, sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
+                                   L, BLOCK_H, BLOCK_N)),
+                (_compute_half, (kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin, O, mid_o, b, pid_h,
+                                 split_id, seq_len, split_len, num_heads, num_tiles, s_o_b, s_o_h, s_mo_b, s_mo_h,
+                                 s_mo_s, L, BLOCK_H)),
+                (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
+                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG)),
+            ],
+            [4, LOAD_WARPS],
+            [HALF_REGS, LOAD_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_compute, (q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h, split_id,
+                            seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
+                            s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, BLOCK_N, DIAG)),
+                (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
+                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG)),
+            ],
+            [LOAD_WARPS],
+            [LOAD_REGS],
+        )  # fmt: skip
 
 
 def maxnreg() -> int:
@@ -304,13 +440,15 @@ def mla_decode(
     """Stage 1 here, then `decode_combine` for rows of several splits (as `mla_decode_fwd` does with the
     Triton kernel); returns `out`."""
     B, H, L = q_nope.shape
+    one_wg = bool(SCORES_ONE_WG) and DIAG != 2  # DIAG 2 (no wgmma) is the split form's
     min_split_len = cdiv(max(min_split_len, 1), BLOCK_N) * BLOCK_N
     args = stage1_args(q_nope, q_rope, latent_buf, out, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                        num_kv_splits, sm_scale, min_split_len)  # fmt: skip
     mla_decode_stage1_gluon[(cdiv(H, BLOCK_H), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, num_warps=NUM_WARPS, maxnreg=maxnreg(),
+        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, ONE_WG=one_wg, HALF_REGS=HALF_REGS, num_warps=4 if one_wg else NUM_WARPS,
+        maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),
     )  # fmt: skip
     if num_kv_splits > 1:
