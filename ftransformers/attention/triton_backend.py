@@ -108,8 +108,10 @@ MLA_FEW_SPLIT_HEADS_MAX_BS = 4
 #   64 heads, batch 1 at 16K / 32K / 64K / 128K: 18.8 / 26.9 / 41.7 / 71.4 -> 21.2 / 27.6 / 38.8 / 60.8;
 #     batch 2 at 16K / 32K / 128K: 26.6 / 41.4 / 135.3 -> 28.2 / 39.5 / 106.0;
 #     batch 4 at 8K / 16K / 32K / 128K: 27.5 / 42.2 / 71.7 / 262.5 -> 29.5 / 40.9 / 62.2 / 200.9
-# Measured before the 64-head kernel's scores moved to one warpgroup (gluon_mla_decode.SCORES_ONE_WG, session 61),
-# which made that kernel 2-9% faster at 64-128 heads: lower bounds at 64 heads may now pay (not measured).
+# At 64 heads the bounds held after the 64-head kernel's scores moved to one warpgroup (gluon_mla_decode.SCORES_ONE_WG,
+# session 61; benchmarks/results/attention_64h_bounds_s61_h200.log), one block -> two of 32, us: batch 1 at 32K /
+# 64K 27.1 / 37.6 -> 23.9 / 38.9; batch 2 at 16K / 32K 26.7 / 37.3 -> 24.4 / 39.2; batch 3 at 8K / 16K 22.8 /
+# 31.5 -> 19.6 / 31.6; batch 4 at 8K / 16K 26.6 / 37.6 -> 25.1 / 39.8
 MLA_ONE_BLOCK_FROM = {32: {2: 16384, 3: 0, 4: 0}, 64: {1: 65536, 2: 32768, 3: 16384, 4: 16384}}
 # At batch 1, 17-32 heads keep two blocks of the few-heads kernel (one block of all of them lost: 38.6 against 35.5
 # us at 64K), but from this context the 64-head kernel on 128 splits beats both, on the same GPUs: 34.2-34.3 /
