@@ -59,7 +59,7 @@ class TokenW8Config:
 # against the pair path's 1329-1337. The gate-up kernel is no faster than the pair path's (602-653 against 576 us);
 # 4 rows on 8 warps kept. Step: 2.841 against 3.612 ms (ab_w8tok3_30b_w8a8_h100.*). On the H200 (session 61,
 # ab_w8tiles_30b_{w8a8,fp8}_s61_h200.*) these tiles still won, and a down kernel over K tiles of a few rows a program,
-# reading only its first tile before the wait (d7588dd), lost: W8A8 2.302 -> 2.404-2.852 ms, FP8 2.467 -> 2.655-3.199.
+# reading only its first tile before the wait (d7588dd), lost: W8A8 2.302 -> 2.404-3.320 ms, FP8 2.467 -> 2.655-4.456.
 UP_N, UP_WARPS, DOWN_N, DOWN_WARPS = (TokenW8Config.up_n, TokenW8Config.up_warps, TokenW8Config.down_n,
                                       TokenW8Config.down_warps)  # fmt: skip
 
