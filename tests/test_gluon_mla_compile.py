@@ -5,10 +5,11 @@ process: the test session runs Triton's interpreter (conftest), which replaces t
 jit functions the compiler needs.
 
 What the compiled kernel must show: it fits the 227 KiB of shared memory a Hopper block may use; the
-scores are computed as m64n32 wgmmas, i.e. each of the two warpgroups takes half of a 64-token tile
-(the Triton kernel's duplicated QK product would be m64n64 in both), 36 of them for the 576-deep
-q . [c_kv | k_pe]; P V as m64n256 (each warpgroup half of the 512 latent columns); the gather as
-cp.async tracked by mbarriers in a load partition that hands its registers to the compute warps.
+scores are computed once, 36 wgmmas for the 576-deep q . [c_kv | k_pe]: by one warpgroup as m64n64
+(SCORES_ONE_WG, the default), or as m64n32, each of the two warpgroups taking half of a 64-token tile
+(the Triton kernel's duplicated QK product would be m64n64 in both); P V as m64n256 (each warpgroup half
+of the 512 latent columns); the gather as cp.async tracked by mbarriers in a load partition that hands
+its registers to the compute warps.
 ptxas (the one Triton runs for sm_90, with -v) must keep the wgmmas asynchronous and spill nothing: a
 wgmma left in flight across the loop's back edge once made the ptxas of Triton 3.6 (the H100 image's)
 serialise every wgmma of the kernel (its info C7515); Triton 3.9's ptxas did not, so on CI this check
