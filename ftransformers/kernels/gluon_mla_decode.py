@@ -100,23 +100,37 @@ def _online_softmax(s, m_i, l_i, live, qk_scale):
 
 
 @gluon.jit
-def _store_split(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
-                 s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                 L: gl.constexpr, BLOCK_H: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    # acc [BLOCK_H, L] unnormalised, m_i / l_i the running max and sum (base 2) of this split's scores;
-    # rows past num_heads (a block padded to the wgmma M) are not stored
+def _store_cols(acc, l_i, O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads,
+                s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, COL0: gl.constexpr, LC: gl.constexpr,
+                BLOCK_H: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    # columns [COL0, COL0 + LC) of a split's output: acc [BLOCK_H, LC] unnormalised, l_i [BLOCK_H] its rows' sums
+    # (o_layout's rows); the row's only split stores the final output, others a normalised partial; rows past
+    # num_heads (a block padded to the wgmma M) are not stored
     o_rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, L, layout=gl.SliceLayout(0, o_layout))
+    o_cols = COL0 + gl.arange(0, LC, layout=gl.SliceLayout(0, o_layout))
     o_mask = (o_rows < num_heads)[:, None]
-    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    if gl.cdiv(seq_len, split_len) == 1:  # the row's only split: final output
+    out = acc / l_i[:, None]
+    if gl.cdiv(seq_len, split_len) == 1:
         gl.store(O + b * s_o_b + o_rows[:, None] * s_o_h + o_cols[None, :], out.to(O.dtype.element_ty), mask=o_mask)
     else:
         gl.store(mid_o + b * s_mo_b + o_rows[:, None] * s_mo_h + split_id * s_mo_s + o_cols[None, :], out,
                  mask=o_mask)  # fmt: skip
-        # log-sum-exp in base 2 of this split's scores
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, s_ml_b, s_ml_h,
+               BLOCK_H: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
+    # a split of several: the log-sum-exp in base 2 of its scores (m_i / l_i the running max and sum, s_layout's rows)
+    if gl.cdiv(seq_len, split_len) > 1:
         heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
         gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i), mask=heads_s < num_heads)
+
+
+@gluon.jit
+def _scores(q_nope, q_rope, kv_n, kv_r, s):
+    # S = q_nope c_kv^T + q_rope k_pe^T over one tile into the accumulator s (its value unused), left in flight
+    s = warpgroup_mma(q_nope, kv_n.permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(q_rope, kv_r.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -181,8 +195,7 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
         fence_async_shared()  # cp.async writes are generic-proxy; wgmma reads through the async proxy
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
         if DIAG != 2:
-            s = warpgroup_mma(q_nope, kv_n.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_rope, kvr.index(st).permute((1, 0)), s, is_async=True)
+            s = _scores(q_nope, q_rope, kv_n, kvr.index(st), s)
         s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start_n + cols_s < end, qk_scale)
         p_smem.store(p.to(dtype))
@@ -196,24 +209,10 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
         acc = warpgroup_mma_wait(0, deps=[acc])
         _cta_barrier()  # both warpgroups done with P and this stage
         mbarrier.arrive(empty.index(st))
-    _store_split(acc, m_i, l_i, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads,
-                 s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, s_layout, o_layout)  # fmt: skip
-
-
-@gluon.jit
-def _store_half(acc, l_i, O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads,
-                s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, COL0: gl.constexpr, LH: gl.constexpr,
-                BLOCK_H: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    # columns [COL0, COL0 + LH) of a split's output: acc [BLOCK_H, LH] unnormalised, l_i [BLOCK_H] (o_layout's rows)
-    o_rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
-    o_cols = COL0 + gl.arange(0, LH, layout=gl.SliceLayout(0, o_layout))
-    o_mask = (o_rows < num_heads)[:, None]
-    out = acc / l_i[:, None]
-    if gl.cdiv(seq_len, split_len) == 1:  # the row's only split: final output
-        gl.store(O + b * s_o_b + o_rows[:, None] * s_o_h + o_cols[None, :], out.to(O.dtype.element_ty), mask=o_mask)
-    else:
-        gl.store(mid_o + b * s_mo_b + o_rows[:, None] * s_mo_h + split_id * s_mo_s + o_cols[None, :], out,
-                 mask=o_mask)  # fmt: skip
+    _store_cols(acc, gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), O, mid_o, b, pid_h, split_id, seq_len,
+                split_len, num_heads, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, 0, L, BLOCK_H, o_layout)  # fmt: skip
+    _store_lse(m_i, l_i, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, s_ml_b, s_ml_h, BLOCK_H,
+               s_layout)  # fmt: skip
 
 
 @gluon.jit
@@ -240,9 +239,7 @@ def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, emp
         kv_n = kvn.index(st)
         mbarrier.wait(ready.index(st), (it // 2) & 1)
         fence_async_shared()
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_nope, kv_n.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope, kvr.index(st).permute((1, 0)), s, is_async=True)
+        s = _scores(q_nope, q_rope, kv_n, kvr.index(st), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
         s = warpgroup_mma_wait(0, deps=[s])
         p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + it * BLOCK_N + cols_s < end, qk_scale)
         mbarrier.wait(p_empty, (it & 1) ^ 1)  # the other warpgroup is past the previous P (a fresh barrier: parity 1)
@@ -259,11 +256,10 @@ def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, emp
     l_smem.store(l_i)
     _cta_barrier()
     mbarrier.arrive(fin)
-    _store_half(acc, gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), O, mid_o, b, pid_h, split_id, seq_len,
+    _store_cols(acc, gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), O, mid_o, b, pid_h, split_id, seq_len,
                 split_len, num_heads, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, 0, LH, BLOCK_H, o_layout)  # fmt: skip
-    if gl.cdiv(seq_len, split_len) > 1:  # log-sum-exp in base 2 of this split's scores
-        heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
-        gl.store(mid_lse + b * s_ml_b + heads_s * s_ml_h + split_id, m_i + gl.log2(l_i), mask=heads_s < num_heads)
+    _store_lse(m_i, l_i, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, s_ml_b, s_ml_h, BLOCK_H,
+               s_layout)  # fmt: skip
 
 
 @gluon.jit
@@ -290,7 +286,7 @@ def _compute_half(kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fi
         mbarrier.arrive(p_empty)
         mbarrier.arrive(empty.index(st))
     mbarrier.wait(fin, 0)
-    _store_half(acc, l_smem.load(row_l), O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads,
+    _store_cols(acc, l_smem.load(row_l), O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads,
                 s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, LH, LH, BLOCK_H, o_layout)  # fmt: skip
 
 
