@@ -114,7 +114,9 @@ MLA_VARIANTS = {
     # the 64-head kernel's scores split over both warpgroups by tokens (before SCORES_ONE_WG, session 61; not run
     # unless named)
     "gluon_split": dict(kernel="gluon", gluon_attrs={"SCORES_ONE_WG": 0}),
+    "gluon_ahead": dict(kernel="gluon", gluon_attrs={"SCORES_AHEAD": 1}),
     "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1}),
+    "diag_nocopy_ahead": dict(kernel="gluon", gluon_attrs={"DIAG": 1, "SCORES_AHEAD": 1}),
     "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2, "SCORES_ONE_WG": 0}),  # the split form's DIAG 2
 }
 

@@ -33,7 +33,9 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True) -> dict:
+def _compile(
+    heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True, ahead: bool = False
+) -> dict:
     # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
     with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's; one_wg:
@@ -77,7 +79,7 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: b
         consts["EARLY_TILES"] = g.EARLY_TILES if early < 0 else early
     consts |= {"USE_PDL": True, "DIAG": 0}
     if not heads_n:
-        consts |= {"ONE_WG": one_wg, "HALF_REGS": g.HALF_REGS}
+        consts |= {"ONE_WG": one_wg, "HALF_REGS": g.HALF_REGS, "AHEAD": ahead}
     if heads_n and stamped:
         sig["stamps"] = "*i64"
         consts["STAMPS"] = True
@@ -101,10 +103,12 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: b
             "half_regs": getattr(g, "HALF_REGS", 0)}  # fmt: skip
 
 
-def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True) -> dict:
+def _compile_in_child(
+    heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True, ahead: bool = False
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early}, {one_wg})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early}, {one_wg}, {ahead})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -112,17 +116,18 @@ def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1, 
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("one_wg", [True, False])
-def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool) -> None:
+@pytest.mark.parametrize(("one_wg", "ahead"), [(True, False), (False, False), (True, True)])
+def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool, ahead: bool) -> None:
     """SCORES_ONE_WG: one warpgroup's m64n64 scores, and each warpgroup's m64n256 half of P V in its own partition
-    (so twice in the PTX), the second warpgroup on HALF_REGS; otherwise both warpgroups' m64n32 scores."""
-    kernel = _compile_in_child(one_wg=one_wg)
+    (so twice in the PTX), the second warpgroup on HALF_REGS; otherwise both warpgroups' m64n32 scores.
+    SCORES_AHEAD: the first tile's scores before the loop and the last tile's P V after it (once more each)."""
+    kernel = _compile_in_child(one_wg=one_wg, ahead=ahead)
     assert 0 < kernel["shared"] <= SM90_MAX_SHARED
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", kernel["ptx"])
     scores = "m64n64k16" if one_wg else "m64n32k16"
     assert sorted(set(shapes)) == sorted(["m64n256k16", scores]), shapes
-    assert shapes.count(scores) == (512 + 64) // 16  # one loop body: the scores
-    assert shapes.count("m64n256k16") == (2 if one_wg else 1) * 64 // 16  # P V over a 64-token tile
+    assert shapes.count(scores) == (2 if ahead else 1) * (512 + 64) // 16  # the scores of a tile
+    assert shapes.count("m64n256k16") == ((3 if ahead else 2) if one_wg else 1) * 64 // 16  # P V over a tile
     if one_wg:
         assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{kernel['half_regs']};", kernel["ptx"])
     assert "cp.async.cg.shared.global" in kernel["ptx"]  # the paged gather, 16 bytes a copy

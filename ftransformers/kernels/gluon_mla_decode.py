@@ -77,6 +77,8 @@ DIAG = 0  # timing experiments only, wrong results: 1 = no copies after the firs
 # ping-pong). Registers a thread of the second warpgroup (the first takes what the launch leaves).
 SCORES_ONE_WG = 1
 HALF_REGS = 216
+# ONE_WG: the first warpgroup issues tile i + 1's scores before its half of tile i's P V (experiment, session 62)
+SCORES_AHEAD = 0
 
 
 @gluon.jit
@@ -219,7 +221,8 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
 def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin,
                     O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start, end, num_tiles,
                     sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                    L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+                    L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                    AHEAD: gl.constexpr = False):  # fmt: skip
     # ONE_WG's first warpgroup: per tile, the scores [BLOCK_H, BLOCK_N] whole and their online softmax (a row's
     # columns within one warp), P and the rescale alpha into shared memory for the other warpgroup (p_full, once it
     # has released the previous P: p_empty), then its half of O += P V, columns [0, L / 2).
@@ -234,25 +237,62 @@ def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, emp
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_H, LH], gl.float32, o_layout)
-    for it in range(num_tiles):
-        st = it % 2
-        kv_n = kvn.index(st)
-        mbarrier.wait(ready.index(st), (it // 2) & 1)
+    if AHEAD:
+        # tile it + 1's scores go in before tile it's P V, so its softmax runs under P V (both warpgroups') and
+        # the tensor cores have the next scores queued behind the products; both are waited within the iteration
+        # (nothing in flight across the back edge). Tile 0's scores and P first (acc is zero: no rescale).
+        mbarrier.wait(ready.index(0), 0)
         fence_async_shared()
-        s = _scores(q_nope, q_rope, kv_n, kvr.index(st), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
+        s = _scores(q_nope, q_rope, kvn.index(0), kvr.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
         s = warpgroup_mma_wait(0, deps=[s])
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + it * BLOCK_N + cols_s < end, qk_scale)
-        mbarrier.wait(p_empty, (it & 1) ^ 1)  # the other warpgroup is past the previous P (a fresh barrier: parity 1)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + cols_s < end, qk_scale)
         p_smem.store(p.to(dtype))
         a_smem.store(alpha)
         fence_async_shared()
-        _cta_barrier()  # this warpgroup's P and alpha stored
-        mbarrier.arrive(p_full)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(p_smem, kv_n.slice(0, LH, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
         _cta_barrier()
-        mbarrier.arrive(empty.index(st))
+        mbarrier.arrive(p_full)
+        for it in range(num_tiles - 1):
+            st = it % 2
+            nst = (it + 1) % 2
+            mbarrier.wait(ready.index(nst), ((it + 1) // 2) & 1)
+            fence_async_shared()
+            s = _scores(q_nope, q_rope, kvn.index(nst), kvr.index(nst), s)
+            acc = warpgroup_mma(p_smem, kvn.index(st).slice(0, LH, dim=1), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])  # the scores in; P V (the later group) may still run
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + (it + 1) * BLOCK_N + cols_s < end, qk_scale)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _cta_barrier()  # this warpgroup is past tile it's P and stage
+            mbarrier.arrive(empty.index(st))
+            mbarrier.wait(p_empty, it & 1)  # the other warpgroup is past P of tile it
+            p_smem.store(p.to(dtype))
+            a_smem.store(alpha)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(p_full)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        last = num_tiles - 1
+        acc = warpgroup_mma(p_smem, kvn.index(last % 2).slice(0, LH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    else:
+        for it in range(num_tiles):
+            st = it % 2
+            kv_n = kvn.index(st)
+            mbarrier.wait(ready.index(st), (it // 2) & 1)
+            fence_async_shared()
+            s = _scores(q_nope, q_rope, kv_n, kvr.index(st), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
+            s = warpgroup_mma_wait(0, deps=[s])
+            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + it * BLOCK_N + cols_s < end, qk_scale)
+            mbarrier.wait(p_empty, (it & 1) ^ 1)  # the other warpgroup is past the previous P (fresh: parity 1)
+            p_smem.store(p.to(dtype))
+            a_smem.store(alpha)
+            fence_async_shared()
+            _cta_barrier()  # this warpgroup's P and alpha stored
+            mbarrier.arrive(p_full)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(p_smem, kv_n.slice(0, LH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _cta_barrier()
+            mbarrier.arrive(empty.index(st))
     l_smem.store(l_i)
     _cta_barrier()
     mbarrier.arrive(fin)
@@ -299,7 +339,7 @@ def mla_decode_stage1_gluon(
     L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
     USE_PDL: gl.constexpr = False, DIAG: gl.constexpr = 0, ONE_WG: gl.constexpr = False,
-    HALF_REGS: gl.constexpr = 216,
+    HALF_REGS: gl.constexpr = 216, AHEAD: gl.constexpr = False,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
@@ -374,7 +414,7 @@ def mla_decode_stage1_gluon(
                 (_compute_scores, (q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty,
                                    fin, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start,
                                    end, num_tiles, sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                                   L, BLOCK_H, BLOCK_N)),
+                                   L, BLOCK_H, BLOCK_N, AHEAD)),
                 (_compute_half, (kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin, O, mid_o, b, pid_h,
                                  split_id, seq_len, split_len, num_heads, num_tiles, s_o_b, s_o_h, s_mo_b, s_mo_h,
                                  s_mo_s, L, BLOCK_H)),
@@ -443,7 +483,8 @@ def mla_decode(
     mla_decode_stage1_gluon[(cdiv(H, BLOCK_H), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, ONE_WG=one_wg, HALF_REGS=HALF_REGS, num_warps=4 if one_wg else NUM_WARPS,
+        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, ONE_WG=one_wg, HALF_REGS=HALF_REGS, AHEAD=bool(SCORES_AHEAD) and one_wg,
+        num_warps=4 if one_wg else NUM_WARPS,
         maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),
     )  # fmt: skip
