@@ -67,6 +67,7 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK_H = 64  # wgmma M: heads per program
 BLOCK_N = 64  # tokens per tile
+STAGES = 2  # tiles in the ring (2 x 72 KB beside the 72 KB of queries at 64 tokens; 4 fit at 32)
 NUM_WARPS = 8  # the compute warps: two warpgroups (SCORES_ONE_WG: the default partition and a worker)
 LOAD_WARPS = 4  # the load partition's warps (registers are handed out per warpgroup)
 LOAD_REGS = 32  # its registers a thread (24 spills); the compute warps get the rest: 232 at 12 warps
@@ -77,8 +78,6 @@ DIAG = 0  # timing experiments only, wrong results: 1 = no copies after the firs
 # ping-pong). Registers a thread of the second warpgroup (the first takes what the launch leaves).
 SCORES_ONE_WG = 1
 HALF_REGS = 216
-# ONE_WG: the first warpgroup issues tile i + 1's scores before its half of tile i's P V (experiment, session 62)
-SCORES_AHEAD = 0
 
 
 @gluon.jit
@@ -138,10 +137,11 @@ def _scores(q_nope, q_rope, kv_n, kv_r, s):
 @gluon.jit
 def latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
                  L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                 LOAD_ROWS: gl.constexpr, DIAG: gl.constexpr, FIRST: gl.constexpr = 0):  # fmt: skip
+                 LOAD_ROWS: gl.constexpr, DIAG: gl.constexpr, FIRST: gl.constexpr = 0,
+                 STAGES: gl.constexpr = 2):  # fmt: skip
     # The load partition. A tile's slots wait in shared memory (slot_buf) so each cp.async call takes
     # LOAD_ROWS rows and few address registers; tile i + 1's slots are read from global memory while
-    # tile i's copies are issued. Stage i % 2 is filled once the compute partition frees it (empty);
+    # tile i's copies are issued. Stage i % STAGES is filled once the compute partition frees it (empty);
     # each thread's copies arrive on the stage's ready barrier once they land
     # (cp.async.mbarrier.arrive.noinc: after all the thread's earlier copies). Tiles before FIRST were
     # copied by the caller (the same arrivals on the same barriers).
@@ -153,12 +153,12 @@ def latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end
     idx = gl.arange(0, BLOCK_N, layout=ld_i)
     slot_buf.store(gl.load(r2t_row + gl.minimum(start + FIRST * BLOCK_N + idx, end - 1)))
     for it in range(FIRST, num_tiles):
-        st = it % 2
+        st = it % STAGES
         # past the last tile the positions clamp to the split's last token: read, never copied
         nxt = gl.load(r2t_row + gl.minimum(start + (it + 1) * BLOCK_N + idx, end - 1))
         _cta_barrier()  # slot_buf holds tile it (the partition's own barrier)
-        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
-        if DIAG != 1 or it < 2:  # (DIAG 1: the compute path alone, on whatever the stages hold)
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        if DIAG != 1 or it < STAGES:  # (DIAG 1: the compute path alone, on whatever the stages hold)
             dst = kvn.index(st)
             for c in gl.static_range(BLOCK_N // LOAD_ROWS):
                 rows = slot_buf.slice(c * LOAD_ROWS, LOAD_ROWS).load(gl.SliceLayout(1, ld_l)).to(gl.int64)
@@ -174,7 +174,8 @@ def latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end
 def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h, split_id,
              seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
              s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-             L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
+             L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIAG: gl.constexpr,
+             STAGES: gl.constexpr):  # fmt: skip
     # The default partition (both warpgroups): per tile, wait for its stage, the scores, the online
     # softmax, P through shared memory, P V; then hand the stage back.
     dtype: gl.constexpr = kvn.dtype
@@ -190,10 +191,10 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
     for it in range(num_tiles):
-        st = it % 2
+        st = it % STAGES
         start_n = start + it * BLOCK_N
         kv_n = kvn.index(st)
-        mbarrier.wait(ready.index(st), (it // 2) & 1)  # every load thread's copies of tile it landed
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)  # every load thread's copies of tile it landed
         fence_async_shared()  # cp.async writes are generic-proxy; wgmma reads through the async proxy
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
         if DIAG != 2:
@@ -221,8 +222,7 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
 def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin,
                     O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start, end, num_tiles,
                     sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                    L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                    AHEAD: gl.constexpr = False):  # fmt: skip
+                    L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     # ONE_WG's first warpgroup: per tile, the scores [BLOCK_H, BLOCK_N] whole and their online softmax (a row's
     # columns within one warp), P and the rescale alpha into shared memory for the other warpgroup (p_full, once it
     # has released the previous P: p_empty), then its half of O += P V, columns [0, L / 2).
@@ -237,62 +237,25 @@ def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, emp
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_H, LH], gl.float32, o_layout)
-    if AHEAD:
-        # tile it + 1's scores go in before tile it's P V, so its softmax runs under P V (both warpgroups') and
-        # the tensor cores have the next scores queued behind the products; both are waited within the iteration
-        # (nothing in flight across the back edge). Tile 0's scores and P first (acc is zero: no rescale).
-        mbarrier.wait(ready.index(0), 0)
+    for it in range(num_tiles):
+        st = it % STAGES
+        kv_n = kvn.index(st)
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         fence_async_shared()
-        s = _scores(q_nope, q_rope, kvn.index(0), kvr.index(0), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
+        s = _scores(q_nope, q_rope, kv_n, kvr.index(st), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
         s = warpgroup_mma_wait(0, deps=[s])
-        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + cols_s < end, qk_scale)
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + it * BLOCK_N + cols_s < end, qk_scale)
+        mbarrier.wait(p_empty, (it & 1) ^ 1)  # the other warpgroup is past the previous P (a fresh barrier: parity 1)
         p_smem.store(p.to(dtype))
         a_smem.store(alpha)
         fence_async_shared()
-        _cta_barrier()
+        _cta_barrier()  # this warpgroup's P and alpha stored
         mbarrier.arrive(p_full)
-        for it in range(num_tiles - 1):
-            st = it % 2
-            nst = (it + 1) % 2
-            mbarrier.wait(ready.index(nst), ((it + 1) // 2) & 1)
-            fence_async_shared()
-            s = _scores(q_nope, q_rope, kvn.index(nst), kvr.index(nst), s)
-            acc = warpgroup_mma(p_smem, kvn.index(st).slice(0, LH, dim=1), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])  # the scores in; P V (the later group) may still run
-            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + (it + 1) * BLOCK_N + cols_s < end, qk_scale)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            _cta_barrier()  # this warpgroup is past tile it's P and stage
-            mbarrier.arrive(empty.index(st))
-            mbarrier.wait(p_empty, it & 1)  # the other warpgroup is past P of tile it
-            p_smem.store(p.to(dtype))
-            a_smem.store(alpha)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(p_full)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        last = num_tiles - 1
-        acc = warpgroup_mma(p_smem, kvn.index(last % 2).slice(0, LH, dim=1), acc, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_smem, kv_n.slice(0, LH, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-    else:
-        for it in range(num_tiles):
-            st = it % 2
-            kv_n = kvn.index(st)
-            mbarrier.wait(ready.index(st), (it // 2) & 1)
-            fence_async_shared()
-            s = _scores(q_nope, q_rope, kv_n, kvr.index(st), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
-            s = warpgroup_mma_wait(0, deps=[s])
-            p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, start + it * BLOCK_N + cols_s < end, qk_scale)
-            mbarrier.wait(p_empty, (it & 1) ^ 1)  # the other warpgroup is past the previous P (fresh: parity 1)
-            p_smem.store(p.to(dtype))
-            a_smem.store(alpha)
-            fence_async_shared()
-            _cta_barrier()  # this warpgroup's P and alpha stored
-            mbarrier.arrive(p_full)
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_smem, kv_n.slice(0, LH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            _cta_barrier()
-            mbarrier.arrive(empty.index(st))
+        _cta_barrier()
+        mbarrier.arrive(empty.index(st))
     l_smem.store(l_i)
     _cta_barrier()
     mbarrier.arrive(fin)
@@ -306,7 +269,7 @@ def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, emp
 def _compute_half(kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin,
                   O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads, num_tiles,
                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s,
-                  L: gl.constexpr, BLOCK_H: gl.constexpr):  # fmt: skip
+                  L: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     # ONE_WG's second warpgroup: per tile, once P and alpha are in (p_full), its half of O += P V, columns
     # [L / 2, L); then it releases P (p_empty) and the stage (empty).
     LH: gl.constexpr = L // 2
@@ -315,8 +278,8 @@ def _compute_half(kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fi
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([BLOCK_H, LH], gl.float32, o_layout)
     for it in range(num_tiles):
-        st = it % 2
-        mbarrier.wait(ready.index(st), (it // 2) & 1)
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         mbarrier.wait(p_full, it & 1)
         fence_async_shared()
         acc = acc * a_smem.load(row_l)[:, None]
@@ -339,7 +302,7 @@ def mla_decode_stage1_gluon(
     L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
     USE_PDL: gl.constexpr = False, DIAG: gl.constexpr = 0, ONE_WG: gl.constexpr = False,
-    HALF_REGS: gl.constexpr = 216, AHEAD: gl.constexpr = False,
+    HALF_REGS: gl.constexpr = 216, STAGES: gl.constexpr = 2,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
@@ -385,15 +348,15 @@ def mla_decode_stage1_gluon(
         gl.load(Q_ROPE + b * s_qr_b + heads_r[:, None] * s_qr_h + offs_r[None, :], mask=(heads_r < num_heads)[:, None],
                 other=0.0),
     )  # fmt: skip
-    kvn = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], sl_l)
-    kvr = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], sl_r)
+    kvn = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], sl_l)
+    kvr = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], sl_r)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sl_p)
     slot_buf = gl.allocate_shared_memory(
         req_to_token.dtype.element_ty, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     )
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
         mbarrier.init(empty.index(i), count=2 if ONE_WG else 1)  # ONE_WG: both warpgroups' halves of P V
     fence_async_shared()  # the queries' generic-proxy stores, before the first wgmma reads them
@@ -414,12 +377,12 @@ def mla_decode_stage1_gluon(
                 (_compute_scores, (q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty,
                                    fin, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start,
                                    end, num_tiles, sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                                   L, BLOCK_H, BLOCK_N, AHEAD)),
+                                   L, BLOCK_H, BLOCK_N, STAGES)),
                 (_compute_half, (kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin, O, mid_o, b, pid_h,
                                  split_id, seq_len, split_len, num_heads, num_tiles, s_o_b, s_o_h, s_mo_b, s_mo_h,
-                                 s_mo_s, L, BLOCK_H)),
+                                 s_mo_s, L, BLOCK_H, STAGES)),
                 (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG)),
+                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG, 0, STAGES)),
             ],
             [4, LOAD_WARPS],
             [HALF_REGS, LOAD_REGS],
@@ -429,9 +392,10 @@ def mla_decode_stage1_gluon(
             [
                 (_compute, (q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h, split_id,
                             seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
-                            s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, BLOCK_N, DIAG)),
+                            s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, BLOCK_N, DIAG,
+                            STAGES)),
                 (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG)),
+                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG, 0, STAGES)),
             ],
             [LOAD_WARPS],
             [LOAD_REGS],
@@ -483,8 +447,7 @@ def mla_decode(
     mla_decode_stage1_gluon[(cdiv(H, BLOCK_H), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, ONE_WG=one_wg, HALF_REGS=HALF_REGS, AHEAD=bool(SCORES_AHEAD) and one_wg,
-        num_warps=4 if one_wg else NUM_WARPS,
+        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, ONE_WG=one_wg, HALF_REGS=HALF_REGS, STAGES=STAGES, num_warps=4 if one_wg else NUM_WARPS,
         maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),
     )  # fmt: skip
