@@ -114,11 +114,9 @@ MLA_VARIANTS = {
     # the 64-head kernel's scores split over both warpgroups by tokens (before SCORES_ONE_WG, session 61; not run
     # unless named)
     "gluon_split": dict(kernel="gluon", gluon_attrs={"SCORES_ONE_WG": 0}),
-    # the 64-head kernel on a ring of 32-token tiles (4 or 3 of them: more of the stream in flight; session 62)
-    "gluon_r32x4": dict(kernel="gluon", gluon_attrs={"BLOCK_N": 32, "STAGES": 4}),
-    "gluon_r32x3": dict(kernel="gluon", gluon_attrs={"BLOCK_N": 32, "STAGES": 3}),
+    # the 64-head kernel's first tile copied after the wait (before session 62 also the queries before the copies)
+    "gluon_late": dict(kernel="gluon", gluon_attrs={"EARLY_TILE": 0}),
     "diag_nocopy": dict(kernel="gluon", gluon_attrs={"DIAG": 1}),
-    "diag_nocopy_r32x4": dict(kernel="gluon", gluon_attrs={"DIAG": 1, "BLOCK_N": 32, "STAGES": 4}),
     "diag_nomma": dict(kernel="gluon", gluon_attrs={"DIAG": 2, "SCORES_ONE_WG": 0}),  # the split form's DIAG 2
 }
 

@@ -33,13 +33,11 @@ gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 SM90_MAX_SHARED = 227 * 1024
 
 
-def _compile(
-    heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True, ring: tuple[int, int] = (0, 0)
-) -> dict:
+def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True) -> dict:
     # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
     with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's; one_wg:
-    gluon_mla_decode's SCORES_ONE_WG; ring: its (BLOCK_N, STAGES), (0, 0) the module's)."""
+    gluon_mla_decode's SCORES_ONE_WG)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -74,17 +72,12 @@ def _compile(
     ]
     sig |= dict.fromkeys(strides, "i32")
     consts = {"L": 512, "R": 64} | ({"HN": heads_n} if heads_n else {"BLOCK_H": g.BLOCK_H})
-    consts |= {
-        "BLOCK_N": ring[0] or g.BLOCK_N,
-        "LOAD_WARPS": g.LOAD_WARPS,
-        "LOAD_REGS": g.LOAD_REGS,
-        "LOAD_ROWS": g.LOAD_ROWS,
-    }
+    consts |= {"BLOCK_N": g.BLOCK_N, "LOAD_WARPS": g.LOAD_WARPS, "LOAD_REGS": g.LOAD_REGS, "LOAD_ROWS": g.LOAD_ROWS}
     if heads_n:
         consts["EARLY_TILES"] = g.EARLY_TILES if early < 0 else early
     consts |= {"USE_PDL": True, "DIAG": 0}
     if not heads_n:
-        consts |= {"ONE_WG": one_wg, "HALF_REGS": g.HALF_REGS, "STAGES": ring[1] or g.STAGES}
+        consts |= {"ONE_WG": one_wg, "HALF_REGS": g.HALF_REGS, "EARLY": one_wg and bool(g.EARLY_TILE)}
     if heads_n and stamped:
         sig["stamps"] = "*i64"
         consts["STAMPS"] = True
@@ -108,12 +101,10 @@ def _compile(
             "half_regs": getattr(g, "HALF_REGS", 0)}  # fmt: skip
 
 
-def _compile_in_child(
-    heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True, ring: tuple[int, int] = (0, 0)
-) -> dict:
+def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import json, sys; sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}; "
-    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early}, {one_wg}, {ring})))"
+    code += f"from test_gluon_mla_compile import _compile; print(json.dumps(_compile({heads_n}, {stamped}, {early}, {one_wg})))"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -121,19 +112,17 @@ def _compile_in_child(
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("one_wg", "ring"), [(True, (0, 0)), (False, (0, 0)), (True, (32, 4))])
-def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool, ring: tuple[int, int]) -> None:
+@pytest.mark.parametrize("one_wg", [True, False])
+def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool) -> None:
     """SCORES_ONE_WG: one warpgroup's m64n64 scores, and each warpgroup's m64n256 half of P V in its own partition
-    (so twice in the PTX), the second warpgroup on HALF_REGS; otherwise both warpgroups' m64n32 scores. A ring of
-    four 32-token tiles (BLOCK_N, STAGES = 32, 4) fits beside the queries too: m64n32 scores, two P V steps."""
-    kernel = _compile_in_child(one_wg=one_wg, ring=ring)
-    block_n = ring[0] or 64
+    (so twice in the PTX), the second warpgroup on HALF_REGS; otherwise both warpgroups' m64n32 scores."""
+    kernel = _compile_in_child(one_wg=one_wg)
     assert 0 < kernel["shared"] <= SM90_MAX_SHARED
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", kernel["ptx"])
-    scores = f"m64n{block_n}k16" if one_wg else "m64n32k16"
+    scores = "m64n64k16" if one_wg else "m64n32k16"
     assert sorted(set(shapes)) == sorted(["m64n256k16", scores]), shapes
     assert shapes.count(scores) == (512 + 64) // 16  # one loop body: the scores
-    assert shapes.count("m64n256k16") == (2 if one_wg else 1) * block_n // 16  # P V over a tile
+    assert shapes.count("m64n256k16") == (2 if one_wg else 1) * 64 // 16  # P V over a 64-token tile
     if one_wg:
         assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{kernel['half_regs']};", kernel["ptx"])
     assert "cp.async.cg.shared.global" in kernel["ptx"]  # the paged gather, 16 bytes a copy

@@ -51,7 +51,7 @@ READ_BEFORE_WAIT = {
     "with PRELOAD the first K/V tile of earlier steps' tokens (the new token's slot, which it stores, is masked)",
     "_decode_stage2_kernel": "seq_lens",
     "_mla_decode_stage1_kernel": "seq_lens, req_pool_indices",
-    "mla_decode_stage1_gluon": "seq_lens, req_pool_indices",
+    "mla_decode_stage1_gluon": "seq_lens, req_pool_indices; with EARLY, req_to_token (the first tile's slots)",
     "mla_decode_stage1_few_heads": "seq_lens, req_pool_indices; with EARLY_TILES req_to_token and the first tiles' "
     "latent rows where they end before the new token (COPIES_BEFORE_WAIT)",
     "_rope_store_kernel": "positions, out_cache_loc, the constant cos|sin cache",
@@ -98,6 +98,8 @@ STEP_DATA_BEFORE_WAIT: dict[str, str | tuple[str, ...]] = {
 COPIES_BEFORE_WAIT = {
     "gluon_mla_few_heads.mla_decode_stage1_few_heads": "with EARLY_TILES the first tiles' latent rows where a tile ends "
     "before the new token (rows of earlier steps' tokens; a tile holding the new token's is copied after), their slots",
+    "gluon_mla_decode.mla_decode_stage1_gluon": "with EARLY (one scores warpgroup) the first tile's latent rows where it "
+    "ends before the new token, as the few-heads kernel's, and its slots",
 }
 COPY_SETUP_CALLS = {
     "gl.allocate_shared_memory", "gl.NVMMASharedLayout.get_default_for", "gl.SwizzledSharedLayout",

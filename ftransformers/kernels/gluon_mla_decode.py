@@ -67,7 +67,6 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK_H = 64  # wgmma M: heads per program
 BLOCK_N = 64  # tokens per tile
-STAGES = 2  # tiles in the ring (2 x 72 KB beside the 72 KB of queries at 64 tokens; 4 fit at 32)
 NUM_WARPS = 8  # the compute warps: two warpgroups (SCORES_ONE_WG: the default partition and a worker)
 LOAD_WARPS = 4  # the load partition's warps (registers are handed out per warpgroup)
 LOAD_REGS = 32  # its registers a thread (24 spills); the compute warps get the rest: 232 at 12 warps
@@ -78,6 +77,9 @@ DIAG = 0  # timing experiments only, wrong results: 1 = no copies after the firs
 # ping-pong). Registers a thread of the second warpgroup (the first takes what the launch leaves).
 SCORES_ONE_WG = 1
 HALF_REGS = 216
+# ONE_WG: a split's first tile is copied before the PDL wait where it ends before the new token (as gluon_mla_few_heads'
+# EARLY_TILES; session 62)
+EARLY_TILE = 1
 
 
 @gluon.jit
@@ -137,11 +139,10 @@ def _scores(q_nope, q_rope, kv_n, kv_r, s):
 @gluon.jit
 def latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
                  L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                 LOAD_ROWS: gl.constexpr, DIAG: gl.constexpr, FIRST: gl.constexpr = 0,
-                 STAGES: gl.constexpr = 2):  # fmt: skip
+                 LOAD_ROWS: gl.constexpr, DIAG: gl.constexpr, FIRST: gl.constexpr = 0):  # fmt: skip
     # The load partition. A tile's slots wait in shared memory (slot_buf) so each cp.async call takes
     # LOAD_ROWS rows and few address registers; tile i + 1's slots are read from global memory while
-    # tile i's copies are issued. Stage i % STAGES is filled once the compute partition frees it (empty);
+    # tile i's copies are issued. Stage i % 2 is filled once the compute partition frees it (empty);
     # each thread's copies arrive on the stage's ready barrier once they land
     # (cp.async.mbarrier.arrive.noinc: after all the thread's earlier copies). Tiles before FIRST were
     # copied by the caller (the same arrivals on the same barriers).
@@ -153,12 +154,12 @@ def latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end
     idx = gl.arange(0, BLOCK_N, layout=ld_i)
     slot_buf.store(gl.load(r2t_row + gl.minimum(start + FIRST * BLOCK_N + idx, end - 1)))
     for it in range(FIRST, num_tiles):
-        st = it % STAGES
+        st = it % 2
         # past the last tile the positions clamp to the split's last token: read, never copied
         nxt = gl.load(r2t_row + gl.minimum(start + (it + 1) * BLOCK_N + idx, end - 1))
         _cta_barrier()  # slot_buf holds tile it (the partition's own barrier)
-        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        if DIAG != 1 or it < STAGES:  # (DIAG 1: the compute path alone, on whatever the stages hold)
+        mbarrier.wait(empty.index(st), ((it // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
+        if DIAG != 1 or it < 2:  # (DIAG 1: the compute path alone, on whatever the stages hold)
             dst = kvn.index(st)
             for c in gl.static_range(BLOCK_N // LOAD_ROWS):
                 rows = slot_buf.slice(c * LOAD_ROWS, LOAD_ROWS).load(gl.SliceLayout(1, ld_l)).to(gl.int64)
@@ -171,11 +172,44 @@ def latent_loads(KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end
 
 
 @gluon.jit
+def _load_slots(r2t_row, slots, start, end, N: gl.constexpr):
+    # the KV slots of the split's first N tokens (clamped to its last) into shared memory, for every warp
+    idx = gl.arange(0, N, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    slots.store(gl.load(r2t_row + gl.maximum(gl.minimum(start + idx, end - 1), 0)))
+    _cta_barrier()
+
+
+@gluon.jit
+def _copy_tile(KV, slots, s_kv, kvn, kvr, ready, T: gl.constexpr,
+               L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_ROWS: gl.constexpr):  # fmt: skip
+    # tile T of the split into stage T by the kernel's 4 warps, as the load partition copies the later ones:
+    # LOAD_ROWS rows a cp.async call, every thread's copies arriving on ready[T]
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [rows, L]
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [rows, R]
+    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_r))
+    dst = kvn.index(T)
+    for c in gl.static_range(BLOCK_N // LOAD_ROWS):
+        rows = slots.slice(T * BLOCK_N + c * LOAD_ROWS, LOAD_ROWS).load(gl.SliceLayout(1, ld_l)).to(gl.int64)
+        _cp_async(dst.slice(c * LOAD_ROWS, LOAD_ROWS), KV + rows[:, None] * s_kv + offs_l[None, :])
+    rows_r = slots.slice(T * BLOCK_N, BLOCK_N).load(gl.SliceLayout(1, ld_r)).to(gl.int64)
+    _cp_async(kvr.index(T), KV + L + rows_r[:, None] * s_kv + offs_r[None, :])
+    async_copy.mbarrier_arrive(ready.index(T), increment_count=False)
+
+
+@gluon.jit
+def _tile_before_new_token(T: gl.constexpr, start, end, seq_len, split_id, ON: gl.constexpr, BLOCK_N: gl.constexpr):
+    # tile T exists and ends before the new token (position seq_len - 1), so it holds only earlier steps' rows; a
+    # runtime condition even when ON is off (branches folded away at compile time failed Triton 3.6's lowering)
+    ok = (start + T * BLOCK_N < end) & ((end < seq_len) | (start + (T + 1) * BLOCK_N < seq_len))
+    return ok & (split_id >= 0 if ON else split_id < 0)
+
+
+@gluon.jit
 def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h, split_id,
              seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
              s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-             L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIAG: gl.constexpr,
-             STAGES: gl.constexpr):  # fmt: skip
+             L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
     # The default partition (both warpgroups): per tile, wait for its stage, the scores, the online
     # softmax, P through shared memory, P V; then hand the stage back.
     dtype: gl.constexpr = kvn.dtype
@@ -191,10 +225,10 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_H, L], gl.float32, o_layout)
     for it in range(num_tiles):
-        st = it % STAGES
+        st = it % 2
         start_n = start + it * BLOCK_N
         kv_n = kvn.index(st)
-        mbarrier.wait(ready.index(st), (it // STAGES) & 1)  # every load thread's copies of tile it landed
+        mbarrier.wait(ready.index(st), (it // 2) & 1)  # every load thread's copies of tile it landed
         fence_async_shared()  # cp.async writes are generic-proxy; wgmma reads through the async proxy
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
         if DIAG != 2:
@@ -222,7 +256,7 @@ def _compute(q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, 
 def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin,
                     O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start, end, num_tiles,
                     sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                    L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                    L: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     # ONE_WG's first warpgroup: per tile, the scores [BLOCK_H, BLOCK_N] whole and their online softmax (a row's
     # columns within one warp), P and the rescale alpha into shared memory for the other warpgroup (p_full, once it
     # has released the previous P: p_empty), then its half of O += P V, columns [0, L / 2).
@@ -238,9 +272,9 @@ def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, emp
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_H, LH], gl.float32, o_layout)
     for it in range(num_tiles):
-        st = it % STAGES
+        st = it % 2
         kv_n = kvn.index(st)
-        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        mbarrier.wait(ready.index(st), (it // 2) & 1)
         fence_async_shared()
         s = _scores(q_nope, q_rope, kv_n, kvr.index(st), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout))
         s = warpgroup_mma_wait(0, deps=[s])
@@ -269,7 +303,7 @@ def _compute_scores(q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, emp
 def _compute_half(kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin,
                   O, mid_o, b, pid_h, split_id, seq_len, split_len, num_heads, num_tiles,
                   s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s,
-                  L: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                  L: gl.constexpr, BLOCK_H: gl.constexpr):  # fmt: skip
     # ONE_WG's second warpgroup: per tile, once P and alpha are in (p_full), its half of O += P V, columns
     # [L / 2, L); then it releases P (p_empty) and the stage (empty).
     LH: gl.constexpr = L // 2
@@ -278,8 +312,8 @@ def _compute_half(kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fi
     row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([BLOCK_H, LH], gl.float32, o_layout)
     for it in range(num_tiles):
-        st = it % STAGES
-        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        st = it % 2
+        mbarrier.wait(ready.index(st), (it // 2) & 1)
         mbarrier.wait(p_full, it & 1)
         fence_async_shared()
         acc = acc * a_smem.load(row_l)[:, None]
@@ -302,28 +336,43 @@ def mla_decode_stage1_gluon(
     L: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, LOAD_ROWS: gl.constexpr,
     USE_PDL: gl.constexpr = False, DIAG: gl.constexpr = 0, ONE_WG: gl.constexpr = False,
-    HALF_REGS: gl.constexpr = 216, STAGES: gl.constexpr = 2,
+    HALF_REGS: gl.constexpr = 216, EARLY: gl.constexpr = False,
 ):  # fmt: skip
     pid_h = gl.program_id(0)
     split_id = gl.program_id(1)
     b = gl.program_id(2)
-    # PDL: the batch metadata (written before the step) is read before the wait
+    # PDL: before the wait, the batch metadata (written before the step) and, with EARLY (ONE_WG), the split's first
+    # tile's copy where it ends before the new token: rows of earlier steps' tokens, which no kernel of the step writes
     seq_len = gl.load(seq_lens + b).to(gl.int32)
     req = gl.load(req_pool_indices + b)
-    pdl_enter(USE_PDL)
     dtype: gl.constexpr = KV.dtype.element_ty
-    DW: gl.constexpr = 4 if ONE_WG else 8  # the default partition's warps
-    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [DW, 1], [1, 0])  # [rows, L] 16-byte vectors
-    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [DW, 1], [1, 0])  # [rows, R]
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, DW // 4], instr_shape=[16, L // 2, 16]
-    )
     sl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
     sl_r: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
     sl_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
     split_len = gl.maximum(gl.cdiv(gl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N, min_split_len)
     start = split_id * split_len
     end = gl.minimum(start + split_len, seq_len)
+    r2t_row = req_to_token + req * s_r2t
+    kvn = gl.allocate_shared_memory(dtype, [2, BLOCK_N, L], sl_l)
+    kvr = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R], sl_r)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    slot_t: gl.constexpr = req_to_token.dtype.element_ty
+    first_slots = gl.allocate_shared_memory(slot_t, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
+        mbarrier.init(empty.index(i), count=2 if ONE_WG else 1)  # ONE_WG: both warpgroups' halves of P V
+    if EARLY:  # (ONE_WG: the kernel's 4 warps copy tile 0 with the load partition's count of arrivals)
+        _load_slots(r2t_row, first_slots, start, end, BLOCK_N)
+        if _tile_before_new_token(0, start, end, seq_len, split_id, True, BLOCK_N):
+            _copy_tile(KV, first_slots, s_kv, kvn, kvr, ready, 0, L, R, BLOCK_N, LOAD_ROWS)
+    pdl_enter(USE_PDL)
+    DW: gl.constexpr = 4 if ONE_WG else 8  # the default partition's warps
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [DW, 1], [1, 0])  # [rows, L] 16-byte vectors
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [DW, 1], [1, 0])  # [rows, R]
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, DW // 4], instr_shape=[16, L // 2, 16]
+    )
     if end <= start:
         if split_id == 0:  # seq_len 0 (a padded CUDA-graph row): zeros, not garbage
             o_rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
@@ -332,8 +381,14 @@ def mla_decode_stage1_gluon(
                      gl.zeros([BLOCK_H, L], O.dtype.element_ty, o_layout), mask=(o_rows < num_heads)[:, None])  # fmt: skip
         return
 
+    if ONE_WG:  # tile 0 now where it was not copied before the wait (the kernel's 4 warps, as above)
+        if not EARLY:
+            _load_slots(r2t_row, first_slots, start, end, BLOCK_N)
+        if ~_tile_before_new_token(0, start, end, seq_len, split_id, EARLY, BLOCK_N):
+            _copy_tile(KV, first_slots, s_kv, kvn, kvr, ready, 0, L, R, BLOCK_N, LOAD_ROWS)
     # the program's queries, once, into shared memory (the wgmma A operand of every tile); a block past
-    # num_heads (fewer heads than the wgmma M of 64, e.g. DeepSeek-V3 at tensor parallel 8) is zeros
+    # num_heads (fewer heads than the wgmma M of 64, e.g. DeepSeek-V3 at tensor parallel 8) is zeros. Loaded
+    # before the load partition starts: at batch 1 its copies queue ahead of these L2 hits otherwise (session 62)
     heads_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_l))
     heads_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_r))
     offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
@@ -348,20 +403,10 @@ def mla_decode_stage1_gluon(
         gl.load(Q_ROPE + b * s_qr_b + heads_r[:, None] * s_qr_h + offs_r[None, :], mask=(heads_r < num_heads)[:, None],
                 other=0.0),
     )  # fmt: skip
-    kvn = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, L], sl_l)
-    kvr = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, R], sl_r)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], sl_p)
-    slot_buf = gl.allocate_shared_memory(
-        req_to_token.dtype.element_ty, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    )
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)  # one noinc cp.async arrival a load thread
-        mbarrier.init(empty.index(i), count=2 if ONE_WG else 1)  # ONE_WG: both warpgroups' halves of P V
+    slot_buf = gl.allocate_shared_memory(slot_t, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     fence_async_shared()  # the queries' generic-proxy stores, before the first wgmma reads them
     num_tiles = gl.cdiv(end - start, BLOCK_N)
-    r2t_row = req_to_token + req * s_r2t
     if ONE_WG:
         a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -377,12 +422,12 @@ def mla_decode_stage1_gluon(
                 (_compute_scores, (q_nope, q_rope, kvn, kvr, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty,
                                    fin, O, mid_o, mid_lse, b, pid_h, split_id, seq_len, split_len, num_heads, start,
                                    end, num_tiles, sm_scale, s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h,
-                                   L, BLOCK_H, BLOCK_N, STAGES)),
+                                   L, BLOCK_H, BLOCK_N)),
                 (_compute_half, (kvn, p_smem, a_smem, l_smem, ready, empty, p_full, p_empty, fin, O, mid_o, b, pid_h,
                                  split_id, seq_len, split_len, num_heads, num_tiles, s_o_b, s_o_h, s_mo_b, s_mo_h,
-                                 s_mo_s, L, BLOCK_H, STAGES)),
+                                 s_mo_s, L, BLOCK_H)),
                 (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG, 0, STAGES)),
+                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG, 1)),  # tile 0: above
             ],
             [4, LOAD_WARPS],
             [HALF_REGS, LOAD_REGS],
@@ -392,10 +437,9 @@ def mla_decode_stage1_gluon(
             [
                 (_compute, (q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O, mid_o, mid_lse, b, pid_h, split_id,
                             seq_len, split_len, num_heads, start, end, num_tiles, sm_scale,
-                            s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, BLOCK_N, DIAG,
-                            STAGES)),
+                            s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, BLOCK_H, BLOCK_N, DIAG)),
                 (latent_loads, (KV, r2t_row, s_kv, kvn, kvr, slot_buf, ready, empty, start, end, num_tiles,
-                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG, 0, STAGES)),
+                                L, R, BLOCK_N, LOAD_WARPS, LOAD_ROWS, DIAG)),
             ],
             [LOAD_WARPS],
             [LOAD_REGS],
@@ -447,7 +491,8 @@ def mla_decode(
     mla_decode_stage1_gluon[(cdiv(H, BLOCK_H), num_kv_splits, B)](
         *args,
         L=L, R=q_rope.shape[-1], BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, LOAD_WARPS=LOAD_WARPS, LOAD_REGS=LOAD_REGS,
-        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, ONE_WG=one_wg, HALF_REGS=HALF_REGS, STAGES=STAGES, num_warps=4 if one_wg else NUM_WARPS,
+        LOAD_ROWS=LOAD_ROWS, DIAG=DIAG, ONE_WG=one_wg, HALF_REGS=HALF_REGS, EARLY=one_wg and bool(EARLY_TILE),
+        num_warps=4 if one_wg else NUM_WARPS,
         maxnreg=maxnreg(),
         **pdl_launch(q_nope.device),
     )  # fmt: skip

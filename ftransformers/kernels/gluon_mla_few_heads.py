@@ -60,7 +60,6 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -68,7 +67,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, latent_loads, pdl_enter, stage1_args
+from ftransformers.kernels.gluon_mla_decode import (
+    _copy_tile,
+    _cta_barrier,
+    _load_slots,
+    _tile_before_new_token,
+    latent_loads,
+    pdl_enter,
+    stage1_args,
+)
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.stamps import gl_stamp
@@ -199,40 +206,6 @@ def _compute_t(Q_NOPE, Q_ROPE, q_nope, q_rope, kvn, kvr, p_smem, ready, empty, O
                    s_o_b, s_o_h, s_mo_b, s_mo_h, s_mo_s, s_ml_b, s_ml_h, L, HN, s_layout, o_layout)  # fmt: skip
     if STAMPS:
         gl_stamp(stamps, program, 6, STAMP_SLOTS)
-
-
-@gluon.jit
-def _load_slots(r2t_row, slots, start, end, N: gl.constexpr):
-    # the KV slots of the split's first N tokens (clamped to its last) into shared memory, for every warp
-    idx = gl.arange(0, N, layout=gl.BlockedLayout([1], [32], [4], [0]))
-    slots.store(gl.load(r2t_row + gl.maximum(gl.minimum(start + idx, end - 1), 0)))
-    _cta_barrier()
-
-
-@gluon.jit
-def _copy_tile(KV, slots, s_kv, kvn, kvr, ready, T: gl.constexpr,
-               L: gl.constexpr, R: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_ROWS: gl.constexpr):  # fmt: skip
-    # tile T of the split into stage T by the kernel's 4 warps, as the load partition copies the later ones:
-    # LOAD_ROWS rows a cp.async call, every thread's copies arriving on ready[T]
-    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [rows, L]
-    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # [rows, R]
-    offs_l = gl.arange(0, L, layout=gl.SliceLayout(0, ld_l))
-    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, ld_r))
-    dst = kvn.index(T)
-    for c in gl.static_range(BLOCK_N // LOAD_ROWS):
-        rows = slots.slice(T * BLOCK_N + c * LOAD_ROWS, LOAD_ROWS).load(gl.SliceLayout(1, ld_l)).to(gl.int64)
-        _cp_async(dst.slice(c * LOAD_ROWS, LOAD_ROWS), KV + rows[:, None] * s_kv + offs_l[None, :])
-    rows_r = slots.slice(T * BLOCK_N, BLOCK_N).load(gl.SliceLayout(1, ld_r)).to(gl.int64)
-    _cp_async(kvr.index(T), KV + L + rows_r[:, None] * s_kv + offs_r[None, :])
-    async_copy.mbarrier_arrive(ready.index(T), increment_count=False)
-
-
-@gluon.jit
-def _tile_before_new_token(T: gl.constexpr, start, end, seq_len, split_id, ON: gl.constexpr, BLOCK_N: gl.constexpr):
-    # tile T exists and ends before the new token (position seq_len - 1), so it holds only earlier steps' rows; a
-    # runtime condition even when ON is off (branches folded away at compile time failed Triton 3.6's lowering)
-    ok = (start + T * BLOCK_N < end) & ((end < seq_len) | (start + (T + 1) * BLOCK_N < seq_len))
-    return ok & (split_id >= 0 if ON else split_id < 0)
 
 
 @cached_launch
