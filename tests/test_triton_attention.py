@@ -300,13 +300,13 @@ def test_mla_split_rule() -> None:
     # an H200 (>= MLA_FEW_WIDE_SPLITS_GBPS_PER_SM an SM): one block from the batch's longest sequence in
     # MLA_ONE_BLOCK_FROM, and the 64-head kernel on 128 splits at 33-64 heads; an H100 keeps two blocks everywhere
     fast, slow = peak_gbps_per_sm(h200), peak_gbps_per_sm(h100)
-    assert [mla_block_h(64, b, "auto", fast, c) for b, c in ((1, 65535), (1, 65536), (2, 32768), (4, 16383))] == [
+    assert [mla_block_h(64, b, "auto", fast, c) for b, c in ((1, 49151), (1, 49152), (2, 24576), (4, 16383))] == [
         32, 64, 64, 32]  # fmt: skip
     assert [mla_block_h(32, b, "auto", fast, c) for b, c in ((1, 1 << 20), (2, 16383), (2, 16384), (3, 0))] == [
         16, 16, 64, 64]  # fmt: skip
     assert [mla_block_h(64, 1, "auto", slow, 1 << 20), mla_block_h(64, 1, "gluon_few", fast, 1 << 20)] == [32, 32]
     assert [mla_block_h(16, 1, "auto", fast, 1 << 20), mla_block_h(64, 5, "auto", fast, 0)] == [64, 64]
-    assert [mla_context_bounds(64, b, "auto", fast) for b in (1, 2, 3, 4, 5)] == [(65536,), (32768,), (16384,),
+    assert [mla_context_bounds(64, b, "auto", fast) for b in (1, 2, 3, 4, 5)] == [(49152,), (24576,), (16384,),
                                                                                 (16384,), ()]  # fmt: skip
     assert [mla_context_bounds(32, b, "auto", fast) for b in (1, 2, 4)] == [(65536,), (16384,), ()]
     assert [mla_64_head_kernel_from(24, 1, fast), mla_64_head_kernel_from(24, 2, fast)] == [65536, None]

@@ -111,8 +111,11 @@ MLA_FEW_SPLIT_HEADS_MAX_BS = 4
 # At 64 heads the bounds held after the 64-head kernel's scores moved to one warpgroup (gluon_mla_decode.SCORES_ONE_WG,
 # session 61; benchmarks/results/attention_64h_bounds_s61_h200.log), one block -> two of 32, us: batch 1 at 32K /
 # 64K 27.1 / 37.6 -> 23.9 / 38.9; batch 2 at 16K / 32K 26.7 / 37.3 -> 24.4 / 39.2; batch 3 at 8K / 16K 22.8 /
-# 31.5 -> 19.6 / 31.6; batch 4 at 8K / 16K 26.6 / 37.6 -> 25.1 / 39.8
-MLA_ONE_BLOCK_FROM = {32: {2: 16384, 3: 0, 4: 0}, 64: {1: 65536, 2: 32768, 3: 16384, 4: 16384}}
+# 31.5 -> 19.6 / 31.6; batch 4 at 8K / 16K 26.6 / 37.6 -> 25.1 / 39.8. Once the 64-head kernel copied its first tile
+# before the PDL wait (gluon_mla_decode.EARLY_TILE, session 62; attention_64h_bounds_s62_h200.log) the batch-1 and
+# batch-2 bounds came down: batch 1 at 40K / 48K / 56K 28.0 / 30.7 / 33.5 -> 27.9 / 31.4 / 35.3; batch 2 at 12K /
+# 24K 22.0 / 30.6 -> 19.9 / 31.8; batch 3 at 12K 26.9 -> 26.0, batch 4 at 12K 32.2 -> 32.5 (no change there)
+MLA_ONE_BLOCK_FROM = {32: {2: 16384, 3: 0, 4: 0}, 64: {1: 49152, 2: 24576, 3: 16384, 4: 16384}}
 # At batch 1, 17-32 heads keep two blocks of the few-heads kernel (one block of all of them lost: 38.6 against 35.5
 # us at 64K), but from this context the 64-head kernel on 128 splits beats both, on the same GPUs: 34.2-34.3 /
 # 54.4-54.7 against 35.5-35.6 / 61.0 us at 64K / 128K (23.6-23.7 against 22.3-22.4 at 32K)
