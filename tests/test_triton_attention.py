@@ -308,8 +308,8 @@ def test_mla_split_rule() -> None:
     assert [mla_block_h(16, 1, "auto", fast, 1 << 20), mla_block_h(64, 5, "auto", fast, 0)] == [64, 64]
     assert [mla_context_bounds(64, b, "auto", fast) for b in (1, 2, 3, 4, 5)] == [(49152,), (24576,), (16384,),
                                                                                 (16384,), ()]  # fmt: skip
-    assert [mla_context_bounds(32, b, "auto", fast) for b in (1, 2, 4)] == [(65536,), (16384,), ()]
-    assert [mla_64_head_kernel_from(24, 1, fast), mla_64_head_kernel_from(24, 2, fast)] == [65536, None]
+    assert [mla_context_bounds(32, b, "auto", fast) for b in (1, 2, 4)] == [(49152,), (16384,), ()]
+    assert [mla_64_head_kernel_from(24, 1, fast), mla_64_head_kernel_from(24, 2, fast)] == [49152, None]
     assert [mla_64_head_kernel_from(24, 1, slow), mla_64_head_kernel_from(48, 1, fast)] == [None, None]
     # where the Gluon kernels cannot run (here: the CPU) the rules fall back to the Triton kernel, at any context
     q, latent = torch.zeros(1, 32, 512, dtype=torch.bfloat16), torch.zeros(4, 576, dtype=torch.bfloat16)

@@ -118,8 +118,10 @@ MLA_FEW_SPLIT_HEADS_MAX_BS = 4
 MLA_ONE_BLOCK_FROM = {32: {2: 16384, 3: 0, 4: 0}, 64: {1: 49152, 2: 24576, 3: 16384, 4: 16384}}
 # At batch 1, 17-32 heads keep two blocks of the few-heads kernel (one block of all of them lost: 38.6 against 35.5
 # us at 64K), but from this context the 64-head kernel on 128 splits beats both, on the same GPUs: 34.2-34.3 /
-# 54.4-54.7 against 35.5-35.6 / 61.0 us at 64K / 128K (23.6-23.7 against 22.3-22.4 at 32K)
-MLA_64_HEAD_KERNEL_FROM = {32: {1: 65536}}
+# 54.4-54.7 against 35.5-35.6 / 61.0 us at 64K / 128K (23.6-23.7 against 22.3-22.4 at 32K). With its first tile
+# copied before the PDL wait (session 62, attention_32h_bounds_s62_h200.log) it wins from 48K: at 40K / 48K / 56K
+# 23.5 / 25.8 / 28.5 against 23.0 / 26.2 / 29.5 us
+MLA_64_HEAD_KERNEL_FROM = {32: {1: 49152}}
 MLA_FEW_HEADS_MAX_KV_SPLITS = 128
 # The few-heads kernel at up to 16 heads a GPU takes 128 splits too (batch 1 is the only batch it changes) where
 # the GPU's peak DRAM bandwidth an SM is at least this (GB/s): a program's split then has more bandwidth to use than
