@@ -24,6 +24,11 @@ base-2 log-sum-exp for `decode_combine`). What Gluon lets us say that Triton doe
   copies arriving on the stage's `ready` mbarrier as they land; the compute warpgroups wait on `ready`
   and hand the stage back through `empty` once both are past its P V. The load partition runs on
   LOAD_REGS registers a thread, leaving the compute warps 232.
+- EARLY_TILE (with the one-warpgroup scores): the kernel's 4 warps copy a split's first tile before the PDL
+  wait where it ends before the new token (rows of earlier steps, which no kernel of the step writes; as
+  gluon_mla_few_heads' EARLY_TILES, with the same helpers), and the load partition starts from tile 1. The
+  queries are still loaded before the load partition starts: at batch 1 its copies would queue ahead of
+  them. H200, session 62: 128 heads B=1 x 32K 33.1 -> 31.7 us, 64 heads B=1 x 64K 37.3 -> 36.1, level at B=4.
 
 Measured (H100, benchmarks/bench_attention.py; docs/performance.md has the tables): the load partition
 took batch 64 x 32K from 50% to 54-55% of copy bandwidth against the same schedule with the copies
