@@ -36,8 +36,8 @@ SM90_MAX_SHARED = 227 * 1024
 def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: bool = True) -> dict:
     # in this process: shared bytes, PTX, ptxas -v log
     """heads_n 0: gluon_mla_decode's kernel; 8 / 16 / 32: gluon_mla_few_heads' kernel at that wgmma N (stamped:
-    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, -1 the module's; one_wg:
-    gluon_mla_decode's SCORES_ONE_WG)."""
+    with its diagnostic timestamps, kernels/stamps.py; early: its EARLY_TILES, or gluon_mla_decode's EARLY_TILE,
+    -1 the module's; one_wg: gluon_mla_decode's SCORES_ONE_WG)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -77,7 +77,8 @@ def _compile(heads_n: int = 0, stamped: bool = False, early: int = -1, one_wg: b
         consts["EARLY_TILES"] = g.EARLY_TILES if early < 0 else early
     consts |= {"USE_PDL": True, "DIAG": 0}
     if not heads_n:
-        consts |= {"ONE_WG": one_wg, "HALF_REGS": g.HALF_REGS, "EARLY": one_wg and bool(g.EARLY_TILE)}
+        consts |= {"ONE_WG": one_wg, "HALF_REGS": g.HALF_REGS}
+        consts["EARLY"] = one_wg and bool(g.EARLY_TILE if early < 0 else early)
     if heads_n and stamped:
         sig["stamps"] = "*i64"
         consts["STAMPS"] = True
@@ -112,11 +113,12 @@ def _compile_in_child(heads_n: int = 0, stamped: bool = False, early: int = -1, 
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("one_wg", [True, False])
-def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool) -> None:
+@pytest.mark.parametrize(("one_wg", "early"), [(True, 1), (False, 0), (True, 0)])
+def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool, early: int) -> None:
     """SCORES_ONE_WG: one warpgroup's m64n64 scores, and each warpgroup's m64n256 half of P V in its own partition
-    (so twice in the PTX), the second warpgroup on HALF_REGS; otherwise both warpgroups' m64n32 scores."""
-    kernel = _compile_in_child(one_wg=one_wg)
+    (so twice in the PTX), the second warpgroup on HALF_REGS; otherwise both warpgroups' m64n32 scores. EARLY_TILE
+    (one-warpgroup form only): the first tile's copies ahead of the PDL wait's griddepcontrol.wait, else none."""
+    kernel = _compile_in_child(one_wg=one_wg, early=early)
     assert 0 < kernel["shared"] <= SM90_MAX_SHARED
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", kernel["ptx"])
     scores = "m64n64k16" if one_wg else "m64n32k16"
@@ -129,6 +131,8 @@ def test_gluon_mla_decode_compiles_for_hopper(one_wg: bool) -> None:
     # each load thread's copies tracked by the stage's mbarrier; the load warps' registers handed back
     assert "cp.async.mbarrier.arrive.noinc" in kernel["ptx"]
     assert re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{kernel['load_regs']};", kernel["ptx"])
+    before = kernel["ptx"][: kernel["ptx"].index("griddepcontrol.wait")]
+    assert before.count("cp.async.mbarrier.arrive.noinc") == early  # tile 0's arrivals, where it is copied early
     log = kernel["ptxas"]
     assert "C7515" not in log and "serialized" not in log, log  # every wgmma stays asynchronous
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
