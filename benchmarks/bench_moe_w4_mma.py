@@ -6,7 +6,8 @@ against quant_moe_ref on the first routing (relative error, printed), then timed
 REPS calls over different routings and hiddens (each call's experts differ from the previous one's, so
 weights come from DRAM). Floor = the distinct experts' bytes (expected count under uniform routing is
 not used: the routings here are drawn, and their distinct experts counted) / the copy bandwidth measured
-in the same process (benchmarks/ceilings.py). `--parts` also times the mma path's two kernels alone.
+in the same process (benchmarks/ceilings.py). `--parts` also times the mma path's two kernels alone; `--ab NAME=V`
+the mma path again with the module value gluon_moe_w4_mma.NAME set to V (e.g. SPAN_MASKED_X=0).
 
     PYTHONPATH=$PWD python benchmarks/bench_moe_w4_mma.py --out $OUT/moe_w4_mma_h100.json
 """
@@ -34,7 +35,8 @@ REPS = 8
 FORMATS = ("int4-g128-asym", "int4-g128-sym")
 
 
-def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict[str, Any], log) -> None:
+def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict[str, Any], log,
+          ab: tuple[str, int] | None = None) -> None:  # fmt: skip
     d, _, e, k = bm.SHAPES[shape]
     for fname in FORMATS:
         fmt, group, _ = bm.FORMATS[fname]
@@ -61,6 +63,14 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                     log(f"{shape} {fname} T={t} {name} FAILED rel err {err:.3g}")
                     continue
                 row[f"{name}_us"] = bm.graph_ms(call, REPS) * 1e3
+            if ab and "mma_us" in row:  # the mma path again with a module value changed, in this process
+                kept = getattr(mma, ab[0])
+                setattr(mma, ab[0], type(kept)(ab[1]))
+                try:
+                    row["ab_err"] = bm.rel_err(paths["mma"](0), ref)
+                    row["ab_us"] = bm.graph_ms(paths["mma"], REPS) * 1e3 if row["ab_err"] < 1e-2 else None
+                finally:
+                    setattr(mma, ab[0], kept)
             if parts and "mma_us" in row:
                 mc = mma.default_config(t, d)
                 acts = [mma.gate_up(hiddens[i], w13, routes[i][1].contiguous(), mc) for i in range(REPS)]
@@ -73,16 +83,19 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
             peer = next(iter(paths))
             log(f"{shape:14s} {fname:15s} T={t:2d} floor {floor_us:6.2f} us | {peer} {pct(row.get(f'{peer}_us'))} "
                 f"err {row[f'{peer}_err']:.1e} | mma {pct(row.get('mma_us'))} err {row['mma_err']:.1e}"
-                + (f" | mma gate-up {row['mma_gate_up_us']:.2f} down {row['mma_down_us']:.2f}" if "mma_gate_up_us" in row else ""))  # fmt: skip
+                + (f" | mma gate-up {row['mma_gate_up_us']:.2f} down {row['mma_down_us']:.2f}" if "mma_gate_up_us" in row else "")
+                + (f" | {ab[0]}={ab[1]} {pct(row.get('ab_us'))} err {row['ab_err']:.1e}" if "ab_err" in row else ""))  # fmt: skip
         w13 = w2 = None  # free before the next format (the lambdas above are done with them)
         torch.cuda.empty_cache()
 
 
 UP_SWEEP = [dict(up_kc=512), dict(up_kc=512, up_ahead=2), dict(up_kc=256), dict(up_kc=256, up_ahead=2),
             dict(up_kc=512, up_rows=16), dict(up_kc=512, up_warps=2), dict(up_kc=256, up_warps=8),
-            dict(up_kc=128, up_ahead=2)]  # fmt: skip
+            dict(up_kc=128, up_ahead=2), dict(up_kc=256, up_warps=8, up_rows=16), dict(up_kc=128, up_warps=8),
+            dict(up_kc=128, up_warps=8, up_ahead=2), dict(up_kc=256, up_warps=4, up_rows=16)]  # fmt: skip
 DOWN_SWEEP = [dict(down_kc=256), dict(down_kc=256, down_ahead=2), dict(down_kc=128), dict(down_kc=128, down_ahead=2),
-              dict(down_kc=512), dict(down_kc=256, down_rows=32), dict(down_kc=128, down_ahead=2, down_rows=32)]  # fmt: skip
+              dict(down_kc=512), dict(down_kc=256, down_rows=32), dict(down_kc=128, down_ahead=2, down_rows=32),
+              dict(down_kc=128, down_rows=32), dict(down_kc=512, down_rows=32), dict(down_kc=256, down_ahead=2, down_rows=32)]  # fmt: skip
 
 
 def sweep(shape: str, tokens: list[int], copy_gbs: float, out: dict[str, Any], log) -> None:
@@ -130,7 +143,14 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--sweep", default="", help="tokens for a per-kernel config sweep, e.g. 1,8 (then no table)")
+    ap.add_argument("--ab", default="", help="NAME=V: also time the mma path with gluon_moe_w4_mma.NAME = V (an int)")
     args = ap.parse_args()
+    ab = None
+    if args.ab:
+        name, _, value = args.ab.partition("=")
+        if not hasattr(mma, name) or not value.lstrip("-").isdigit():
+            ap.error(f"--ab: NAME=V with NAME a module-level name of gluon_moe_w4_mma and V an integer, got {args.ab!r}")
+        ab = (name, int(value))
     copy_gbs, _ = bm.ceilings()
     lines: list[str] = []
 
@@ -150,7 +170,7 @@ def main() -> None:
         if args.sweep:
             sweep(shape, [int(t) for t in args.sweep.split(",")], copy_gbs, out, log)
             continue
-        bench(shape, [int(t) for t in args.tokens.split(",")], copy_gbs, args.parts, out, log)
+        bench(shape, [int(t) for t in args.tokens.split(",")], copy_gbs, args.parts, out, log, ab)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")

@@ -11,7 +11,7 @@ columns padded to 24); ptxas (the one Triton runs for sm_90, -v) spilling nothin
 bytes) under a register cap (gluon_w4a16_mma.register_cap: the 16-warp form capped at 128 spills that here, 2
 bytes on the H200's ptxas, and measured 8% faster); the dense kernel's first chunk of words loaded ahead of
 the PDL wait (PRELOAD_WORDS), nothing stored there; and at 1-4 rows its x loaded on its spans only
-(SPAN_MASKED_X: predicated vector loads).
+(SPAN_MASKED_X: predicated vector loads), as the MoE kernels' x always (one token a pair; their SPAN_MASKED_X).
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
         cfg = moe.default_config(t, d)
         kc = moe.chunk_k(d // cfg.up_warps, 128, cfg.up_kc)
         up = dict(HAS_ZERO=True, GROUP=128, TOP_K=8, KC=kc, CHUNKS=d // cfg.up_warps // kc, AHEAD=cfg.up_ahead,
-                  ROWS=cfg.up_rows, W=cfg.up_warps, **moe.layouts(cfg.up_warps, cfg.up_rows, kc))  # fmt: skip
+                  ROWS=cfg.up_rows, W=cfg.up_warps, **moe.layouts(cfg.up_warps, cfg.up_rows, kc),
+                  MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
         jobs.append((f"moe gate-up T={t} D={d}", moe._gate_up_kernel, up, cfg.up_warps, cfg.up_rows * 8, 0))
         kc = moe.chunk_k(inter, 128, cfg.down_kc)
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
-                    **moe.layouts(8, cfg.down_rows, kc))  # fmt: skip
+                    **moe.layouts(8, cfg.down_rows, kc), MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
         jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8, 0))
     out = []
     for name, fn, consts, warps, outputs, maxnreg in jobs:  # maxnreg: the launch's register cap (0: none)
@@ -124,5 +125,5 @@ def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
         if k["name"].startswith("dense"):  # its first chunk's words loaded ahead of the PDL wait, nothing stored
             ahead = k["ptx"][: k["ptx"].index("griddepcontrol.wait")]
             assert "ld.global" in ahead and "st.global" not in ahead and "st.shared" not in ahead, k["name"]
-        if re.match(r"dense M=[1-4] ", k["name"]):  # x on its spans only: predicated 16-byte loads
+        if re.match(r"dense M=[1-4] |moe ", k["name"]):  # x on its spans only: predicated 16-byte loads
             assert re.search(r"@%p\d+ ld\.global\.v4\.b32", k["ptx"]), k["name"]

@@ -23,8 +23,14 @@ Register layouts (mma_v2, batched: warps_per_cta = [W, 1, 1], each warp its own 
   a row), so a thread's RW words of a row are adjacent in memory (16-byte loads), the LOP3 pair (nibble
   i, nibble i + 4) is one 32-bit A register (logical k 2i, 2i + 1), and lane t's span is memory
   [t KC / 4, (t + 1) KC / 4) = columns 2t (its first RW / 2 words) and 2t + 1: C's own columns.
-  x, the B operand, is loaded 16 bytes a word and permuted in registers to the same logical order.
+  x, the B operand, is loaded in memory order [W, 8 (column), KC]: lane (t, column) holds the 8 RW
+  contiguous elements from 8 RW t, and loads them only where they lie in its column's span
+  (SPAN_MASKED_X: masked 16-byte loads, so a quarter of the lanes request anything and x leaves L1 once a
+  chunk, not 8 times), then reshaped and permuted in registers to the logical order (no data movement).
+  The x sums of each span come from a second mma with an all-ones A, already in C's layout.
   C [W, 16, 8]: lane t holds columns 2t, 2t + 1 of rows r and r + 8.
+`_b_tile`, `_load_x` and `_chunk` are shared with kernels/gluon_w4a16_mma.py, whose NCOL columns are (row of
+x, span) pairs; here NCOL = S = 8.
 
 Gate-up (`_gate_up_kernel`): program (pair, 8 rows of I), W warps each over D / W of K in chunks; rows
 0..7 of a warp's A are gate rows, 8..15 the matching up rows (so one thread holds both); the warps'
@@ -60,9 +66,9 @@ def _log2(n: int) -> int:
 
 def layouts(warps: int, rows: int, kc: int) -> dict:
     """The kernels' layouts for W = warps, ROWS = rows a warp (16 or 32) and chunks of KC = kc (>= 128, a
-    power of two), RW = KC / 32: words [W, ROWS, 4 (t), RW (r)] int32 = memory word RW t + r of a row's chunk; x [W, 4 (t), RW (r), 2 (h),
-    4 (i)] = memory element 8 (RW t + r) + 4 h + i; xc [W, 8, GC] x again, 4 lanes a column (the
-    column sums)."""
+    power of two), RW = KC / 32: words [W, ROWS, 4 (t), RW (r)] int32 = memory word RW t + r of a row's chunk;
+    x [W, 8 (column), KC] in memory order, lane (t, column) holding the 8 RW contiguous elements from 8 RW t
+    (16-byte loads; kernels/gluon_w4a16_mma.py's NCOL > 8 columns wrap into registers)."""
     rw = kc // 32
     lw = _log2(warps)
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1, 1], instr_shape=[1, 16, 8])
@@ -73,21 +79,12 @@ def layouts(warps: int, rows: int, kc: int) -> dict:
         block_bases=[],
         shape=[warps, rows, 4, rw],
     )
-    x = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]] + [[0, 0, 1 << i, 0, 0] for i in range(_log2(rw))],
-        lane_bases=[[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]],
-        warp_bases=[[1 << i, 0, 0, 0, 0] for i in range(lw)],
-        block_bases=[],
-        shape=[warps, 4, rw, 2, 4],
-    )
-    xc = gl.BlockedLayout([1, 1, kc // 32], [1, 8, 4], [warps, 1, 1], [2, 1, 0])
     return {
         "mma": mma,
         "a_l": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
         "b_l": gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8),
         "w_l": words,
-        "x_l": x,
-        "xc_l": xc,
+        "x_l": gl.BlockedLayout([1, 1, kc // 4], [1, 8, 4], [warps, 1, 1], [2, 1, 0]),
     }
 
 
@@ -121,38 +118,46 @@ def _a_tile(q, magic, DT: gl.constexpr, a_l: gl.constexpr, W: gl.constexpr, ROWS
 
 
 @gluon.jit
-def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, RW: gl.constexpr):
-    # x [W, 4, RW, 2, 4] -> [W, 32 RW, 8] B operand: column c = x on memory span c (lane t's first RW / 2
-    # words are span 2t, the rest 2t + 1), zero elsewhere; logical k order
-    xs = gl.reshape(gl.permute(x, (0, 2, 1, 4, 3)), [W, 32 * RW])  # logical k = 8 (4r + t) + 2i + h
-    xs = gl.convert_layout(xs, gl.SliceLayout(2, b_l), assert_trivial=True)
-    k = gl.arange(0, 32 * RW, layout=gl.SliceLayout(1, gl.SliceLayout(0, b_l)))
-    span = 2 * ((k // 8) % 4) + (k // 32) // (RW // 2)  # 2t + (r >= RW / 2)
-    col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, b_l)))
-    hit = gl.expand_dims(gl.expand_dims(span, 1) == gl.expand_dims(col, 0), 0)  # [1, 32 RW, 8]
-    return gl.where(hit, gl.expand_dims(xs, 2), 0.0).to(xs.dtype)
+def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr,
+            ZEROED: gl.constexpr = False):  # fmt: skip
+    # x [W, NCOL, 32 RW] memory order -> [W, 32 RW, NCOL] B operand in logical k order, zero outside each
+    # column's span c % S (memory word RW t + r is in span (RW t + r) // (4 RW / S)); ZEROED: x was loaded
+    # with zeros there already (SPAN_MASKED_X)
+    x6 = gl.reshape(x, [W, NCOL, 4, RW, 2, 4])  # [., t, r, h, i]: memory k = 8 (RW t + r) + 4h + i
+    b = gl.reshape(gl.permute(x6, (0, 3, 2, 5, 4, 1)), [W, 32 * RW, NCOL])  # k = 8 (4r + t) + 2i + h
+    b = gl.convert_layout(b, b_l, assert_trivial=True)
+    if S > 1 and not ZEROED:
+        k = gl.arange(0, 32 * RW, layout=gl.SliceLayout(1, gl.SliceLayout(0, b_l)))
+        span = (RW * ((k // 8) % 4) + k // 32) // (4 * RW // S)
+        col = gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, b_l)))
+        hit = gl.expand_dims(gl.expand_dims(span, 1) == gl.expand_dims(col % S, 0), 0)  # [1, 32 RW, NCOL]
+        b = gl.where(hit, b, 0.0).to(x.dtype)
+    return b
 
 
 @gluon.jit
-def _span_sums(xc_ptrs, mma: gl.constexpr):
-    # [W, 8, GC] x pointers -> [W, 1, 8] float32 sums of the 8 spans, in C's layout
-    s = gl.sum(gl.load(xc_ptrs).to(gl.float32), axis=2)  # [W, 8]
-    return gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(1, mma)), 1)
+def _load_x(ptrs, mask, ZEROED: gl.constexpr):
+    # one chunk of x [W, NCOL, KC]: only each column's span where ZEROED (zeros elsewhere), else all of it
+    if ZEROED:
+        return gl.load(ptrs, mask=mask, other=0.0)
+    return gl.load(ptrs)
 
 
 @gluon.jit
-def _chunk(q, x, xc_ptrs, s_ptrs, z_ptrs, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr,
-           W: gl.constexpr, ROWS: gl.constexpr, RW: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
-           b_l: gl.constexpr):  # fmt: skip
-    # tot [W, ROWS, 8] += scale * (A.B - (offset + zero) * span sums) over one chunk; s_ptrs / z_ptrs
-    # [W, ROWS, 8] the scale and zero of each (row, span)
-    acc = mma_v2(_a_tile(q, magic, DT, a_l, W, ROWS, RW), _b_tile(x, b_l, W, RW), gl.zeros([W, ROWS, 8], gl.float32, mma))
+def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr, W: gl.constexpr,
+           ROWS: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr,
+           a_l: gl.constexpr, b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
+    # tot [W, ROWS, NCOL] += scale * (A.B - (offset + zero) * column sums) over one chunk
+    b = _b_tile(x, b_l, W, NCOL, RW, S, ZEROED)
+    acc = mma_v2(_a_tile(q, magic, DT, a_l, W, ROWS, RW), b, gl.zeros([W, ROWS, NCOL], gl.float32, mma))
+    # all 16 rows of ones @ B are the column sums; max over them moves one to every row of C's layout
+    sums = gl.max(mma_v2(ones, b, gl.zeros([W, 16, NCOL], gl.float32, mma)), axis=1)
     scale = gl.load(s_ptrs).to(gl.float32)
     if HAS_ZERO:
         zz = gl.load(z_ptrs).to(gl.float32) + offset
     else:
         zz = offset + 8.0
-    return tot + scale * (acc - zz * _span_sums(xc_ptrs, mma))
+    return tot + scale * (acc - zz * gl.expand_dims(sums, 1))
 
 
 @gluon.jit
@@ -169,48 +174,36 @@ def word_offsets(w_l: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr, RW: gl.
 
 
 @gluon.jit
-def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, xc_l: gl.constexpr, mma: gl.constexpr, W: gl.constexpr,
-             ROWS: gl.constexpr, RW: gl.constexpr):  # fmt: skip
-    # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W,4,RW,2,4]
-    # element 8 (RW t + r) + 4h + i and warp [W,1,1,1,1], xc [W,8,GC] element and warp, C-side ([W,1,1]
-    # warp, [1,ROWS,1] row, [1,1,8] span)
+def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, mma: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr,
+             RW: gl.constexpr):  # fmt: skip
+    # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W, 8, KC]
+    # ([W,1,1] warp, [1,8,1] column, [1,1,KC] element) with the mask of each column's span (column c holds memory
+    # elements [c KC / 8, (c + 1) KC / 8): runs of KC / 8 >= 16, so the masked loads keep their 16-byte vectors),
+    # C-side ([W,1,1] warp, [1,ROWS,1] row, [1,1,8] span)
     ww, wrow, word = word_offsets(w_l, W, ROWS, RW)
 
-    x4: gl.constexpr = gl.SliceLayout(4, x_l)
-    x3: gl.constexpr = gl.SliceLayout(3, x4)
-    x2: gl.constexpr = gl.SliceLayout(2, x3)
-    xw = gl.arange(0, W, layout=gl.SliceLayout(1, x2))
-    xt = gl.arange(0, 4, layout=gl.SliceLayout(0, x2))
-    xr = gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, x3)))
-    xh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, x4))))
-    xi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, x_l)))))
-    e = gl.expand_dims(gl.expand_dims(xw, 1) * 0 + gl.expand_dims(xt, 0) * (8 * RW), 2)
-    e = gl.expand_dims(e + gl.expand_dims(gl.expand_dims(xr, 0), 0) * 8, 3)
-    e = gl.expand_dims(e + gl.expand_dims(gl.expand_dims(gl.expand_dims(xh, 0), 0), 0) * 4, 4)
-    xel = e + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xi, 0), 0), 0), 0)
-    xwarp = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(xw, 1), 2), 3), 4)
-
-    c2: gl.constexpr = gl.SliceLayout(2, xc_l)
-    cw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, c2)), 1), 2)
-    cs = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, c2)), 0), 2)
-    ck = gl.arange(0, 4 * RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, xc_l)))
-    cel = cs * (4 * RW) + gl.expand_dims(gl.expand_dims(ck, 0), 0)
+    x2: gl.constexpr = gl.SliceLayout(2, x_l)
+    xw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, x2)), 1), 2)
+    xc = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, x2)), 0), 2)
+    xk = gl.expand_dims(gl.expand_dims(gl.arange(0, 32 * RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, x_l))), 0), 0)
+    x_mask = (xk // (4 * RW)) == xc  # [1, 8, KC]
 
     m2: gl.constexpr = gl.SliceLayout(2, mma)
     mw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, m2)), 1), 2)
     mrow = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, m2)), 0), 2)
     mspan = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma))), 0), 0)
-    return ww, wrow, word, xel, xwarp, cel, cw, mw, mrow, mspan
+    return ww, wrow, word, xw, xc * 0 + xk, x_mask, mw, mrow, mspan
 
 
 @gluon.jit
-def _first_chunks(q_ptrs, x_ptrs, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr):
+def _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+                  AHEAD: gl.constexpr):  # fmt: skip
     # words and x of chunk 0, and of chunk 1 when AHEAD = 2 (else chunk 0's again, unused)
     q = gl.load(q_ptrs)
-    x = gl.load(x_ptrs)
+    x = _load_x(x_ptrs, x_mask, ZEROED)
     if CHUNKS > 1 and AHEAD == 2:
         q1 = gl.load(q_ptrs + KC // 8)
-        x1 = gl.load(x_ptrs + KC)
+        x1 = _load_x(x_ptrs + KC, x_mask, ZEROED)
     else:
         q1 = q
         x1 = x
@@ -218,27 +211,30 @@ def _first_chunks(q_ptrs, x_ptrs, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD:
 
 
 @gluon.jit
-def _sum_chunks(q_ptrs, x_ptrs, xc_ptrs, s_rows, z_rows, span_k, magic, offset, HAS_ZERO: gl.constexpr,
+def _sum_chunks(q_ptrs, x_ptrs, x_mask, s_rows, z_rows, span_k, magic, offset, HAS_ZERO: gl.constexpr,
                 GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr, DT: gl.constexpr,
-                W: gl.constexpr, ROWS: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
-    # [W, ROWS, 8] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs / xc_ptrs at chunk 0, s_rows / z_rows
-    # [., ROWS, 1] each row's scales and zeros, span_k [., 1, 8] the K of each span's start in chunk 0.
-    # Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas (the last one reloads itself).
+                W: gl.constexpr, ROWS: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
+                ZEROED: gl.constexpr):  # fmt: skip
+    # [W, ROWS, 8] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs at chunk 0 (x [W, 8, KC], each column's
+    # span only where ZEROED), s_rows / z_rows [., ROWS, 1] each row's scales and zeros, span_k [., 1, 8] the K
+    # of each span's start in chunk 0. Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas (the last
+    # one reloads itself).
+    ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
-    q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, KC, CHUNKS, AHEAD)
+    q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED, KC, CHUNKS, AHEAD)
     for c in range(CHUNKS):
         q_c, x_c = q, x
         if AHEAD == 2:
             q, x = q1, x1
             if CHUNKS > 2:
                 q1 = gl.load(q_ptrs + gl.minimum(c + 2, CHUNKS - 1) * (KC // 8))
-                x1 = gl.load(x_ptrs + gl.minimum(c + 2, CHUNKS - 1) * KC)
+                x1 = _load_x(x_ptrs + gl.minimum(c + 2, CHUNKS - 1) * KC, x_mask, ZEROED)
         elif CHUNKS > 1:
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-            x = gl.load(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC)
+            x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, ZEROED)
         g = (span_k + c * KC) // GROUP  # each span's group
-        tot = _chunk(q_c, x_c, xc_ptrs + c * KC, s_rows + g, z_rows + g, magic, offset, tot, HAS_ZERO, DT, W, ROWS,
-                     KC // 32, mma, a_l, b_l)  # fmt: skip
+        tot = _chunk(q_c, x_c, s_rows + g, z_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W, ROWS, 8,
+                     KC // 32, 8, mma, a_l, b_l, ZEROED)  # fmt: skip
     return tot
 
 
@@ -249,7 +245,7 @@ def _gate_up_kernel(
     stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, xc_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]) in x's dtype, t = pair // TOP_K,
     # e = ids[pair]; program (pair, rows n0..n0+ROWS/2-1), warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
@@ -263,15 +259,13 @@ def _gate_up_kernel(
     pair = pid % num_pairs
     n0 = (pid // num_pairs) * HALF
     expert = gl.load(ids_ptr + pair).to(gl.int64)
-    ww, wrow, word, xel, xwarp, cel, cw, mw, mrow, mspan = _offsets(w_l, x_l, xc_l, mma, W, ROWS, RW)
+    ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW)
     q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
     q_ptrs = q_ptr + expert * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
-    x_row = x_ptr + (pair // TOP_K).to(gl.int64) * stride_xm
-    x_ptrs = x_row + xwarp * KS + xel
-    xc_ptrs = x_row + cw * KS + cel
+    x_ptrs = x_ptr + (pair // TOP_K).to(gl.int64) * stride_xm + xw * KS + xk  # every column: the pair's token
     s_rows = expert * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
-    tot = _sum_chunks(q_ptrs, x_ptrs, xc_ptrs, s_ptr + s_rows, z_ptr + s_rows, mw * KS + mspan * GC, magic, offset,
-                      HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l)  # fmt: skip
+    tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + mspan * GC, magic, offset,
+                      HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X)  # fmt: skip
     y = gl.sum(gl.sum(tot, axis=2), axis=0)  # [ROWS]: gate rows, then up rows
     gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF]), (1, 0)))
     act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)
@@ -286,7 +280,7 @@ def _down_kernel(
     stride_qe, stride_qn, stride_se, stride_sn, stride_om,
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr,
     ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, xc_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # out[t, n] = sum_w tw[t, w] * (act[t W + w] @ w2[e_w, n]), e_w = ids[t, w], W = TOP_K slots, one a
     # warp, each over all of K = CHUNKS * KC; program (token, ROWS rows from n0)
@@ -298,16 +292,14 @@ def _down_kernel(
     pid = gl.program_id(0)
     t = pid % num_tokens
     n0 = (pid // num_tokens) * ROWS
-    ww, wrow, word, xel, xwarp, cel, cw, mw, mrow, mspan = _offsets(w_l, x_l, xc_l, mma, W, ROWS, RW)
+    ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW)
     e4 = gl.load(ids_ptr + t * W + ww).to(gl.int64)  # [W, 1, 1, 1]
     q_ptrs = q_ptr + e4 * stride_qe + (n0 + wrow).to(gl.int64) * stride_qn + word
-    x_rows = act_ptr + (t * W).to(gl.int64) * K
-    x_ptrs = x_rows + xwarp * K + xel
-    xc_ptrs = x_rows + cw * K + cel
+    x_ptrs = act_ptr + (t * W + xw).to(gl.int64) * K + xk  # warp w: slot w's act row
     e3 = gl.load(ids_ptr + t * W + mw).to(gl.int64)  # [W, 1, 1]
     s_rows = e3 * stride_se + (n0 + mrow).to(gl.int64) * stride_sn
-    tot = _sum_chunks(q_ptrs, x_ptrs, xc_ptrs, s_ptr + s_rows, z_ptr + s_rows, mspan * GC, magic, offset,
-                      HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l)  # fmt: skip
+    tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mspan * GC, magic, offset,
+                      HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X)  # fmt: skip
     wl: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, mma))
     tw = gl.load(tw_ptr + t * W + gl.arange(0, W, layout=wl))  # [W] float32
     y = gl.sum(gl.sum(tot, axis=2) * gl.expand_dims(tw, 1), axis=0).to(out_ptr.dtype.element_ty)  # [ROWS]
@@ -364,6 +356,12 @@ def chunk_k(k: int, group: int, most: int) -> int:
 # those the GEMV-form token kernels take first (triton_moe_w4_gemv.takes: up to INT4_MAX_TOKENS tokens, D <= 4096).
 MIN_TOKENS = 2
 WIDE_MAX_PAIRS = 256
+# A lane loads x only on its column's span (masked 16-byte loads; kernels/gluon_w4a16_mma.py's form at one row),
+# not the whole of its quarter of the chunk: False loads it all (an A/B toggle for the benches). On the H200,
+# Qwen3-30B-A3B's asymmetric int4 MoE at 16 tokens took 100.5 against 115.7 us before (the x loads were 8-byte
+# vectors of the whole quarter, and the x sums a second load), and the W4A16 step at batch 8 4.113 against 4.426 ms
+# (moe_w4_mma_{spanx,old}_s63_h200.*, ab_{spanx,old}_30b_w4a16_s63_h200.*).
+SPAN_MASKED_X = True
 
 
 @functools.cache
@@ -428,7 +426,7 @@ def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
         hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=ks // kc,
         AHEAD=cfg.up_ahead, ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc),
-        num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -446,7 +444,7 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
         act, q, s, _zeros(w2), out, ids, weights, magic, offset, t,
         q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead,
-        ROWS=cfg.down_rows, W=top_k, **layouts(top_k, cfg.down_rows, kc), num_warps=top_k,
+        ROWS=cfg.down_rows, W=top_k, **layouts(top_k, cfg.down_rows, kc), MASK_X=SPAN_MASKED_X, num_warps=top_k,
         **pdl_launch(hidden.device),
     )  # fmt: skip
     return out

@@ -42,10 +42,9 @@ from dataclasses import dataclass, replace
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
-from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _a_tile, mma_capable, word_offsets
+from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _chunk, _load_x, mma_capable, word_offsets
 from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
 from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
@@ -77,53 +76,9 @@ def tokens_and_spans(m: int) -> tuple[int, int]:
 def layouts(warps: int, rows: int, kc: int, tok: int) -> dict:
     """Layouts for W = warps, ROWS = rows a warp (16, 32 or 64), chunks of KC (a power of two >= 32) and TOK
     padded rows of x (module docstring)."""
-    lay = moe_layouts(warps, rows, kc)
-    # x [W, NCOL, KC]: 8 RW contiguous elements a thread (lane % 4 = t), lane // 4 = column (bit 3 a register)
-    x = gl.BlockedLayout([1, 1, kc // 4], [1, 8, 4], [warps, 1, 1], [2, 1, 0])  # 16 columns wrap into registers
-    return {"mma": lay["mma"], "a_l": lay["a_l"], "b_l": lay["b_l"], "w_l": lay["w_l"], "x_l": x}
-
-
-@gluon.jit
-def _b_tile(x, b_l: gl.constexpr, W: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr,
-            ZEROED: gl.constexpr = False):  # fmt: skip
-    # x [W, NCOL, 32 RW] memory order -> [W, 32 RW, NCOL] B operand in logical k order, zero outside each
-    # column's span c % S (memory word RW t + r is in span (RW t + r) // (4 RW / S)); ZEROED: x was loaded
-    # with zeros there already (SPAN_MASKED_X)
-    x6 = gl.reshape(x, [W, NCOL, 4, RW, 2, 4])  # [., t, r, h, i]: memory k = 8 (RW t + r) + 4h + i
-    b = gl.reshape(gl.permute(x6, (0, 3, 2, 5, 4, 1)), [W, 32 * RW, NCOL])  # k = 8 (4r + t) + 2i + h
-    b = gl.convert_layout(b, b_l, assert_trivial=True)
-    if S > 1 and not ZEROED:
-        k = gl.arange(0, 32 * RW, layout=gl.SliceLayout(1, gl.SliceLayout(0, b_l)))
-        span = (RW * ((k // 8) % 4) + k // 32) // (4 * RW // S)
-        col = gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, b_l)))
-        hit = gl.expand_dims(gl.expand_dims(span, 1) == gl.expand_dims(col % S, 0), 0)  # [1, 32 RW, NCOL]
-        b = gl.where(hit, b, 0.0).to(x.dtype)
-    return b
-
-
-@gluon.jit
-def _load_x(ptrs, mask, ZEROED: gl.constexpr):
-    # one chunk of x [W, NCOL, KC]: only each column's span where ZEROED (zeros elsewhere), else all of it
-    if ZEROED:
-        return gl.load(ptrs, mask=mask, other=0.0)
-    return gl.load(ptrs)
-
-
-@gluon.jit
-def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexpr, DT: gl.constexpr, W: gl.constexpr,
-           ROWS: gl.constexpr, NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr,
-           a_l: gl.constexpr, b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
-    # tot [W, ROWS, NCOL] += scale * (A.B - (offset + zero) * column sums) over one chunk
-    b = _b_tile(x, b_l, W, NCOL, RW, S, ZEROED)
-    acc = mma_v2(_a_tile(q, magic, DT, a_l, W, ROWS, RW), b, gl.zeros([W, ROWS, NCOL], gl.float32, mma))
-    # all 16 rows of ones @ B are the column sums; max over them moves one to every row of C's layout
-    sums = gl.max(mma_v2(ones, b, gl.zeros([W, 16, NCOL], gl.float32, mma)), axis=1)
-    scale = gl.load(s_ptrs).to(gl.float32)
-    if HAS_ZERO:
-        zz = gl.load(z_ptrs).to(gl.float32) + offset
-    else:
-        zz = offset + 8.0
-    return tot + scale * (acc - zz * gl.expand_dims(sums, 1))
+    # x [W, NCOL, KC]: 8 RW contiguous elements a thread (lane % 4 = t), lane // 4 = column (16 columns wrap into
+    # registers): the MoE kernels' x layout
+    return moe_layouts(warps, rows, kc)
 
 
 @gluon.jit
