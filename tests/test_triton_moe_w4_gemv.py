@@ -225,8 +225,8 @@ def test_fused_moe_w4_takes_int4_and_fp4_tokens_here(monkeypatch: pytest.MonkeyP
         return here
 
     assert taken(1) and taken(token.INT4_MAX_TOKENS) and not taken(token.INT4_MAX_TOKENS + 1)
-    monkeypatch.setattr(token, "INT4_MAX_TOKENS", 1)
-    assert not taken(2)
+    monkeypatch.setattr(token, "INT4_MAX_TOKENS", 2)
+    assert taken(2) and not taken(3)
     assert taken(1, "mxfp4") and taken(1, "nvfp4")
     monkeypatch.setattr(token, "FP4_MAX_TOKENS", 2)  # FP4 up to FP4_MAX_TOKENS tokens, then the pair path
     assert taken(2, "nvfp4") and not taken(3, "mxfp4")

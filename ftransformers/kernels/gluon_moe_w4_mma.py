@@ -351,10 +351,14 @@ def chunk_k(k: int, group: int, most: int) -> int:
     return 0
 
 
-# fused_moe_w4 runs its int4 calls here (`takes`) from MIN_TOKENS tokens up to its pair-path limit
-# (T * top_k <= W4_PAIR_MAX_PAIRS), and on wide models (D > 4096) at every count up to WIDE_MAX_PAIRS pairs, except
-# those the GEMV-form token kernels take first (triton_moe_w4_gemv.takes: up to INT4_MAX_TOKENS tokens, D <= 4096).
+# fused_moe_w4 runs its int4 calls here (`takes`) from MIN_TOKENS tokens up to NARROW_MAX_PAIRS (T * top_k), and on
+# wide models (D > 4096) at every count up to WIDE_MAX_PAIRS pairs, except those the GEMV-form token kernels take
+# first (triton_moe_w4_gemv.takes: up to INT4_MAX_TOKENS tokens, D <= 4096). Past them, the aligned path. On the
+# H200 with x on its spans (session 63), Qwen3-30B-A3B's experts at 24 tokens took 143.7 us here against the aligned
+# path's 167.8, and the W4A16 step at batch 24 9.338 against 10.634 ms; at 32 tokens level (186.4 / 184.4 us; 11.512
+# / 11.523 ms) (moe_w4_mma_t32_s63_h200.*, ab_pairs256_30b_w4a16_s63_h200.*).
 MIN_TOKENS = 2
+NARROW_MAX_PAIRS = 192
 WIDE_MAX_PAIRS = 256
 # A lane loads x only on its column's span (masked 16-byte loads; kernels/gluon_w4a16_mma.py's form at one row),
 # not the whole of its quarter of the chunk: False loads it all (an A/B toggle for the benches). On the H200,
@@ -374,14 +378,14 @@ def mma_capable(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and _capability(t.device.index or 0)[0] >= 8
 
 
-def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int, pair_max: int) -> bool:
-    """Whether fused_moe_w4 runs this call here (H100, benchmarks/results/moe_w4_mma_h100.{json,log}): on
-    Qwen3-30B-A3B's small experts the CUDA-core pair path is as fast at one token (17.0-18.0 against 18.2
-    us) and the aligned path faster at 32 tokens (176-188 against 214-238 us); on DeepSeek-V3 this path is
-    faster at every count measured, 1 to 32 tokens (78 against 98-108 us at one, 1660 against 2148 at 32)."""
+def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
+    """Whether fused_moe_w4 runs this call here (the bounds above; on the H100,
+    benchmarks/results/moe_w4_mma_h100.{json,log}: on Qwen3-30B-A3B's small experts the CUDA-core pair path
+    was as fast at one token, 17.0-18.0 against 18.2 us; on DeepSeek-V3 this path is faster at every count
+    measured, 1 to 32 tokens, 78 against 98-108 us at one, 1660 against 2148 at 32)."""
     t, d = hidden.shape
     wide = d > 4096
-    if t * top_k > (WIDE_MAX_PAIRS if wide else pair_max) or not (wide or t >= MIN_TOKENS):
+    if t * top_k > (WIDE_MAX_PAIRS if wide else NARROW_MAX_PAIRS) or not (wide or t >= MIN_TOKENS):
         return False
     return supported(hidden, w13, w2, top_k)
 

@@ -24,8 +24,8 @@ names): the dense GEMV's register layout, no shared-memory round trip for x, the
 of a token in one program.
 
 Other int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py (the pair path's contract on
-mma.sync) wherever its `takes` says: from 2 tokens up to the pair-path limit, and on D > 4096 from one
-token to 256 pairs (measured faster there on the H100; benchmarks/results/moe_w4_mma_h100.log).
+mma.sync) wherever its `takes` says: from 2 tokens up to 192 pairs (24 tokens at top-8), and on D > 4096 from
+one token to 256 pairs (the measurements are beside its bounds).
 """
 
 from __future__ import annotations
@@ -465,7 +465,7 @@ def fused_moe_w4(
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids, config)
     if isinstance(config, token_path.TokenGemvConfig) or (config is None and token_path.takes(hidden, w13, w2, top_k)):
         return token_path.moe_w4_token(hidden, w13, w2, weights, topk_ids, config)
-    if config is None and mma_path.takes(hidden, w13, w2, top_k, W4_PAIR_MAX_PAIRS):
+    if config is None and mma_path.takes(hidden, w13, w2, top_k):
         return mma_path.moe_w4_mma(hidden, w13, w2, weights, topk_ids)
     if isinstance(config, W4PairConfig) or (config is None and t * top_k <= W4_PAIR_MAX_PAIRS):
         cfg = config if isinstance(config, W4PairConfig) else default_w4_pair_config(t, d, w13.fmt)

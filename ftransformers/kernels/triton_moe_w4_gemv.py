@@ -59,8 +59,10 @@ MAX_TOKENS = 64  # moe_w4_token's bound: every pair reads its expert's rows, so 
 # gluon_moe_w4_mma. On the H100 (Qwen3-30B-A3B AWQ experts, alone) these kernels took 22.8-23.2 us at two tokens
 # against the mma path's 25.2-25.6, and 41.1 against 39.3 at four (benchmarks/results/w4_tokens_paths{,2}_qwen_h100.log);
 # the W4A16 step at batch 2 went from 2.579 to 2.494 ms, the MoE's critical path from 1152 to 1066 us, batch 1
-# unchanged (ab_int4two2_30b_w4a16_h100.*)
-INT4_MAX_TOKENS = 2
+# unchanged (ab_int4two2_30b_w4a16_h100.*). Since the mma path loads x on its spans only (session 63, H200), it
+# takes two tokens: 20.8 against 21.8 us alone, asymmetric (w4_tokens_spanx_s63_h200.*), and the W4A16 step at
+# batch 2 went from 2.191 to 2.135 ms (ab_spanx_30b_w4a16_s63_h200.*); one token stays here (12.3 against 14.7 us).
+INT4_MAX_TOKENS = 1
 # FP4 experts, which have no mma path, come here up to FP4_MAX_TOKENS tokens (FP4_WIDE_MAX_TOKENS where D >
 # MAX_HIDDEN) and D <= FP4_MAX_HIDDEN. On the H100 (w4_tokens_paths{,2}_{qwen,dsv3}_h100.log) these kernels beat
 # the pair path at 1-64 tokens, mxfp4 and nvfp4. Against the aligned path (fused_moe_w4's choice from 17 tokens):

@@ -1,0 +1,48 @@
+"""Which int4 MoE calls fused_moe_w4 sends to the mma kernels (kernels/gluon_moe_w4_mma.py `takes`), pinned on
+the CPU: the measured bounds beside MIN_TOKENS, NARROW_MAX_PAIRS and WIDE_MAX_PAIRS, and triton_moe_w4_gemv's
+INT4_MAX_TOKENS taking one token first on narrow models. The GPU check of `mma_capable` is stubbed; shapes are what
+the bounds read (D narrow or past 4096, top-k, T), with small expert counts. On a GPU,
+tests/test_gluon_moe_w4_mma.py checks `takes` unstubbed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_moe_w4 import DEV, random_qw
+
+from ftransformers.kernels import gluon_moe_w4_mma as mma
+from ftransformers.kernels import triton_moe_w4_gemv as token
+
+
+def _takes(t: int, d: int, top_k: int = 8, zeros: bool = True) -> tuple[bool, bool]:
+    # (the token kernels take it, the mma kernels take it), on DEV's weights (the CPU in CI)
+    gen = torch.Generator(device=DEV).manual_seed(t * 31 + d)
+    inter, e = 256, 8
+    w13 = random_qw("int4", e, 2 * inter, d, gen, group=128, zeros=zeros)
+    w2 = random_qw("int4", e, d, inter, gen, group=128, zeros=zeros)
+    hidden = torch.zeros(t, d, dtype=torch.bfloat16, device=w13.qweight.device)
+    return token.takes(hidden, w13, w2, top_k), mma.takes(hidden, w13, w2, top_k)
+
+
+@pytest.fixture(autouse=True)
+def _capable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mma, "mma_capable", lambda t: True)
+
+
+def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_24_tokens() -> None:
+    # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 24 at top-8 (192 pairs) here, then the
+    # aligned path
+    assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2 and mma.NARROW_MAX_PAIRS == 192
+    assert _takes(1, 2048) == (True, False)
+    for t in (2, 8, 24):
+        assert _takes(t, 2048) == (False, True), t
+    assert _takes(25, 2048) == (False, False)
+    assert _takes(48, 2048, top_k=4) == (False, True) and _takes(49, 2048, top_k=4) == (False, False)
+    assert _takes(16, 2048, zeros=False) == (False, True)  # symmetric weights too
+
+
+def test_wide_experts_on_mma_from_one_token_to_256_pairs() -> None:
+    # DeepSeek-V3's width (past the token kernels' 4096): every count up to WIDE_MAX_PAIRS pairs
+    assert _takes(1, 7168) == (False, True)
+    assert _takes(32, 7168) == (False, True)
+    assert _takes(33, 7168) == (False, False)
