@@ -72,6 +72,9 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
                     **moe.layouts(8, cfg.down_rows, kc), MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
         jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8, 0))
+        # symmetric weights under the down kernel's cap (two programs an SM)
+        sym = dict(down, HAS_ZERO=False)
+        jobs.append((f"moe down sym T={t} D={d}", moe._down_kernel, sym, 8, cfg.down_rows * 8, moe.DOWN_MAXNREG_SYM))
     out = []
     for name, fn, consts, warps, outputs, maxnreg in jobs:  # maxnreg: the launch's register cap (0: none)
         out.append({"name": name, **compile_for_hopper(fn, consts, warps, maxnreg),
@@ -115,13 +118,19 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 17
+    assert len(kernels) == 19
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]
         assert k["shared"] <= k["max_shared"], (k["name"], k["shared"])  # only the cross-warp sum
         spilled = re.search(r"\b(\d+) bytes spill stores, (\d+) bytes spill loads", k["ptxas"])
-        assert spilled and max(map(int, spilled.groups())) <= (4 if k["maxnreg"] else 0), (k["name"], k["ptxas"])
+        # the capped symmetric down kernel spills 24 bytes here (Triton 3.9's ptxas): measured faster than its 136
+        # registers uncapped (gluon_moe_w4_mma.DOWN_MAXNREG_SYM)
+        most = 32 if k["name"].startswith("moe down sym") else 4 if k["maxnreg"] else 0
+        assert spilled and max(map(int, spilled.groups())) <= most, (k["name"], k["ptxas"])
+        if k["maxnreg"]:
+            used = re.search(r"Used (\d+) registers", k["ptxas"])
+            assert used and int(used.group(1)) <= k["maxnreg"], (k["name"], k["ptxas"])
         if k["name"].startswith("dense"):  # its first chunk's words loaded ahead of the PDL wait, nothing stored
             ahead = k["ptx"][: k["ptx"].index("griddepcontrol.wait")]
             assert "ld.global" in ahead and "st.global" not in ahead and "st.shared" not in ahead, k["name"]

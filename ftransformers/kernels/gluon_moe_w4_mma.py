@@ -52,7 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import pdl_enter
-from ftransformers.kernels.launch import cached_launch
+from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 
@@ -366,6 +366,11 @@ WIDE_MAX_PAIRS = 256
 # vectors of the whole quarter, and the x sums a second load), and the W4A16 step at batch 8 4.113 against 4.426 ms
 # (moe_w4_mma_{spanx,old}_s63_h200.*, ab_{spanx,old}_30b_w4a16_s63_h200.*).
 SPAN_MASKED_X = True
+# The down kernel's register cap on symmetric weights (ptxas maxnreg; 0: the compiler's choice). Its 8 warps keep
+# two programs an SM at 128 registers a thread; symmetric weights take 136 uncapped (Triton 3.9's ptxas), one program
+# an SM. Capped, Qwen3-30B-A3B's symmetric MoE at 16 tokens took 100.4 against 111.5 us, DeepSeek-V3's 766 against
+# 833; the asymmetric kernel, at 128 already, was level or slower capped (moe_w4_mma_downcap_s63_h200.*).
+DOWN_MAXNREG_SYM = 128
 
 
 @functools.cache
@@ -449,7 +454,7 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
         q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead,
         ROWS=cfg.down_rows, W=top_k, **layouts(top_k, cfg.down_rows, kc), MASK_X=SPAN_MASKED_X, num_warps=top_k,
-        **pdl_launch(hidden.device),
+        **maxnreg_option(0 if w2.zeros is not None else DOWN_MAXNREG_SYM), **pdl_launch(hidden.device),
     )  # fmt: skip
     return out
 
