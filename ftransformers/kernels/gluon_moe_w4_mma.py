@@ -307,97 +307,6 @@ def _down_kernel(
     gl.store(out_ptr + t.to(gl.int64) * stride_om + n0 + rows, y)
 
 
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@cached_launch
-@gluon.jit
-def _grouped_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, ids_ptr, magic, offset, N, num_pairs, num_experts,
-    stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
-    HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
-    S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, PAIRS: gl.constexpr, mma: gl.constexpr,
-    a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, USE_PDL: gl.constexpr = False,
-):  # fmt: skip
-    # The gate-up kernel's act, by expert: program (expert e, rows n0..n0+ROWS/2-1) takes every pair routed to e,
-    # 8 / S at a time: the B operand's column c is (pair c // S, span c % S of the chunk, KC / S long and inside
-    # one group), as gluon_w4a16_mma's rows of x. An expert's rows are decoded once a group of pairs, not once a
-    # pair; experts with no pair leave at once.
-    pdl_enter(USE_PDL)
-    RW: gl.constexpr = KC // 32
-    KS: gl.constexpr = CHUNKS * KC
-    HALF: gl.constexpr = ROWS // 2
-    TPG: gl.constexpr = 8 // S  # pairs a group
-    SPAN: gl.constexpr = KC // S
-    DT: gl.constexpr = x_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    expert = pid % num_experts
-    n0 = (pid // num_experts) * HALF
-
-    # the pairs routed here, in pair order (a hit's rank: its place among them)
-    p1: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # [PAIRS], for the scan
-    j1 = gl.arange(0, PAIRS, layout=p1)
-    hit1 = (gl.load(ids_ptr + j1, mask=j1 < num_pairs, other=-1) == expert).to(gl.int32)
-    count = gl.sum(hit1, axis=0)
-    if count == 0:
-        return
-    # [8 columns, PAIRS]: the columns in registers, the pairs over the threads as in p1 (a pair list costs a thread
-    # a few registers across the loop below, not PAIRS / 4)
-    p2: gl.constexpr = gl.BlockedLayout([8, 1], [1, 32], [1, W], [1, 0])
-    j = gl.expand_dims(gl.arange(0, PAIRS, layout=gl.SliceLayout(0, p2)), 0)
-    hit = gl.expand_dims(gl.convert_layout(hit1, gl.SliceLayout(0, p2)), 0) > 0  # [1, PAIRS]
-    rank1 = gl.associative_scan(hit1, 0, _add) - 1  # Triton 3.6's Gluon has no cumsum
-    rank = gl.expand_dims(gl.convert_layout(rank1, gl.SliceLayout(0, p2)), 0)
-    slot = gl.arange(0, 8, layout=gl.SliceLayout(1, p2)) // S  # [8]: each column's pair of the group
-    xcl: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, x_l))  # [8] columns, as x's
-
-    for g in range(0, count, TPG):
-        # Everything below depends on g (through an opaque zero), so nothing is hoisted out of the loop: hoisted,
-        # the index and pointer tensors stay live across it (255 registers a thread against 96 for one group).
-        e_g = expert + gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [g], dtype=gl.int32, is_pure=True,
-                                                 pack=1)  # fmt: skip
-        ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW)
-        xcol = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l))), 0), 2)
-        x_mask = (xk // SPAN) == (xcol % S)
-        q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
-        q_ptrs = q_ptr + e_g.to(gl.int64) * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
-        s_rows = e_g.to(gl.int64) * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
-        span_k = mw * KS + (mspan % S) * SPAN  # [W, 1, 8]: the K of each column's span start in chunk 0
-        ones = gl.full([W, 16, KC], 1.0, DT, a_l)
-        # [8] pair of each column; a slot past the count repeats the group's first pair (never stored)
-        valid = (g + slot) < count
-        pair = gl.sum(gl.where(hit & (rank == gl.expand_dims(g + slot, 1)), j, 0), axis=1)
-        first = gl.sum(gl.where(hit & (rank == g), j, 0), axis=1)
-        pair = gl.where(valid, pair, first)
-        tok = gl.expand_dims(gl.expand_dims(gl.convert_layout(pair // TOP_K, xcl), 1), 0)  # [1, 8, 1] in x_l
-        x_ptrs = x_ptr + tok.to(gl.int64) * stride_xm + xw * KS + xk
-        tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
-        q = gl.load(q_ptrs)
-        x = _load_x(x_ptrs, x_mask, S > 1)
-        for c in range(CHUNKS):
-            q_c, x_c = q, x
-            if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
-                q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
-                x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, S > 1)
-            gi = (span_k + c * KC) // GROUP
-            tot = _chunk(q_c, x_c, s_ptr + s_rows + gi, z_ptr + s_rows + gi, ones, magic, offset, tot, HAS_ZERO, DT,
-                         W, ROWS, 8, RW, S, mma, a_l, b_l, S > 1)  # fmt: skip
-        y = gl.sum(tot, axis=0)  # [ROWS, 8]: gate rows, then up rows; column (pair slot, span)
-        if S > 1:
-            y = gl.sum(gl.reshape(y, [ROWS, TPG, S]), axis=2)  # [ROWS, TPG]
-        gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF, TPG]), (1, 2, 0)))
-        act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)  # [HALF, TPG]
-        a2: gl.constexpr = act.type.layout
-        rows = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, a2)), 1)
-        pair_s = gl.reshape(pair, [TPG, S])  # every span of a slot holds its pair
-        pair_s = gl.expand_dims(gl.convert_layout(gl.max(pair_s, axis=1), gl.SliceLayout(0, a2)), 0)
-        valid_s = gl.expand_dims(gl.convert_layout(gl.max(gl.reshape(valid.to(gl.int32), [TPG, S]), axis=1),
-                                                   gl.SliceLayout(0, a2)), 0) > 0  # fmt: skip
-        gl.store(act_ptr + pair_s.to(gl.int64) * N + n0 + rows, act, mask=valid_s & (rows < HALF))
-
-
 @dataclass(frozen=True)
 class MmaMoEConfig:
     """Per kernel: the largest chunk KC (a power of two >= 128; the largest that divides the warp's K and
@@ -462,10 +371,6 @@ SPAN_MASKED_X = True
 # an SM. Capped, Qwen3-30B-A3B's symmetric MoE at 16 tokens took 100.4 against 111.5 us, DeepSeek-V3's 766 against
 # 833; the asymmetric kernel, at 128 already, was level or slower capped (moe_w4_mma_downcap_s63_h200.*).
 DOWN_MAXNREG_SYM = 128
-# From this many tokens the gate-up runs by expert, 8 of its pairs at a time (`gate_up_grouped`); 0: never (an
-# experiment, not measured yet).
-GROUPED_FROM_TOKENS = 0
-GROUPED_SPANS = 2  # spans a chunk in the grouped gate-up: 8 / GROUPED_SPANS pairs of an expert at a time
 
 
 @functools.cache
@@ -554,47 +459,9 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
     return out
 
 
-def grouped_chunk(d: int, warps: int, group: int, spans: int) -> int:
-    """The grouped gate-up's chunk for `spans` spans a chunk: the largest KC <= 256 (a power of two >= 128)
-    dividing a warp's share of D whose span KC / spans divides the group, 0 if none."""
-    kc = 256
-    while kc >= 128:
-        if (d // warps) % kc == 0 and group % (kc // spans) == 0:
-            return kc
-        kc //= 2
-    return 0
-
-
-def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, warps: int = 8, rows: int = 32,
-                    spans: int = GROUPED_SPANS) -> torch.Tensor:  # fmt: skip
-    """gate_up's act [T*K, I] by expert (`_grouped_gate_up_kernel`): a program per (expert, rows / 2 rows of I),
-    8 / spans of the expert's pairs at a time."""
-    d = hidden.shape[1]
-    num_pairs, top_k, inter = ids.numel(), ids.shape[1], w13.out_features // 2
-    num_experts = w13.qweight.shape[0]
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    magic, offset = MAGIC[hidden.dtype]
-    kc = grouped_chunk(d, warps, w13.group_size, spans)
-    q, s = w13.qweight, w13.scales
-    _grouped_gate_up_kernel[(num_experts * (inter // (rows // 2)),)](
-        hidden, q, s, _zeros(w13), act, ids, magic, offset, inter, num_pairs, num_experts,
-        hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=d // warps // kc, S=spans,
-        ROWS=rows, W=warps, PAIRS=max(16, 1 << (num_pairs - 1).bit_length()), **layouts(warps, rows, kc),
-        num_warps=warps, **pdl_launch(hidden.device),
-    )  # fmt: skip
-    return act
-
-
 def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                topk_ids: torch.Tensor, cfg: MmaMoEConfig | None = None) -> torch.Tensor:  # fmt: skip
-    """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]. From
-    GROUPED_FROM_TOKENS tokens (0: never) the gate-up runs by expert (`gate_up_grouped`)."""
+    """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]."""
     ids = topk_ids.contiguous()
-    t, d = hidden.shape
-    cfg = cfg or default_config(t, d)
-    if 0 < GROUPED_FROM_TOKENS <= t and grouped_chunk(d, 8, w13.group_size, GROUPED_SPANS) and w13.out_features % 32 == 0:
-        act = gate_up_grouped(hidden, w13, ids)
-    else:
-        act = gate_up(hidden, w13, ids, cfg)
-    return down(act, hidden, w2, weights, ids, cfg)
+    cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
+    return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
