@@ -14,7 +14,8 @@ whole chunk. The x sums of each column come from a second mma with an all-ones A
 loads, already in C's layout).
 
 Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
-  words [W, ROWS, 4, RW] (gluon_moe_w4_mma.layouts' w_l): memory word RW t + r of a row's chunk.
+  words [W, ROWS, 4, RW] (gluon_moe_w4_mma.layouts' w_l, as every layout here): memory word RW t + r of a row's
+  chunk.
   x [W, NCOL, KC] in memory order: lane (t, column) holds its column's 8 RW contiguous elements from
   8 RW t (16-byte loads); reshaped [.., t, r, h, i] and permuted to logical k = 8 (4r + t) + 2i + h it
   is B's register layout (no data movement). Memory element e of a chunk lies in span e // (KC / S), so at
@@ -44,8 +45,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
-from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _chunk, _load_x, mma_capable, word_offsets
-from ftransformers.kernels.gluon_moe_w4_mma import layouts as moe_layouts
+from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _chunk, _load_x, layouts, mma_capable, word_offsets
 from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
@@ -71,14 +71,6 @@ def tokens_and_spans(m: int) -> tuple[int, int]:
     """(TOK, S): rows of x padded to a power of two, and K spans a chunk (TOK * S = NCOL = max(8, TOK))."""
     tok = 1 << max(0, (m - 1).bit_length())
     return tok, max(1, 8 // tok)
-
-
-def layouts(warps: int, rows: int, kc: int, tok: int) -> dict:
-    """Layouts for W = warps, ROWS = rows a warp (16, 32 or 64), chunks of KC (a power of two >= 32) and TOK
-    padded rows of x (module docstring)."""
-    # x [W, NCOL, KC]: 8 RW contiguous elements a thread (lane % 4 = t), lane // 4 = column (16 columns wrap into
-    # registers): the MoE kernels' x layout
-    return moe_layouts(warps, rows, kc)
 
 
 @gluon.jit
@@ -469,4 +461,4 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
                 ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM, MASK_X=SPAN_MASKED_X,
                 PRELOAD=PRELOAD_WORDS,
-                **layouts(cfg.warps, cfg.rows, kc, tok))  # fmt: skip
+                **layouts(cfg.warps, cfg.rows, kc))  # fmt: skip
