@@ -120,6 +120,7 @@ def prefill_flops(acc: dict[str, Any], tokens: int) -> float:
 
 # Our engine -----------------------------------------------------------------------------------
 def make_runner(path: Path, max_bs: int, args: argparse.Namespace, context_length: int = RUN_CONTEXT) -> Any:
+    """The engine on the dummy checkpoint at `path`, with DeepSeek-V3's routing correction bias zeroed (below)."""
     from ftransformers.config.model_config import ModelConfig
     from ftransformers.config.server_args import ServerArgs
     from ftransformers.runtime.model_runner import ModelRunner
@@ -130,7 +131,11 @@ def make_runner(path: Path, max_bs: int, args: argparse.Namespace, context_lengt
                     cuda_graph_max_bs=max_bs, mem_fraction_static=args.mem_fraction, context_length=context_length,
                     disable_pdl=getattr(args, "disable_pdl", False),
                     sampling_backend=getattr(args, "sampling_backend", "auto"))  # fmt: skip
-    return ModelRunner(sa, ModelConfig.from_server_args(sa))
+    runner = ModelRunner(sa, ModelConfig.from_server_args(sa))
+    for pname, param in runner.model.named_parameters():
+        if pname.endswith("e_score_correction_bias"):  # as HF initialises it: a dummy +-1e-3 bias would outweigh
+            param.data.zero_()  # the ~1e-5 score spread and send every DeepSeek-V3 token to the same ~9 experts
+    return runner
 
 
 def seq_step(i: int, ids: list[int], prefix: int, start: int, slots: list[int]) -> Any:
@@ -412,9 +417,6 @@ def run_model(
     acc = accounting(runner.model, cfg, layers)
     acc["vocab"] = cfg["vocab_size"]
     res.update(accounting=acc, kv_pool_tokens=runner.kv_capacity)
-    for pname, param in runner.model.named_parameters():
-        if pname.endswith("e_score_correction_bias"):  # as HF initialises it: a dummy +-1e-3 bias would
-            param.data.zero_()  # outweigh the ~1e-5 score spread and send every token to the same experts
     pool = runner.kv_pool
     for buf in getattr(pool, "k_buffers", []) + getattr(pool, "v_buffers", []) + getattr(pool, "latent_buffers", []):
         buf.uniform_(-1.0, 1.0)  # finite data where no sequence writes (slot 0, read by graph padding rows)

@@ -96,9 +96,6 @@ def main() -> None:
     runner = bd.make_runner(root, 1, args)
     acc = bd.accounting(runner.model, cfg, 3)
     acc["vocab"] = cfg["vocab_size"]
-    for name, p in runner.model.named_parameters():
-        if name.endswith("e_score_correction_bias"):
-            p.data.zero_()
     out["prefill"] = []
     for form, kernel in VARIANTS:
         DeepseekV3Attention.prefill_form = form

@@ -120,9 +120,6 @@ def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Names
     t0 = time.perf_counter()
     runner = bd.make_runner(root, max(args.batches), args)
     res: dict[str, Any] = {"model": name, "layers": layers, "format": fmt, "pdl": pdl, "init_s": time.perf_counter() - t0}
-    for pname, param in runner.model.named_parameters():
-        if pname.endswith("e_score_correction_bias"):
-            param.data.zero_()  # see bench_decode.run_model
     pool = runner.kv_pool
     for buf in getattr(pool, "k_buffers", []) + getattr(pool, "v_buffers", []) + getattr(pool, "latent_buffers", []):
         buf.uniform_(-1.0, 1.0)  # finite data where no sequence writes; timed steps prefill theirs (bd.decode_batch)

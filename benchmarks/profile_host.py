@@ -159,9 +159,6 @@ def main() -> None:
     cfg = bd.write_config(name, int(layers), root, args.dry_run)
     runner = bd.make_runner(root, 1, args, bd.RUN_CONTEXT)
     vocab = cfg["vocab_size"]
-    for pname, param in runner.model.named_parameters():  # as bench_decode.run_model: a dummy bias would send
-        if pname.endswith("e_score_correction_bias"):  # every DeepSeek-V3 token to the same experts
-            param.data.zero_()
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if bd.DEV == "cuda" else "cpu",
                            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                            "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
