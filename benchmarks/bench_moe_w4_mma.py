@@ -7,7 +7,9 @@ REPS calls over different routings and hiddens (each call's experts differ from 
 weights come from DRAM). Floor = the distinct experts' bytes (expected count under uniform routing is
 not used: the routings here are drawn, and their distinct experts counted) / the copy bandwidth measured
 in the same process (benchmarks/ceilings.py). `--parts` also times the mma path's two kernels alone; `--ab NAME=V`
-the mma path again with the module value gluon_moe_w4_mma.NAME set to V (e.g. SPAN_MASKED_X=0).
+the mma path again with the module value gluon_moe_w4_mma.NAME set to V (e.g. SPAN_MASKED_X=0). `--routing`
+draws the routings otherwise: `distinct` gives every pair its own expert (T * top_k <= E), `shared` gives every
+token the same top_k experts (a new set each call), to see what a pair sharing its expert with another costs.
 
     PYTHONPATH=$PWD python benchmarks/bench_moe_w4_mma.py --out $OUT/moe_w4_mma_h100.json
 """
@@ -30,19 +32,46 @@ import bench_moe_w4 as bm
 from ftransformers.kernels import gluon_moe_w4_mma as mma
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels.quant_formats import quant_moe_ref
+from ftransformers.kernels.triton_moe_groups import group_pairs
 
 REPS = 8
 FORMATS = ("int4-g128-asym", "int4-g128-sym")
 
 
+def routings(kind: str, t: int, e: int, k: int, reps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`reps` routings (weights [t, k] float32 summing to 1 a token, ids [t, k]): bench_moe_w4's uniform draw, or
+    `distinct` (t * k different experts) / `shared` (one set of k experts for every token), each call's experts
+    avoiding the previous call's where there are enough."""
+    if kind == "uniform":
+        return bm.routings(t, e, k, reps)
+    n = t * k if kind == "distinct" else k
+    if n > e:
+        raise SystemExit(f"--routing {kind}: {t} tokens x top-{k} need {n} experts, the model has {e}")
+    out, prev = [], torch.zeros(e, dtype=torch.bool, device=bm.DEV)
+    for _ in range(reps):
+        key = torch.rand(e, device=bm.DEV) - (2.0 * prev.float() if 2 * n <= e else 0.0)
+        pick = key.topk(n).indices
+        if kind == "distinct":
+            ids = pick.reshape(t, k)
+        else:  # every token the same k experts, each in its own order
+            ids = pick[torch.stack([torch.randperm(k, device=bm.DEV) for _ in range(t)])]
+        prev = torch.zeros(e, dtype=torch.bool, device=bm.DEV).scatter_(0, pick, True)
+        w = torch.rand(t, k, device=bm.DEV)
+        out.append(((w / w.sum(-1, keepdim=True)).float(), ids))
+    return out
+
+
 def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict[str, Any], log,
-          ab: tuple[str, int] | None = None) -> None:  # fmt: skip
+          ab: list[tuple[str, int]] | None = None, routing: str = "uniform", grouped: tuple[int, ...] = ()) -> None:  # fmt: skip
     d, _, e, k = bm.SHAPES[shape]
+    ab_text = "+".join(f"{n}={v}" for n, v in ab or [])
     for fname in FORMATS:
         fmt, group, _ = bm.FORMATS[fname]
         w13, w2 = bm.expert_weights(fname, shape)
         for t in tokens:
-            hiddens, routes, ref = bm.routed_inputs(w13, w2, t, k, REPS)
+            hiddens = [torch.randn(t, d, dtype=torch.bfloat16, device=bm.DEV) for _ in range(REPS)]
+            routes = routings(routing, t, e, k, REPS)
+            ref = quant_moe_ref(hiddens[0], w13, w2, *routes[0])
             nbytes = bm.distinct_bytes(w13, w2, routes)
             floor_us = nbytes / copy_gbs / 1e3
             flat = [(r[0].reshape(-1).float().contiguous(), r[1]) for r in routes]
@@ -55,7 +84,8 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                 acfg = w4.default_w4_config(t, e, k, group, codes=True)
                 paths = {"aligned": lambda i, h=hiddens, r=routes, c=acfg: w4.fused_moe_w4(h[i], w13, w2, *r[i], c),
                          "mma": paths["mma"]}  # fmt: skip
-            row: dict[str, Any] = {"shape": shape, "format": fname, "T": t, "bytes": nbytes, "floor_us": floor_us}
+            row: dict[str, Any] = {"shape": shape, "format": fname, "T": t, "routing": routing,
+                                   "distinct_experts": bm.distinct_experts(routes), "bytes": nbytes, "floor_us": floor_us}
             for name, call in paths.items():
                 err = bm.rel_err(call(0), ref)
                 row[f"{name}_err"] = err
@@ -63,14 +93,16 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                     log(f"{shape} {fname} T={t} {name} FAILED rel err {err:.3g}")
                     continue
                 row[f"{name}_us"] = bm.graph_ms(call, REPS) * 1e3
-            if ab and "mma_us" in row:  # the mma path again with a module value changed, in this process
-                kept = getattr(mma, ab[0])
-                setattr(mma, ab[0], type(kept)(ab[1]))
+            if ab and "mma_us" in row:  # the mma path again with module values changed, in this process
+                kept = {name: getattr(mma, name) for name, _ in ab}
+                for name, value in ab:
+                    setattr(mma, name, type(kept[name])(value))
                 try:
                     row["ab_err"] = bm.rel_err(paths["mma"](0), ref)
                     row["ab_us"] = bm.graph_ms(paths["mma"], REPS) * 1e3 if row["ab_err"] < 1e-2 else None
                 finally:
-                    setattr(mma, ab[0], kept)
+                    for name, value in kept.items():
+                        setattr(mma, name, value)
             if parts and "mma_us" in row:
                 mc = mma.default_config(t, d)
                 acts = [mma.gate_up(hiddens[i], w13, routes[i][1].contiguous(), mc) for i in range(REPS)]
@@ -78,13 +110,23 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                 dn = lambda i, h=hiddens, f=flat, a=acts, c=mc: mma.down(a[i], h[i], w2, f[i][0], f[i][1].contiguous(), c)
                 row["mma_gate_up_us"] = bm.graph_ms(up, REPS) * 1e3
                 row["mma_down_us"] = bm.graph_ms(dn, REPS) * 1e3
+                for spans in grouped:  # the gate-up over groups of 8 / spans pairs (with its grouping launch)
+                    if mma.chunk_k(d // mc.up_warps, group, mc.up_kc, spans):
+                        gu = lambda i, h=hiddens, r=routes, c=mc, s=spans: mma.gate_up_grouped(h[i], w13, r[i][1].contiguous(), c, s)
+                        ok = all(bm.rel_err(gu(i), acts[i]) < 1e-2 for i in range(REPS))
+                        row[f"grouped{spans}_gate_up_us"] = bm.graph_ms(gu, REPS) * 1e3 if ok else None
+                if grouped:
+                    gp = lambda i, r=routes: group_pairs(r[i][1], 4)
+                    row["group_pairs_us"] = bm.graph_ms(gp, REPS) * 1e3
             out["rows"].append(row)
             pct = lambda us: f"{us:7.2f} us {100 * floor_us / us:4.0f}%" if us else "   -   "
             peer = next(iter(paths))
-            log(f"{shape:14s} {fname:15s} T={t:2d} floor {floor_us:6.2f} us | {peer} {pct(row.get(f'{peer}_us'))} "
+            log(f"{shape:14s} {fname:15s} T={t:2d} {routing} {row['distinct_experts']:5.1f} experts floor {floor_us:6.2f} us | {peer} {pct(row.get(f'{peer}_us'))} "
                 f"err {row[f'{peer}_err']:.1e} | mma {pct(row.get('mma_us'))} err {row['mma_err']:.1e}"
                 + (f" | mma gate-up {row['mma_gate_up_us']:.2f} down {row['mma_down_us']:.2f}" if "mma_gate_up_us" in row else "")
-                + (f" | {ab[0]}={ab[1]} {pct(row.get('ab_us'))} err {row['ab_err']:.1e}" if "ab_err" in row else ""))  # fmt: skip
+                + "".join(f" | {n.removesuffix('_us')} {v:.2f}" if v else f" | {n} FAILED" for n, v in row.items()
+                          if n.startswith(("grouped", "group_pairs")))
+                + (f" | {ab_text} {pct(row.get('ab_us'))} err {row['ab_err']:.1e}" if "ab_err" in row else ""))  # fmt: skip
         w13 = w2 = None  # free before the next format (the lambdas above are done with them)
         torch.cuda.empty_cache()
 
@@ -143,14 +185,19 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--sweep", default="", help="tokens for a per-kernel config sweep, e.g. 1,8 (then no table)")
-    ap.add_argument("--ab", default="", help="NAME=V: also time the mma path with gluon_moe_w4_mma.NAME = V (an int)")
+    ap.add_argument("--routing", choices=("uniform", "distinct", "shared"), default="uniform")
+    ap.add_argument("--ab", default="", help="NAME=V[+NAME=V]: also time the mma path with gluon_moe_w4_mma.NAME = V "
+                    "(integers), e.g. GROUPED_FROM_TOKENS=1+GROUPED_SPANS=4")  # fmt: skip
+    ap.add_argument("--grouped-spans", default="", help="with --parts: also time the gate-up over groups of pairs "
+                    "(gate_up_grouped, with its grouping launch) at these span counts, e.g. 2,4; and the grouping alone")  # fmt: skip
     args = ap.parse_args()
-    ab = None
-    if args.ab:
-        name, _, value = args.ab.partition("=")
+    ab = []
+    for item in filter(None, args.ab.split("+")):
+        name, _, value = item.partition("=")
         if not hasattr(mma, name) or not value.lstrip("-").isdigit():
-            ap.error(f"--ab: NAME=V with NAME a module-level name of gluon_moe_w4_mma and V an integer, got {args.ab!r}")
-        ab = (name, int(value))
+            ap.error(f"--ab: NAME=V with NAME a module-level name of gluon_moe_w4_mma and V an integer, got {item!r}")
+        ab.append((name, int(value)))
+    grouped = tuple(int(s) for s in args.grouped_spans.split(",") if s)
     copy_gbs, _ = bm.ceilings()
     lines: list[str] = []
 
@@ -170,7 +217,7 @@ def main() -> None:
         if args.sweep:
             sweep(shape, [int(t) for t in args.sweep.split(",")], copy_gbs, out, log)
             continue
-        bench(shape, [int(t) for t in args.tokens.split(",")], copy_gbs, args.parts, out, log, ab)
+        bench(shape, [int(t) for t in args.tokens.split(",")], copy_gbs, args.parts, out, log, ab, args.routing, grouped)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")

@@ -116,3 +116,41 @@ def test_takes_where_measured_faster() -> None:
     assert mma.takes(torch.randn(1, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8)
     assert mma.takes(torch.randn(32, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8)
     assert not mma.takes(torch.randn(33, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8)
+
+
+@pytest.mark.parametrize(("t", "e", "k", "d", "inter"), [
+    (1, 16, 8, 512, 256), (5, 16, 8, 512, 256), (16, 16, 8, 512, 256), (24, 128, 8, 2048, 768), (9, 16, 2, 1024, 256),
+    (3, 8, 4, 7168, 256),
+])  # fmt: skip
+@pytest.mark.parametrize("q", [0, 1, 2])
+@pytest.mark.parametrize("spans", [1, 2, 4, 8])
+def test_grouped_gate_up_matches_reference_act(t: int, e: int, k: int, d: int, inter: int, q: int, spans: int) -> None:
+    # gate_up_grouped's act against the reference act, pair by pair: 16 experts at top-8 put up to 16 pairs on an
+    # expert (several groups of 8 / spans on it); group 256 with one span has no chunk (skipped)
+    quant = [{"group": 128}, {"group": 128, "zeros": True}, {"group": 256, "zeros": True, "scale_dtype": torch.float16}]
+    cfg = mma.default_config(t, d)
+    if not mma.chunk_k(d // cfg.up_warps, quant[q]["group"], cfg.up_kc, spans):
+        pytest.skip("no chunk for this group and span count")
+    gen = torch.Generator(DEV).manual_seed(1000 * q + 10 * t + spans)
+    hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
+    w13 = random_qw("int4", e, 2 * inter, d, gen, **quant[q])
+    _, ids = make_routing(t, e, k, gen)
+    act = mma.gate_up_grouped(hidden, w13, ids.contiguous(), cfg, spans=spans)
+    from ftransformers.kernels.quant_formats import dequantize
+
+    w = dequantize(w13)  # [E, 2I, D] float32
+    x = hidden.float()[torch.arange(t, device=DEV).repeat_interleave(k)]  # [pairs, D]
+    gu = torch.einsum("pd,pnd->pn", x, w[ids.reshape(-1)])
+    ref = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(torch.bfloat16)
+    for p in range(t * k):
+        assert rel_err(act[p : p + 1], ref[p : p + 1]) <= TOL, (p, ids.reshape(-1)[p].item())
+
+
+def test_moe_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
+    monkeypatch.setattr(mma, "GROUPED_NARROW", True)
+    for spans in (2, 4):
+        monkeypatch.setattr(mma, "GROUPED_SPANS", spans)
+        assert run(16, 128, 8, 2048, 768, torch.bfloat16, seed=77, group=128, zeros=True) <= TOL
+        assert run(5, 16, 8, 512, 256, torch.float16, seed=78, group=128) <= TOL
+        assert run(2, 64, 8, 7168, 256, torch.bfloat16, seed=79, group=128) <= TOL

@@ -46,3 +46,17 @@ def test_wide_experts_on_mma_from_one_token_to_256_pairs() -> None:
     assert _takes(1, 7168) == (False, True)
     assert _takes(32, 7168) == (False, True)
     assert _takes(33, 7168) == (False, False)
+
+
+def test_the_grouped_gate_up_on_wide_experts_past_24_tokens() -> None:
+    # measured faster on DeepSeek-V3's experts at 32 tokens in a step, slower at 16 there and on Qwen3-30B-A3B's
+    assert mma.GROUPED_FROM_TOKENS == 25 and not mma.GROUPED_NARROW and mma.GROUPED_SPANS == 2
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    for d, t, want in [(7168, 25, True), (7168, 32, True), (7168, 24, False), (2048, 16, False), (2048, 24, False)]:
+        w13 = random_qw("int4", 4, 512, d, gen, group=128, zeros=True)
+        hidden = torch.zeros(t, d, dtype=torch.bfloat16, device=w13.qweight.device)
+        assert mma.grouped_takes(hidden, w13, mma.default_config(t, d)) == want, (d, t)
+    # Kimi-K2's groups of 32 leave no span of a 128-wide chunk inside a group: the pair form
+    w13 = random_qw("int4", 4, 512, 7168, gen, group=32, zeros=True)
+    hidden = torch.zeros(32, 7168, dtype=torch.bfloat16, device=w13.qweight.device)
+    assert not mma.grouped_takes(hidden, w13, mma.default_config(32, 7168))

@@ -39,6 +39,9 @@ dtype, is stored [pairs, I].
 Down (`_down_kernel`): program (token, 16 rows of D), warp w = slot w (W = TOP_K), over all of I in
 chunks; out = sum_w weight_w * y_w, rounded once.
 Both loop over chunks with the next AHEAD chunks' words and x requested before a chunk's mmas.
+Grouped gate-up (`_grouped_gate_up_kernel`, wide experts from GROUPED_FROM_TOKENS tokens): the same act, a program
+per (pair, rows) running the group of up to 8 / S pairs of one expert its pair leads (kernels/triton_moe_groups.py,
+one launch before it) with columns (pair, span), S spans a chunk; programs of pairs that lead no group leave at once.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from ftransformers.kernels.gluon_mla_decode import pdl_enter
 from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
+from ftransformers.kernels.triton_moe_groups import group_pairs
 
 MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
 
@@ -175,18 +179,18 @@ def word_offsets(w_l: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr, RW: gl.
 
 @gluon.jit
 def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, mma: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr,
-             RW: gl.constexpr):  # fmt: skip
+             RW: gl.constexpr, S: gl.constexpr = 8):  # fmt: skip
     # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W, 8, KC]
     # ([W,1,1] warp, [1,8,1] column, [1,1,KC] element) with the mask of each column's span (column c holds memory
-    # elements [c KC / 8, (c + 1) KC / 8): runs of KC / 8 >= 16, so the masked loads keep their 16-byte vectors),
-    # C-side ([W,1,1] warp, [1,ROWS,1] row, [1,1,8] span)
+    # elements [(c % S) KC / S, (c % S + 1) KC / S): runs of KC / S >= 16, so the masked loads keep their 16-byte
+    # vectors), C-side ([W,1,1] warp, [1,ROWS,1] row, [1,1,8] column)
     ww, wrow, word = word_offsets(w_l, W, ROWS, RW)
 
     x2: gl.constexpr = gl.SliceLayout(2, x_l)
     xw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, x2)), 1), 2)
     xc = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, x2)), 0), 2)
     xk = gl.expand_dims(gl.expand_dims(gl.arange(0, 32 * RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, x_l))), 0), 0)
-    x_mask = (xk // (4 * RW)) == xc  # [1, 8, KC]
+    x_mask = (xk // (32 * RW // S)) == xc % S  # [1, 8, KC]
 
     m2: gl.constexpr = gl.SliceLayout(2, mma)
     mw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, m2)), 1), 2)
@@ -214,11 +218,11 @@ def _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED: gl.constexpr, KC: gl.constexpr
 def _sum_chunks(q_ptrs, x_ptrs, x_mask, s_rows, z_rows, span_k, magic, offset, HAS_ZERO: gl.constexpr,
                 GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr, DT: gl.constexpr,
                 W: gl.constexpr, ROWS: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
-                ZEROED: gl.constexpr):  # fmt: skip
-    # [W, ROWS, 8] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs at chunk 0 (x [W, 8, KC], each column's
-    # span only where ZEROED), s_rows / z_rows [., ROWS, 1] each row's scales and zeros, span_k [., 1, 8] the K
-    # of each span's start in chunk 0. Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas (the last
-    # one reloads itself).
+                ZEROED: gl.constexpr, S: gl.constexpr = 8):  # fmt: skip
+    # [W, ROWS, 8] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs at chunk 0 (x [W, 8, KC], column c's span c % S
+    # of S a chunk only where ZEROED), s_rows / z_rows [., ROWS, 1] each row's scales and zeros, span_k [., 1, 8]
+    # the K of each column's span start in chunk 0. Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas
+    # (the last one reloads itself).
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
     q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED, KC, CHUNKS, AHEAD)
@@ -234,7 +238,7 @@ def _sum_chunks(q_ptrs, x_ptrs, x_mask, s_rows, z_rows, span_k, magic, offset, H
             x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, ZEROED)
         g = (span_k + c * KC) // GROUP  # each span's group
         tot = _chunk(q_c, x_c, s_rows + g, z_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W, ROWS, 8,
-                     KC // 32, 8, mma, a_l, b_l, ZEROED)  # fmt: skip
+                     KC // 32, S, mma, a_l, b_l, ZEROED)  # fmt: skip
     return tot
 
 
@@ -307,6 +311,56 @@ def _down_kernel(
     gl.store(out_ptr + t.to(gl.int64) * stride_om + n0 + rows, y)
 
 
+@cached_launch
+@gluon.jit
+def _grouped_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, groups_ptr, magic, offset, N, num_pairs,
+    stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
+    HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+    AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
+    a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    # _gate_up_kernel's act over groups of up to P = 8 / S pairs of one expert (kernels/triton_moe_groups.py's
+    # groups [pairs, 1 + P]): program (pair, rows n0..n0+ROWS/2-1) runs the group its pair leads, and leaves where
+    # the pair leads none. The B operand's column c is (the group's pair c // S, span c % S of the chunk, KC / S
+    # long, inside one quantization group), as gluon_w4a16_mma's (row of x, span): the expert's rows are decoded
+    # once a group, not once a pair. A slot past the group's end repeats the leader's token and is not stored.
+    pdl_enter(USE_PDL)
+    RW: gl.constexpr = KC // 32
+    KS: gl.constexpr = CHUNKS * KC
+    HALF: gl.constexpr = ROWS // 2
+    P: gl.constexpr = 8 // S
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    pid = gl.program_id(0)
+    pair = pid % num_pairs
+    n0 = (pid // num_pairs) * HALF
+    group = groups_ptr + pair * (1 + P)
+    expert = gl.load(group)
+    if expert < 0:
+        return
+    ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
+    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
+    q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
+    q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
+    x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(tok, 0), 2).to(gl.int64) * stride_xm + xw * KS + xk
+    s_rows = expert.to(gl.int64) * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
+    tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
+                      magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
+                      S)  # fmt: skip
+    y = gl.sum(tot, axis=0)  # [ROWS, 8]: gate rows, then up rows; column (pair slot, span)
+    if S > 1:
+        y = gl.sum(gl.reshape(y, [ROWS, P, S]), axis=2)  # [ROWS, P]
+    gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF, P]), (1, 2, 0)))
+    act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)  # [HALF, P]
+    a2: gl.constexpr = act.type.layout
+    rows = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, a2)), 1)
+    slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, a2))), 0)  # [1, P]
+    gl.store(act_ptr + slot_pair.to(gl.int64) * N + n0 + rows, act, mask=(slot_pair >= 0) & (rows < HALF))
+
+
 @dataclass(frozen=True)
 class MmaMoEConfig:
     """Per kernel: the largest chunk KC (a power of two >= 128; the largest that divides the warp's K and
@@ -340,12 +394,12 @@ def default_config(num_tokens: int, hidden_size: int) -> MmaMoEConfig:
     return MmaMoEConfig(**up, down_kc=256, down_rows=rows)
 
 
-def chunk_k(k: int, group: int, most: int) -> int:
-    """The largest chunk KC <= most (a power of two >= 128) that divides k, whose span KC / 8 divides the
+def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
+    """The largest chunk KC <= most (a power of two >= 128) that divides k, whose span KC / spans divides the
     group; 0 if none."""
     kc = most
     while kc >= 128:
-        if k % kc == 0 and group % (kc // 8) == 0:
+        if k % kc == 0 and group % (kc // spans) == 0:
             return kc
         kc //= 2
     return 0
@@ -371,6 +425,22 @@ SPAN_MASKED_X = True
 # an SM. Capped, Qwen3-30B-A3B's symmetric MoE at 16 tokens took 100.4 against 111.5 us, DeepSeek-V3's 766 against
 # 833; the asymmetric kernel, at 128 already, was level or slower capped (moe_w4_mma_downcap_s63_h200.*).
 DOWN_MAXNREG_SYM = 128
+# On wide experts (D > 4096), from this many tokens, the gate-up runs over groups of pairs of one expert
+# (`gate_up_grouped`: an expert's rows decoded once a group, not once a pair, after one more launch that forms the
+# groups), GROUPED_SPANS spans a chunk, so 8 / GROUPED_SPANS pairs a group; 0: never. GROUPED_NARROW: on narrow
+# experts too (an A/B toggle). H200, session 64 (benchmarks/results/*_s64_h200.*):
+# - DeepSeek-V3 W4A16, 3 layers, in a step (ab_grouped_dsv3_w4a16_zeroed_*): B=32 3.990 against 4.193 ms; B=16
+#   2.581 against 2.528 (slower), and its gate-up alone on that step's own inputs 538 / 516 against 481 / 488 us at
+#   16 tokens, 883 / 878 against 941 / 925 at 32 (diag_moe_routing_dsv3_zeroed_*);
+# - its MoE alone at uniform routings (moe_w4_mma_grouped_rule_dsv3_*): 24 / 32 tokens 1152 / 1428 us against
+#   1166 / 1516 asymmetric, 1091 / 1375 against 1181 / 1554 symmetric; at 16 level or faster (775 / 732 against
+#   778 / 785), at 2-8 slower (moe_w4_mma_grouped_dsv3_*: 133 against 111 us at 2 tokens);
+# - Qwen3-30B-A3B's slower at 2-24 tokens (123 against 100 us at 16; on the engine's own inputs 97 against 76,
+#   diag_moe_routing_30b_*), so narrow experts keep the pair form. Where tokens share experts it gains more: every
+#   token on the same 8 experts, Qwen3-30B-A3B's gate-up at 16 tokens took 44.3 us against 62.5.
+GROUPED_FROM_TOKENS = 25
+GROUPED_SPANS = 2
+GROUPED_NARROW = False
 
 
 @functools.cache
@@ -440,6 +510,40 @@ def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     return act
 
 
+def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int = GROUPED_SPANS) -> bool:
+    """Whether moe_w4_mma runs this call's gate-up over groups: wide experts (or GROUPED_NARROW), GROUPED_FROM_TOKENS
+    tokens or more, and a chunk whose spans lie inside the quantization groups."""
+    d = hidden.shape[1]
+    return (
+        (d > 4096 or GROUPED_NARROW)
+        and 0 < GROUPED_FROM_TOKENS <= hidden.shape[0]
+        and chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans) > 0
+    )
+
+
+def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
+                    spans: int = GROUPED_SPANS) -> torch.Tensor:  # fmt: skip
+    """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; the
+    groups from kernels/triton_moe_groups.py, one more launch)."""
+    d = hidden.shape[1]
+    num_pairs, top_k, inter = ids.numel(), ids.shape[1], w13.out_features // 2
+    groups = group_pairs(ids, 8 // spans)
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    magic, offset = MAGIC[hidden.dtype]
+    ks = d // cfg.up_warps
+    kc = chunk_k(ks, w13.group_size, cfg.up_kc, spans)
+    assert kc, (ks, w13.group_size, spans)
+    q, s = w13.qweight, w13.scales
+    _grouped_gate_up_kernel[(num_pairs * (inter // (cfg.up_rows // 2)),)](
+        hidden, q, s, _zeros(w13), act, groups, magic, offset, inter, num_pairs,
+        hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=ks // kc,
+        AHEAD=cfg.up_ahead, S=spans, ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc),
+        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+    )  # fmt: skip
+    return act
+
+
 def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor,
          ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
     """[T, D] in hidden's dtype: sum over the K slots of weights * (act @ w2[e]^T)."""
@@ -461,7 +565,9 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
 
 def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                topk_ids: torch.Tensor, cfg: MmaMoEConfig | None = None) -> torch.Tensor:  # fmt: skip
-    """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]."""
+    """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]. The gate-up runs
+    over groups of pairs where `grouped_takes`."""
     ids = topk_ids.contiguous()
     cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
-    return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
+    act = gate_up_grouped(hidden, w13, ids, cfg) if grouped_takes(hidden, w13, cfg) else gate_up(hidden, w13, ids, cfg)
+    return down(act, hidden, w2, weights, ids, cfg)
