@@ -325,7 +325,7 @@ def _grouped_gate_up_kernel(
     # groups [pairs, 1 + P]): program (pair, rows n0..n0+ROWS/2-1) runs the group its pair leads, and leaves where
     # the pair leads none. The B operand's column c is (the group's pair c // S, span c % S of the chunk, KC / S
     # long, inside one quantization group), as gluon_w4a16_mma's (row of x, span): the expert's rows are decoded
-    # once a group, not once a pair. A slot past the group's end repeats the leader's token and is not stored.
+    # once a group, not once a pair. A slot past the group's end loads no x (where MASK_X) and is not stored.
     pdl_enter(USE_PDL)
     RW: gl.constexpr = KC // 32
     KS: gl.constexpr = CHUNKS * KC
@@ -342,6 +342,8 @@ def _grouped_gate_up_kernel(
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
     xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
     col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
+    x_mask = x_mask & live  # a slot past the group's end loads no x (its columns stay zero where MASK_X)
     tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
     q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
     q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
@@ -432,12 +434,15 @@ DOWN_MAXNREG_SYM = 128
 # - DeepSeek-V3 W4A16, 3 layers, in a step (ab_grouped_dsv3_w4a16_zeroed_*): B=32 3.990 against 4.193 ms; B=16
 #   2.581 against 2.528 (slower), and its gate-up alone on that step's own inputs 538 / 516 against 481 / 488 us at
 #   16 tokens, 883 / 878 against 941 / 925 at 32 (diag_moe_routing_dsv3_zeroed_*);
-# - its MoE alone at uniform routings (moe_w4_mma_grouped_rule_dsv3_*): 24 / 32 tokens 1152 / 1428 us against
-#   1166 / 1516 asymmetric, 1091 / 1375 against 1181 / 1554 symmetric; at 16 level or faster (775 / 732 against
-#   778 / 785), at 2-8 slower (moe_w4_mma_grouped_dsv3_*: 133 against 111 us at 2 tokens);
-# - Qwen3-30B-A3B's slower at 2-24 tokens (123 against 100 us at 16; on the engine's own inputs 97 against 76,
-#   diag_moe_routing_30b_*), so narrow experts keep the pair form. Where tokens share experts it gains more: every
-#   token on the same 8 experts, Qwen3-30B-A3B's gate-up at 16 tokens took 44.3 us against 62.5.
+# - its MoE alone at uniform routings, 32 tokens: 1326 / 1314 us against 1515 / 1565 (asymmetric / symmetric, with
+#   the x of empty slots masked, moe_w4_mma_grouped_xmask_dsv3_*); at 16-24 within the run-to-run spread there
+#   (the same pair-form call read 1086 and 1167 us at 24 tokens in one process); at 2-8 slower (133 against 111 us
+#   at 2 tokens, moe_w4_mma_grouped_dsv3_*);
+# - Qwen3-30B-A3B's gate-up slower at 4-24 tokens (83.8 against 67.9 us at 16, moe_w4_mma_grouped_xmask_*; on the
+#   engine's own inputs 97 against 76 before the mask, diag_moe_routing_30b_*), so narrow experts keep the pair
+#   form. With one pair a group (spans 8, the pair form's work) it took 112 us there: the grouped kernel itself
+#   costs more than its work, which is the next thing to find. Where tokens share experts it gains: every token on
+#   the same 8 experts, Qwen3-30B-A3B's gate-up at 16 tokens took 44.3 us against 62.5.
 GROUPED_FROM_TOKENS = 25
 GROUPED_SPANS = 2
 GROUPED_NARROW = False
