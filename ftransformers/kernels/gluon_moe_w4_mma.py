@@ -427,6 +427,13 @@ SPAN_MASKED_X = True
 # an SM. Capped, Qwen3-30B-A3B's symmetric MoE at 16 tokens took 100.4 against 111.5 us, DeepSeek-V3's 766 against
 # 833; the asymmetric kernel, at 128 already, was level or slower capped (moe_w4_mma_downcap_s63_h200.*).
 DOWN_MAXNREG_SYM = 128
+# The gate-up kernels' register cap (ptxas maxnreg; 0: the compiler's choice; an A/B knob). Offline (Triton 3.9's
+# ptxas, Qwen3-30B-A3B's config) the uncapped gate-up takes 76 registers and issues 6 of its 16 16-byte loads before
+# its first mma, the rest between mmas; capped at 128 it takes 108 and issues all 16 first, but two 8-warp programs
+# fit an SM instead of three. On the H200 that was slower: Qwen3-30B-A3B's MoE at 16 / 24 tokens 105.6 / 155.5 us
+# against 99.4 / 142.9, the W4A16 step at B=16 7.133 against 6.808 ms (moe_w4_mma_upcap_s64_h200.*,
+# ab_upcap_30b_w4a16_s64_h200.*).
+UP_MAXNREG = 0
 # On wide experts (D > 4096), from this many tokens, the gate-up runs over groups of pairs of one expert
 # (`gate_up_grouped`: an expert's rows decoded once a group, not once a pair, after one more launch that forms the
 # groups), GROUPED_SPANS spans a chunk, so 8 / GROUPED_SPANS pairs a group; 0: never. GROUPED_NARROW: on narrow
@@ -510,7 +517,7 @@ def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
         hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=ks // kc,
         AHEAD=cfg.up_ahead, ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc),
-        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG), **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
@@ -544,7 +551,7 @@ def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tenso
         hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=ks // kc,
         AHEAD=cfg.up_ahead, S=spans, ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc),
-        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **pdl_launch(hidden.device),
+        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG), **pdl_launch(hidden.device),
     )  # fmt: skip
     return act
 
