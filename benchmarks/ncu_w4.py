@@ -5,7 +5,8 @@ counters (the issue 5 targets they miss). Dummy weights of the benches' shapes; 
     ncu --clock-control none --kernel-name regex:'w4a16_mma|w4a16_wgmma|_pair_' --launch-skip 4 --launch-count 2 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy \
-        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1", "wgmma:qwen3-8b qkv:16"
+        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1", "wgmma:qwen3-8b qkv:16",
+                                                                  # "gate-up:qwen3-30b-a3b:16", "gate-up-8:qwen3-30b-a3b:16"
 
 (`--clock-control none` leaves the GPU's clocks as they are; benchmarks/results/ncu_w4_*_h100.txt.)
 """
@@ -36,7 +37,8 @@ def main() -> None:
     p.add_argument(
         "--case",
         required=True,
-        help="dense:<bench_w4a16 shape>:<rows>, wgmma:<the same>:<rows> or moe:<bench_moe_w4 shape>:<T>",
+        help="dense:<bench_w4a16 shape>:<rows>, wgmma:<the same>:<rows>, moe:<bench_moe_w4 shape>:<T>, or "
+        "gate-up:<the same>:<T> (the mma path's gate-up) / gate-up-S:... (its grouped form, S spans a chunk)",
     )
     kind, shape, rows = p.parse_args().case.split(":")
     m = int(rows)
@@ -63,8 +65,22 @@ def main() -> None:
         routes = routings(m, e, top_k, CALLS)
         for tw, ti in routes:
             w4.fused_moe_w4(torch.randn(m, d, device="cuda", dtype=torch.bfloat16), w13, w2, tw, ti)
+    elif kind.startswith("gate-up"):  # the mma path's gate-up alone: "gate-up" the pair form, "gate-up-S" grouped
+        from ftransformers.kernels import gluon_moe_w4_mma as moe_mma
+
+        d, inter, e, top_k = MOE_SHAPES[shape]
+        w13 = random_qw("int4", 128, True, e, 2 * inter, d)
+        cfg = moe_mma.default_config(m, d)
+        spans = int(kind.removeprefix("gate-up").lstrip("-") or 0)
+        print(f"gate-up {shape} T={m}: {cfg}, {'spans ' + str(spans) if spans else 'pair form'}", flush=True)
+        for _, ti in routings(m, e, top_k, CALLS):
+            x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+            if spans:
+                moe_mma.gate_up_grouped(x, w13, ti.contiguous(), cfg, spans)
+            else:
+                moe_mma.gate_up(x, w13, ti.contiguous(), cfg)
     else:
-        raise SystemExit(f"ncu_w4: unknown case kind {kind!r} (dense, wgmma or moe)")
+        raise SystemExit(f"ncu_w4: unknown case kind {kind!r} (dense, wgmma, moe, gate-up or gate-up-S)")
     torch.cuda.synchronize()
 
 
