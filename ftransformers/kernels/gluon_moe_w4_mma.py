@@ -447,9 +447,10 @@ UP_MAXNREG = 0
 #   at 2 tokens, moe_w4_mma_grouped_dsv3_*);
 # - Qwen3-30B-A3B's gate-up slower at 4-24 tokens (83.8 against 67.9 us at 16, moe_w4_mma_grouped_xmask_*; on the
 #   engine's own inputs 97 against 76 before the mask, diag_moe_routing_30b_*), so narrow experts keep the pair
-#   form. With one pair a group (spans 8, the pair form's work) it took 112 us there: the grouped kernel itself
-#   costs more than its work, which is the next thing to find. Where tokens share experts it gains: every token on
-#   the same 8 experts, Qwen3-30B-A3B's gate-up at 16 tokens took 44.3 us against 62.5.
+#   form. With one pair a group (spans 8, the pair form's work) it took 112 us there: its warps add all 8 columns
+#   of C through shared memory (L1/TEX 83% against the pair kernel's 47%, ncu_gate-up*_t16_s64_h200.txt), where
+#   the pair kernel sums its spans first. Where tokens share experts it gains: every token on the same 8 experts,
+#   Qwen3-30B-A3B's gate-up at 16 tokens took 44.3 us against 62.5.
 GROUPED_FROM_TOKENS = 25
 GROUPED_SPANS = 2
 GROUPED_NARROW = False
