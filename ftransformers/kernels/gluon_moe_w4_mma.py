@@ -414,6 +414,7 @@ def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
 # path's 167.8, and the W4A16 step at batch 24 9.338 against 10.634 ms; at 32 tokens level (186.4 / 184.4 us; 11.512
 # / 11.523 ms) (moe_w4_mma_t32_s63_h200.*, ab_pairs256_30b_w4a16_s63_h200.*).
 MIN_TOKENS = 2
+NARROW_MAX_HIDDEN = 4096  # experts up to this D are narrow (Qwen3-30B-A3B), wider ones wide (DeepSeek-V3, Kimi-K2)
 NARROW_MAX_PAIRS = 192
 WIDE_MAX_PAIRS = 256
 # A lane loads x only on its column's span (masked 16-byte loads; kernels/gluon_w4a16_mma.py's form at one row),
@@ -472,7 +473,7 @@ def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k
     was as fast at one token, 17.0-18.0 against 18.2 us; on DeepSeek-V3 this path is faster at every count
     measured, 1 to 32 tokens, 78 against 98-108 us at one, 1660 against 2148 at 32)."""
     t, d = hidden.shape
-    wide = d > 4096
+    wide = d > NARROW_MAX_HIDDEN
     if t * top_k > (WIDE_MAX_PAIRS if wide else NARROW_MAX_PAIRS) or not (wide or t >= MIN_TOKENS):
         return False
     return supported(hidden, w13, w2, top_k)
@@ -503,23 +504,31 @@ def _zeros(qw: QuantizedWeight) -> torch.Tensor:
     return qw.zeros if qw.zeros is not None else qw.scales
 
 
+def _up_launch(hidden: torch.Tensor, w13: QuantizedWeight, num_pairs: int, cfg: MmaMoEConfig,
+               spans: int) -> tuple[torch.Tensor, tuple, dict]:  # fmt: skip
+    """What both gate-up launches share, for chunks whose `spans` spans lie in the quantization groups: act
+    [num_pairs, I] to fill, the arguments after the pair ids (or groups), and the launch's keywords."""
+    d, inter = hidden.shape[1], w13.out_features // 2
+    magic, offset = MAGIC[hidden.dtype]
+    ks = d // cfg.up_warps
+    kc = chunk_k(ks, w13.group_size, cfg.up_kc, spans)
+    assert kc, (ks, w13.group_size, spans)
+    q, s = w13.qweight, w13.scales
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    tail = (magic, offset, inter, num_pairs, hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1))
+    kw = dict(HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, KC=kc, CHUNKS=ks // kc, AHEAD=cfg.up_ahead,
+              ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc), MASK_X=SPAN_MASKED_X,
+              num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG), **pdl_launch(hidden.device))  # fmt: skip
+    return act, tail, kw
+
+
 def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
             cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
     """[T*K, I] act = silu(gate) * up in hidden's dtype (ids [T, K] contiguous)."""
-    d = hidden.shape[1]
-    num_pairs, top_k, inter = ids.numel(), ids.shape[1], w13.out_features // 2
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    magic, offset = MAGIC[hidden.dtype]
-    ks = d // cfg.up_warps
-    kc = chunk_k(ks, w13.group_size, cfg.up_kc)
-    q, s = w13.qweight, w13.scales
-    _gate_up_kernel[(num_pairs * (inter // (cfg.up_rows // 2)),)](
-        hidden, q, s, _zeros(w13), act, ids, magic, offset, inter, num_pairs,
-        hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=ks // kc,
-        AHEAD=cfg.up_ahead, ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc),
-        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG), **pdl_launch(hidden.device),
-    )  # fmt: skip
+    act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, 8)
+    _gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, ids, *tail, TOP_K=ids.shape[1], **kw
+    )
     return act
 
 
@@ -528,7 +537,7 @@ def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig,
     tokens or more, and a chunk whose spans lie inside the quantization groups."""
     d = hidden.shape[1]
     return (
-        (d > 4096 or GROUPED_NARROW)
+        (d > NARROW_MAX_HIDDEN or GROUPED_NARROW)
         and 0 < GROUPED_FROM_TOKENS <= hidden.shape[0]
         and chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans) > 0
     )
@@ -538,22 +547,11 @@ def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tenso
                     spans: int = GROUPED_SPANS) -> torch.Tensor:  # fmt: skip
     """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; the
     groups from kernels/triton_moe_groups.py, one more launch)."""
-    d = hidden.shape[1]
-    num_pairs, top_k, inter = ids.numel(), ids.shape[1], w13.out_features // 2
+    act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     groups = group_pairs(ids, 8 // spans)
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    magic, offset = MAGIC[hidden.dtype]
-    ks = d // cfg.up_warps
-    kc = chunk_k(ks, w13.group_size, cfg.up_kc, spans)
-    assert kc, (ks, w13.group_size, spans)
-    q, s = w13.qweight, w13.scales
-    _grouped_gate_up_kernel[(num_pairs * (inter // (cfg.up_rows // 2)),)](
-        hidden, q, s, _zeros(w13), act, groups, magic, offset, inter, num_pairs,
-        hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, TOP_K=top_k, KC=kc, CHUNKS=ks // kc,
-        AHEAD=cfg.up_ahead, S=spans, ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc),
-        MASK_X=SPAN_MASKED_X, num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG), **pdl_launch(hidden.device),
-    )  # fmt: skip
+    _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw
+    )
     return act
 
 
