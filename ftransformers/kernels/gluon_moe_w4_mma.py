@@ -507,7 +507,8 @@ def _zeros(qw: QuantizedWeight) -> torch.Tensor:
 def _up_launch(hidden: torch.Tensor, w13: QuantizedWeight, num_pairs: int, cfg: MmaMoEConfig,
                spans: int) -> tuple[torch.Tensor, tuple, dict]:  # fmt: skip
     """What both gate-up launches share, for chunks whose `spans` spans lie in the quantization groups: act
-    [num_pairs, I] to fill, the arguments after the pair ids (or groups), and the launch's keywords."""
+    [num_pairs, I] to fill, the arguments after the pair ids (or groups), and the launch's keywords but PDL's (each
+    launch site passes `pdl_launch` itself, which tests/test_pdl.py checks)."""
     d, inter = hidden.shape[1], w13.out_features // 2
     magic, offset = MAGIC[hidden.dtype]
     ks = d // cfg.up_warps
@@ -518,7 +519,7 @@ def _up_launch(hidden: torch.Tensor, w13: QuantizedWeight, num_pairs: int, cfg: 
     tail = (magic, offset, inter, num_pairs, hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1))
     kw = dict(HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, KC=kc, CHUNKS=ks // kc, AHEAD=cfg.up_ahead,
               ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc), MASK_X=SPAN_MASKED_X,
-              num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG), **pdl_launch(hidden.device))  # fmt: skip
+              num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG))  # fmt: skip
     return act, tail, kw
 
 
@@ -527,7 +528,8 @@ def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     """[T*K, I] act = silu(gate) * up in hidden's dtype (ids [T, K] contiguous)."""
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, 8)
     _gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
-        hidden, w13.qweight, w13.scales, _zeros(w13), act, ids, *tail, TOP_K=ids.shape[1], **kw
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, ids, *tail, TOP_K=ids.shape[1], **kw,
+        **pdl_launch(hidden.device),
     )
     return act
 
@@ -550,7 +552,8 @@ def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tenso
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     groups = group_pairs(ids, 8 // spans)
     _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
-        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw,
+        **pdl_launch(hidden.device),
     )
     return act
 
