@@ -352,9 +352,9 @@ def _grouped_gate_up_kernel(
     tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
                       magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
                       S)  # fmt: skip
-    y = gl.sum(tot, axis=0)  # [ROWS, 8]: gate rows, then up rows; column (pair slot, span)
-    if S > 1:
-        y = gl.sum(gl.reshape(y, [ROWS, P, S]), axis=2)  # [ROWS, P]
+    if S > 1:  # each slot's spans first, inside a lane quad, so the warps add P columns, not 8
+        tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
+    y = gl.sum(tot, axis=0)  # [ROWS, P]: gate rows, then up rows
     gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF, P]), (1, 2, 0)))
     act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)  # [HALF, P]
     a2: gl.constexpr = act.type.layout
