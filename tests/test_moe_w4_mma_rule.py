@@ -29,15 +29,15 @@ def _capable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "mma_capable", lambda t: True)
 
 
-def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_24_tokens() -> None:
-    # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 24 at top-8 (192 pairs) here, then the
+def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_32_tokens() -> None:
+    # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 32 at top-8 (256 pairs) here, then the
     # aligned path
-    assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2 and mma.NARROW_MAX_PAIRS == 192
+    assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2 and mma.NARROW_MAX_PAIRS == 256
     assert _takes(1, 2048) == (True, False)
-    for t in (2, 8, 24):
+    for t in (2, 8, 24, 32):
         assert _takes(t, 2048) == (False, True), t
-    assert _takes(25, 2048) == (False, False)
-    assert _takes(48, 2048, top_k=4) == (False, True) and _takes(49, 2048, top_k=4) == (False, False)
+    assert _takes(33, 2048) == (False, False)
+    assert _takes(64, 2048, top_k=4) == (False, True) and _takes(65, 2048, top_k=4) == (False, False)
     assert _takes(16, 2048, zeros=False) == (False, True)  # symmetric weights too
 
 
@@ -48,11 +48,13 @@ def test_wide_experts_on_mma_from_one_token_to_256_pairs() -> None:
     assert _takes(33, 7168) == (False, False)
 
 
-def test_the_grouped_gate_up_on_wide_experts_past_24_tokens() -> None:
-    # measured faster on DeepSeek-V3's experts at 32 tokens in a step, slower at 16 there and on Qwen3-30B-A3B's
-    assert mma.GROUPED_FROM_TOKENS == 25 and not mma.GROUPED_NARROW and mma.GROUPED_SPANS == 2
+def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width() -> None:
+    # measured faster from 16 tokens in the W4A16 step on both widths, slower at 8 on DeepSeek-V3's experts
+    assert mma.GROUPED_FROM_TOKENS == 16 and mma.GROUPED_SPANS_NARROW == 4 and mma.GROUPED_SPANS_WIDE == 2
+    assert mma.grouped_spans(2048) == 4 and mma.grouped_spans(4096) == 4 and mma.grouped_spans(7168) == 2
     gen = torch.Generator(device=DEV).manual_seed(5)
-    for d, t, want in [(7168, 25, True), (7168, 32, True), (7168, 24, False), (2048, 16, False), (2048, 24, False)]:
+    for d, t, want in [(7168, 16, True), (7168, 32, True), (7168, 15, False), (7168, 8, False), (2048, 16, True),
+                       (2048, 32, True), (2048, 15, False), (2048, 2, False)]:  # fmt: skip
         w13 = random_qw("int4", 4, 512, d, gen, group=128, zeros=True)
         hidden = torch.zeros(t, d, dtype=torch.bfloat16, device=w13.qweight.device)
         assert mma.grouped_takes(hidden, w13, mma.default_config(t, d)) == want, (d, t)
@@ -60,3 +62,31 @@ def test_the_grouped_gate_up_on_wide_experts_past_24_tokens() -> None:
     w13 = random_qw("int4", 4, 512, 7168, gen, group=32, zeros=True)
     hidden = torch.zeros(32, 7168, dtype=torch.bfloat16, device=w13.qweight.device)
     assert not mma.grouped_takes(hidden, w13, mma.default_config(32, 7168))
+
+
+def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the benches' A/B knobs (bench_moe_w4_mma --ab, ab_decode set=) set the module values after import: a default
+    # argument bound at definition time would ignore them
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    w13 = random_qw("int4", 4, 512, 2048, gen, group=128, zeros=True)
+    hidden = torch.zeros(16, 2048, dtype=torch.bfloat16, device=w13.qweight.device)
+    cfg = mma.default_config(16, 2048)
+    monkeypatch.setattr(mma, "GROUPED_SPANS_NARROW", 8)
+    assert mma.grouped_spans(2048) == 8
+    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 0)
+    assert not mma.grouped_takes(hidden, w13, cfg)
+    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 17)
+    assert not mma.grouped_takes(hidden, w13, cfg)
+    seen: list[int] = []
+
+    class Grouped(Exception):
+        pass
+
+    def group_pairs(ids: torch.Tensor, p: int) -> torch.Tensor:
+        seen.append(p)
+        raise Grouped  # before the GPU launch
+
+    monkeypatch.setattr(mma, "group_pairs", group_pairs)
+    with pytest.raises(Grouped):
+        mma.gate_up_grouped(hidden, w13, torch.zeros(16, 8, dtype=torch.int32, device=hidden.device), cfg)
+    assert seen == [1]  # 8 / GROUPED_SPANS_NARROW pairs a group

@@ -39,7 +39,7 @@ dtype, is stored [pairs, I].
 Down (`_down_kernel`): program (token, 16 rows of D), warp w = slot w (W = TOP_K), over all of I in
 chunks; out = sum_w weight_w * y_w, rounded once.
 Both loop over chunks with the next AHEAD chunks' words and x requested before a chunk's mmas.
-Grouped gate-up (`_grouped_gate_up_kernel`, wide experts from GROUPED_FROM_TOKENS tokens): the same act, a program
+Grouped gate-up (`_grouped_gate_up_kernel`, from GROUPED_FROM_TOKENS tokens): the same act, a program
 per (pair, rows) running the group of up to 8 / S pairs of one expert its pair leads (kernels/triton_moe_groups.py,
 one launch before it) with columns (pair, span), S spans a chunk; programs of pairs that lead no group leave at once.
 """
@@ -412,10 +412,13 @@ def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
 # first (triton_moe_w4_gemv.takes: up to INT4_MAX_TOKENS tokens, D <= 4096). Past them, the aligned path. On the
 # H200 with x on its spans (session 63), Qwen3-30B-A3B's experts at 24 tokens took 143.7 us here against the aligned
 # path's 167.8, and the W4A16 step at batch 24 9.338 against 10.634 ms; at 32 tokens level (186.4 / 184.4 us; 11.512
-# / 11.523 ms) (moe_w4_mma_t32_s63_h200.*, ab_pairs256_30b_w4a16_s63_h200.*).
+# / 11.523 ms) (moe_w4_mma_t32_s63_h200.*, ab_pairs256_30b_w4a16_s63_h200.*). With the grouped gate-up (below;
+# session 65, spans 2) 32 tokens took 148.0 / 164.9 us against the aligned path's 189.8 / 183.4 (asymmetric /
+# symmetric, moe_w4_mma_grouped_spanfirst_t32_*), and the step at batch 32 9.735 against 11.645 ms
+# (ab_grouped16_30b_*), so up to 256 pairs.
 MIN_TOKENS = 2
 NARROW_MAX_HIDDEN = 4096  # experts up to this D are narrow (Qwen3-30B-A3B), wider ones wide (DeepSeek-V3, Kimi-K2)
-NARROW_MAX_PAIRS = 192
+NARROW_MAX_PAIRS = 256
 WIDE_MAX_PAIRS = 256
 # A lane loads x only on its column's span (masked 16-byte loads; kernels/gluon_w4a16_mma.py's form at one row),
 # not the whole of its quarter of the chunk: False loads it all (an A/B toggle for the benches). On the H200,
@@ -435,26 +438,23 @@ DOWN_MAXNREG_SYM = 128
 # against 99.4 / 142.9, the W4A16 step at B=16 7.133 against 6.808 ms (moe_w4_mma_upcap_s64_h200.*,
 # ab_upcap_30b_w4a16_s64_h200.*).
 UP_MAXNREG = 0
-# On wide experts (D > 4096), from this many tokens, the gate-up runs over groups of pairs of one expert
-# (`gate_up_grouped`: an expert's rows decoded once a group, not once a pair, after one more launch that forms the
-# groups), GROUPED_SPANS spans a chunk, so 8 / GROUPED_SPANS pairs a group; 0: never. GROUPED_NARROW: on narrow
-# experts too (an A/B toggle). H200, session 64 (benchmarks/results/*_s64_h200.*):
-# - DeepSeek-V3 W4A16, 3 layers, in a step (ab_grouped_dsv3_w4a16_zeroed_*): B=32 3.990 against 4.193 ms; B=16
-#   2.581 against 2.528 (slower), and its gate-up alone on that step's own inputs 538 / 516 against 481 / 488 us at
-#   16 tokens, 883 / 878 against 941 / 925 at 32 (diag_moe_routing_dsv3_zeroed_*);
-# - its MoE alone at uniform routings, 32 tokens: 1326 / 1314 us against 1515 / 1565 (asymmetric / symmetric, with
-#   the x of empty slots masked, moe_w4_mma_grouped_xmask_dsv3_*); at 16-24 within the run-to-run spread there
-#   (the same pair-form call read 1086 and 1167 us at 24 tokens in one process); at 2-8 slower (133 against 111 us
-#   at 2 tokens, moe_w4_mma_grouped_dsv3_*);
-# - Qwen3-30B-A3B's gate-up slower at 4-24 tokens (83.8 against 67.9 us at 16, moe_w4_mma_grouped_xmask_*; on the
-#   engine's own inputs 97 against 76 before the mask, diag_moe_routing_30b_*), so narrow experts keep the pair
-#   form. With one pair a group (spans 8, the pair form's work) it took 112 us there: its warps add all 8 columns
-#   of C through shared memory (L1/TEX 83% against the pair kernel's 47%, ncu_gate-up*_t16_s64_h200.txt), where
-#   the pair kernel sums its spans first. Where tokens share experts it gains: every token on the same 8 experts,
-#   Qwen3-30B-A3B's gate-up at 16 tokens took 44.3 us against 62.5.
-GROUPED_FROM_TOKENS = 25
-GROUPED_SPANS = 2
-GROUPED_NARROW = False
+# From this many tokens the gate-up runs over groups of pairs of one expert (`gate_up_grouped`: an expert's rows
+# decoded once a group, not once a pair, after one more launch that forms the groups), with GROUPED_SPANS_NARROW /
+# GROUPED_SPANS_WIDE spans a chunk on narrow / wide experts (so 8 / spans pairs a group); 0: never. Its warps sum
+# each slot's spans inside a lane quad before adding across warps, as the pair kernel does. H200, session 65
+# (benchmarks/results/*_s65_h200.*), gate-up alone at uniform routings, pair form against grouped (spans 2 / 4), us:
+# - Qwen3-30B-A3B (moe_w4_mma_grouped_spanfirst_*), asymmetric: 37.3 against 36.4 / 34.8 at 8 tokens, 67.9 against
+#   61.6 / 60.4 at 16, 98.1 against 75.3 / 79.4 at 24, 127.3 against 88.5 / 98.6 at 32; symmetric: 67.1 against
+#   69.5 / 57.7 at 16, 96.2 against 87.7 / 75.1 at 24, 125.0 against 103.1 / 93.3 at 32;
+# - DeepSeek-V3 (moe_w4_mma_grouped_spanfirst_dsv3_*), asymmetric: 255 against 264 / 241 at 8, 499 against
+#   438 / 383 at 16, 1007 against 775 / 785 at 32; symmetric: 520 against 413 / 429 at 16, 1031 against 743 / 926
+#   at 32;
+# - in the W4A16 step (spans 2 on both; ab_grouped16_30b_*, ab_grouped8_dsv3_*): Qwen3-30B-A3B B=16 6.494 against
+#   6.836 ms, B=24 8.356 against 9.331; DeepSeek-V3, 3 layers, B=16 2.465 against 2.503, B=8 1.677 against 1.654
+#   (slower), so 16 tokens on both widths. Before the span-first sums (session 64) it lost on narrow experts.
+GROUPED_FROM_TOKENS = 16
+GROUPED_SPANS_NARROW = 4
+GROUPED_SPANS_WIDE = 2
 
 
 @functools.cache
@@ -534,21 +534,25 @@ def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     return act
 
 
-def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int = GROUPED_SPANS) -> bool:
-    """Whether moe_w4_mma runs this call's gate-up over groups: wide experts (or GROUPED_NARROW), GROUPED_FROM_TOKENS
-    tokens or more, and a chunk whose spans lie inside the quantization groups."""
+def grouped_spans(hidden_size: int) -> int:
+    """Spans a chunk for the grouped gate-up at this D (read at call time, so the benches' A/B knobs take)."""
+    return GROUPED_SPANS_WIDE if hidden_size > NARROW_MAX_HIDDEN else GROUPED_SPANS_NARROW
+
+
+def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int | None = None) -> bool:
+    """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a chunk
+    whose spans (default grouped_spans) lie inside the quantization groups."""
     d = hidden.shape[1]
-    return (
-        (d > NARROW_MAX_HIDDEN or GROUPED_NARROW)
-        and 0 < GROUPED_FROM_TOKENS <= hidden.shape[0]
-        and chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans) > 0
-    )
+    spans = spans or grouped_spans(d)
+    chunk = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans)
+    return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and chunk > 0
 
 
 def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
-                    spans: int = GROUPED_SPANS) -> torch.Tensor:  # fmt: skip
-    """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; the
-    groups from kernels/triton_moe_groups.py, one more launch)."""
+                    spans: int | None = None) -> torch.Tensor:  # fmt: skip
+    """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
+    default grouped_spans; the groups from kernels/triton_moe_groups.py, one more launch)."""
+    spans = spans or grouped_spans(hidden.shape[1])
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     groups = group_pairs(ids, 8 // spans)
     _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
