@@ -110,8 +110,8 @@ def test_takes_where_measured_faster() -> None:
     one, two = (torch.randn(t, 2048, device=DEV, dtype=torch.bfloat16) for t in (1, 2))
     assert not mma.takes(one, *qwen, 8)  # one token, small experts: the GEMV-form token kernels
     assert mma.takes(two, *qwen, 8)
-    assert mma.takes(torch.randn(24, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)
-    assert not mma.takes(torch.randn(25, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)  # aligned path
+    assert mma.takes(torch.randn(32, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)
+    assert not mma.takes(torch.randn(33, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)  # aligned path
     wide = (random_qw("int4", 2, 2 * 256, 8192, gen), random_qw("int4", 2, 8192, 256, gen))
     assert mma.takes(torch.randn(1, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8)
     assert mma.takes(torch.randn(32, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8)
@@ -149,8 +149,8 @@ def test_grouped_gate_up_matches_reference_act(t: int, e: int, k: int, d: int, i
 def test_moe_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
     for spans in (2, 4):
-        monkeypatch.setattr(mma, "GROUPED_SPANS_NARROW", spans)
-        monkeypatch.setattr(mma, "GROUPED_SPANS_WIDE", spans)
+        for knob in ("GROUPED_SPANS_NARROW", "GROUPED_SPANS_NARROW_SYM", "GROUPED_SPANS_WIDE"):
+            monkeypatch.setattr(mma, knob, spans)
         assert run(16, 128, 8, 2048, 768, torch.bfloat16, seed=77, group=128, zeros=True) <= TOL
         assert run(5, 16, 8, 512, 256, torch.float16, seed=78, group=128) <= TOL
         assert run(2, 64, 8, 7168, 256, torch.bfloat16, seed=79, group=128) <= TOL

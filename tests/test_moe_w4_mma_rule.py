@@ -50,9 +50,13 @@ def test_wide_experts_on_mma_from_one_token_to_256_pairs() -> None:
 
 def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width() -> None:
     # measured faster from 16 tokens in the W4A16 step on both widths, slower at 8 on DeepSeek-V3's experts
-    assert mma.GROUPED_FROM_TOKENS == 16 and mma.GROUPED_SPANS_NARROW == 4 and mma.GROUPED_SPANS_WIDE == 2
-    assert mma.grouped_spans(2048) == 4 and mma.grouped_spans(4096) == 4 and mma.grouped_spans(7168) == 2
+    assert mma.GROUPED_FROM_TOKENS == 16 and mma.GROUPED_SPANS_WIDE == 2
+    assert mma.GROUPED_SPANS_NARROW == 2 and mma.GROUPED_SPANS_NARROW_SYM == 4
     gen = torch.Generator(device=DEV).manual_seed(5)
+    asym, sym = (random_qw("int4", 4, 512, 2048, gen, group=128, zeros=z) for z in (True, False))
+    assert mma.grouped_spans(2048, asym) == 2 and mma.grouped_spans(4096, asym) == 2
+    assert mma.grouped_spans(2048, sym) == 4  # narrow symmetric experts
+    assert mma.grouped_spans(7168, sym) == 2 and mma.grouped_spans(7168, asym) == 2
     for d, t, want in [(7168, 16, True), (7168, 32, True), (7168, 15, False), (7168, 8, False), (2048, 16, True),
                        (2048, 32, True), (2048, 15, False), (2048, 2, False)]:  # fmt: skip
         w13 = random_qw("int4", 4, 512, d, gen, group=128, zeros=True)
@@ -72,7 +76,7 @@ def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.Mo
     hidden = torch.zeros(16, 2048, dtype=torch.bfloat16, device=w13.qweight.device)
     cfg = mma.default_config(16, 2048)
     monkeypatch.setattr(mma, "GROUPED_SPANS_NARROW", 8)
-    assert mma.grouped_spans(2048) == 8
+    assert mma.grouped_spans(2048, w13) == 8
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 0)
     assert not mma.grouped_takes(hidden, w13, cfg)
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 17)

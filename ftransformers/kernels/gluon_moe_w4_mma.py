@@ -439,21 +439,25 @@ DOWN_MAXNREG_SYM = 128
 # ab_upcap_30b_w4a16_s64_h200.*).
 UP_MAXNREG = 0
 # From this many tokens the gate-up runs over groups of pairs of one expert (`gate_up_grouped`: an expert's rows
-# decoded once a group, not once a pair, after one more launch that forms the groups), with GROUPED_SPANS_NARROW /
-# GROUPED_SPANS_WIDE spans a chunk on narrow / wide experts (so 8 / spans pairs a group); 0: never. Its warps sum
-# each slot's spans inside a lane quad before adding across warps, as the pair kernel does. H200, session 65
-# (benchmarks/results/*_s65_h200.*), gate-up alone at uniform routings, pair form against grouped (spans 2 / 4), us:
+# decoded once a group, not once a pair, after one more launch that forms the groups), with `grouped_spans` spans a
+# chunk (so 8 / spans pairs a group); 0: never. Its warps sum each slot's spans inside a lane quad before adding
+# across warps, as the pair kernel does. H200, session 65 (benchmarks/results/*_s65_h200.*), gate-up alone at
+# uniform routings, pair form against grouped (spans 2 / 4), us:
 # - Qwen3-30B-A3B (moe_w4_mma_grouped_spanfirst_*), asymmetric: 37.3 against 36.4 / 34.8 at 8 tokens, 67.9 against
 #   61.6 / 60.4 at 16, 98.1 against 75.3 / 79.4 at 24, 127.3 against 88.5 / 98.6 at 32; symmetric: 67.1 against
 #   69.5 / 57.7 at 16, 96.2 against 87.7 / 75.1 at 24, 125.0 against 103.1 / 93.3 at 32;
 # - DeepSeek-V3 (moe_w4_mma_grouped_spanfirst_dsv3_*), asymmetric: 255 against 264 / 241 at 8, 499 against
 #   438 / 383 at 16, 1007 against 775 / 785 at 32; symmetric: 520 against 413 / 429 at 16, 1031 against 743 / 926
 #   at 32;
-# - in the W4A16 step (spans 2 on both; ab_grouped16_30b_*, ab_grouped8_dsv3_*): Qwen3-30B-A3B B=16 6.494 against
-#   6.836 ms, B=24 8.356 against 9.331; DeepSeek-V3, 3 layers, B=16 2.465 against 2.503, B=8 1.677 against 1.654
-#   (slower), so 16 tokens on both widths. Before the span-first sums (session 64) it lost on narrow experts.
+# - in the W4A16 step (AWQ, asymmetric; ab_grouped_rule_*): Qwen3-30B-A3B, pair form against spans 2 / 4, B=16
+#   6.830 against 6.455 / 6.422 ms, B=24 9.360 against 8.291 / 8.484, B=32 11.607 against 9.681 / 10.139, and
+#   grouped from 8 tokens level at B=8 (4.047 against 4.080); DeepSeek-V3, 3 layers, spans 2, B=16 2.529 against
+#   2.574, B=32 3.909 against 4.250, and from 8 tokens slower at B=8 (1.677 against 1.654, ab_grouped8_dsv3_*).
+#   So 16 tokens on both widths; spans 2 but on narrow symmetric experts, 4 there. Before the span-first sums
+#   (session 64) the grouped form lost on narrow experts.
 GROUPED_FROM_TOKENS = 16
-GROUPED_SPANS_NARROW = 4
+GROUPED_SPANS_NARROW = 2
+GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
 
 
@@ -534,16 +538,19 @@ def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     return act
 
 
-def grouped_spans(hidden_size: int) -> int:
-    """Spans a chunk for the grouped gate-up at this D (read at call time, so the benches' A/B knobs take)."""
-    return GROUPED_SPANS_WIDE if hidden_size > NARROW_MAX_HIDDEN else GROUPED_SPANS_NARROW
+def grouped_spans(hidden_size: int, w13: QuantizedWeight) -> int:
+    """Spans a chunk for the grouped gate-up at this D and symmetry (the knobs read at call time, so the benches'
+    A/B settings take)."""
+    if hidden_size > NARROW_MAX_HIDDEN:
+        return GROUPED_SPANS_WIDE
+    return GROUPED_SPANS_NARROW if w13.zeros is not None else GROUPED_SPANS_NARROW_SYM
 
 
 def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int | None = None) -> bool:
     """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a chunk
     whose spans (default grouped_spans) lie inside the quantization groups."""
     d = hidden.shape[1]
-    spans = spans or grouped_spans(d)
+    spans = spans or grouped_spans(d, w13)
     chunk = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans)
     return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and chunk > 0
 
@@ -552,7 +559,7 @@ def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tenso
                     spans: int | None = None) -> torch.Tensor:  # fmt: skip
     """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
     default grouped_spans; the groups from kernels/triton_moe_groups.py, one more launch)."""
-    spans = spans or grouped_spans(hidden.shape[1])
+    spans = spans or grouped_spans(hidden.shape[1], w13)
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     groups = group_pairs(ids, 8 // spans)
     _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
