@@ -24,7 +24,7 @@ names): the dense GEMV's register layout, no shared-memory round trip for x, the
 of a token in one program.
 
 Other int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py (the pair path's contract on
-mma.sync) wherever its `takes` says: from 2 tokens up to 192 pairs (24 tokens at top-8), and on D > 4096 from
+mma.sync) wherever its `takes` says: from 2 tokens up to 256 pairs (32 tokens at top-8), and on D > 4096 from
 one token to 256 pairs (the measurements are beside its bounds).
 """
 
