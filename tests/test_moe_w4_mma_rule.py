@@ -48,7 +48,7 @@ def test_wide_experts_on_mma_from_one_token_to_256_pairs() -> None:
     assert _takes(33, 7168) == (False, False)
 
 
-def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width() -> None:
+def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width_and_symmetry() -> None:
     # measured faster from 16 tokens in the W4A16 step on both widths, slower at 8 on DeepSeek-V3's experts
     assert mma.GROUPED_FROM_TOKENS == 16 and mma.GROUPED_SPANS_WIDE == 2
     assert mma.GROUPED_SPANS_NARROW == 2 and mma.GROUPED_SPANS_NARROW_SYM == 4
