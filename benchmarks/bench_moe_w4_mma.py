@@ -7,7 +7,8 @@ REPS calls over different routings and hiddens (each call's experts differ from 
 weights come from DRAM). Floor = the distinct experts' bytes (expected count under uniform routing is
 not used: the routings here are drawn, and their distinct experts counted) / the copy bandwidth measured
 in the same process (benchmarks/ceilings.py). `--parts` also times the mma path's two kernels alone; `--ab NAME=V`
-the mma path again with the module value gluon_moe_w4_mma.NAME set to V (e.g. SPAN_MASKED_X=0). `--routing`
+the mma path again with the module value gluon_moe_w4_mma.NAME set to V (e.g. SPAN_MASKED_X=0; `+` joins settings
+of one variant, `,` separates variants, each timed in turn). `--routing`
 draws the routings otherwise: `distinct` gives every pair its own expert (T * top_k <= E), `shared` gives every
 token the same top_k experts (a new set each call), to see what a pair sharing its expert with another costs.
 
@@ -61,10 +62,13 @@ def routings(kind: str, t: int, e: int, k: int, reps: int) -> list[tuple[torch.T
     return out
 
 
+def _text(variant: list[tuple[str, int]]) -> str:
+    return "+".join(f"{n}={v}" for n, v in variant)
+
+
 def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict[str, Any], log,
-          ab: list[tuple[str, int]] | None = None, routing: str = "uniform", grouped: tuple[int, ...] = ()) -> None:  # fmt: skip
+          ab: list[list[tuple[str, int]]] | None = None, routing: str = "uniform", grouped: tuple[int, ...] = ()) -> None:  # fmt: skip
     d, _, e, k = bm.SHAPES[shape]
-    ab_text = "+".join(f"{n}={v}" for n, v in ab or [])
     for fname in FORMATS:
         fmt, group, _ = bm.FORMATS[fname]
         w13, w2 = bm.expert_weights(fname, shape)
@@ -93,13 +97,14 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                     log(f"{shape} {fname} T={t} {name} FAILED rel err {err:.3g}")
                     continue
                 row[f"{name}_us"] = bm.graph_ms(call, REPS) * 1e3
-            if ab and "mma_us" in row:  # the mma path again with module values changed, in this process
-                kept = {name: getattr(mma, name) for name, _ in ab}
-                for name, value in ab:
+            for variant in ab if ab and "mma_us" in row else []:  # the mma path again with module values changed
+                kept = {name: getattr(mma, name) for name, _ in variant}
+                for name, value in variant:
                     setattr(mma, name, type(kept[name])(value))
                 try:
-                    row["ab_err"] = bm.rel_err(paths["mma"](0), ref)
-                    row["ab_us"] = bm.graph_ms(paths["mma"], REPS) * 1e3 if row["ab_err"] < 1e-2 else None
+                    err = bm.rel_err(paths["mma"](0), ref)
+                    us = bm.graph_ms(paths["mma"], REPS) * 1e3 if err < 1e-2 else None
+                    row.setdefault("ab", []).append({"variant": _text(variant), "err": err, "us": us})
                 finally:
                     for name, value in kept.items():
                         setattr(mma, name, value)
@@ -126,7 +131,7 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                 + (f" | mma gate-up {row['mma_gate_up_us']:.2f} down {row['mma_down_us']:.2f}" if "mma_gate_up_us" in row else "")
                 + "".join(f" | {n.removesuffix('_us')} {v:.2f}" if v else f" | {n} FAILED" for n, v in row.items()
                           if n.startswith(("grouped", "group_pairs")))
-                + (f" | {ab_text} {pct(row.get('ab_us'))} err {row['ab_err']:.1e}" if "ab_err" in row else ""))  # fmt: skip
+                + "".join(f" | {v['variant']} {pct(v['us'])} err {v['err']:.1e}" for v in row.get("ab", [])))  # fmt: skip
         w13 = w2 = None  # free before the next format (the lambdas above are done with them)
         torch.cuda.empty_cache()
 
@@ -186,17 +191,20 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--sweep", default="", help="tokens for a per-kernel config sweep, e.g. 1,8 (then no table)")
     ap.add_argument("--routing", choices=("uniform", "distinct", "shared"), default="uniform")
-    ap.add_argument("--ab", default="", help="NAME=V[+NAME=V]: also time the mma path with gluon_moe_w4_mma.NAME = V "
-                    "(integers), e.g. GROUPED_FROM_TOKENS=1+GROUPED_SPANS_NARROW=4")  # fmt: skip
+    ap.add_argument("--ab", default="", help="NAME=V[+NAME=V][,...]: also time the mma path with gluon_moe_w4_mma.NAME "
+                    "= V (integers), each comma-separated variant in turn, e.g. "
+                    "GROUPED_FROM_TOKENS=0,GROUPED_SPANS_NARROW=4+GROUPED_SPANS_WIDE=4")  # fmt: skip
     ap.add_argument("--grouped-spans", default="", help="with --parts: also time the gate-up over groups of pairs "
                     "(gate_up_grouped, with its grouping launch) at these span counts, e.g. 2,4; and the grouping alone")  # fmt: skip
     args = ap.parse_args()
-    ab = []
-    for item in filter(None, args.ab.split("+")):
-        name, _, value = item.partition("=")
-        if not hasattr(mma, name) or not value.lstrip("-").isdigit():
-            ap.error(f"--ab: NAME=V with NAME a module-level name of gluon_moe_w4_mma and V an integer, got {item!r}")
-        ab.append((name, int(value)))
+    ab: list[list[tuple[str, int]]] = []
+    for text in filter(None, args.ab.split(",")):
+        ab.append([])
+        for item in text.split("+"):
+            name, _, value = item.partition("=")
+            if not hasattr(mma, name) or not value.lstrip("-").isdigit():
+                ap.error(f"--ab: NAME=V with NAME a module-level name of gluon_moe_w4_mma and V an integer, got {item!r}")
+            ab[-1].append((name, int(value)))
     grouped = tuple(int(s) for s in args.grouped_spans.split(",") if s)
     copy_gbs, _ = bm.ceilings()
     lines: list[str] = []
