@@ -287,8 +287,7 @@ def main() -> None:
     from ftransformers.runtime.cuda_graph_runner import CudaGraphRunner
 
     ceil = bd.ceilings()
-    name, _, layers = args.model.partition(":")
-    depth = int(layers or bd.FULL_DEPTH[name])
+    name, depth = bd.model_spec(args.model)
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name) / f"{name}-{depth}"
     cfg = bq.write_config(name, depth, root, args.format, False)

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from ceilings import ceilings as shared_ceilings
-from model_shapes import FULL_DENSE, FULL_DEPTH, SHAPES, write_config  # noqa: F401 (bd.SHAPES, bd.write_config)
+from model_shapes import FULL_DENSE, FULL_DEPTH, SHAPES, model_spec, write_config  # noqa: F401 (bd.SHAPES and others)
 
 RUN_CONTEXT = 9216  # positions a runner is sized for: the default contexts and the engine's new tokens
 DEV = "cuda"
@@ -550,8 +550,7 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
 def step_model(args: argparse.Namespace, context_length: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The runner of add_step_args' --model (NAME[:LAYERS], dummy weights) for --batch rows, with its config and its
     byte accounting (`decode_bytes`'s input); `args.dry_run`, where present, shrinks it for the CPU."""
-    name, _, layers = args.model.partition(":")
-    depth = int(layers or FULL_DEPTH[name])
+    name, depth = model_spec(args.model)
     root = Path(tempfile.mkdtemp()) / f"{name}-{depth}"
     cfg = write_config(name, depth, root, getattr(args, "dry_run", False))
     runner = make_runner(root, args.batch, args, context_length)

@@ -43,8 +43,7 @@ def main() -> None:
     from ftransformers.kernels import triton_fused_moe_w4 as w4
 
     copy_gbs, _ = bm.ceilings()
-    name, _, layers = args.model.partition(":")
-    depth = int(layers or bd.FULL_DEPTH[name])
+    name, depth = bd.model_spec(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     root = Path(tempfile.mkdtemp())
     cfg = bq.write_config(name, depth, root, args.format, False)

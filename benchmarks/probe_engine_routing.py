@@ -380,8 +380,7 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="host time of engine steps: launch_step and cProfile")
     args = p.parse_args()
     bd.logging_setup()
-    name, _, depth = args.model.partition(":")
-    layers = int(depth or bd.FULL_DEPTH[name])
+    name, layers = bd.model_spec(args.model)
     root = Path(tempfile.mkdtemp()) / f"{name}-{layers}-{args.format}"
     cfg = bq.write_config(name, layers, root, args.format, False)
     args.disable_pdl = False
