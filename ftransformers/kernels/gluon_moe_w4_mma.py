@@ -337,11 +337,13 @@ def _grouped_gate_up_kernel(
     n0 = (pid // num_pairs) * HALF
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
-    if expert < 0:
+    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    # the group's pairs in the expert's round trip, not one after it: the branch reads both (a pair is >= -1, so
+    # the second test never holds; without it the compiler sinks this load past the branch)
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    if (expert < 0) | (gl.min(col_pair, axis=0) < -1):
         return
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
-    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
-    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
     live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
     x_mask = x_mask & live  # a slot past the group's end loads no x (its columns stay zero where MASK_X)
     tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
