@@ -389,11 +389,11 @@ def _grouped_down_kernel(
     n0 = (pid // num_pairs) * ROWS
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
-    if expert < 0:
+    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)  # in the expert's round trip (as the gate-up)
+    if (expert < 0) | (gl.min(col_pair, axis=0) < -1):
         return
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
-    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
-    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
     live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
     x_mask = x_mask & live
     src = gl.where(col_pair >= 0, col_pair, pair)
