@@ -77,12 +77,6 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
                     **moe.layouts(8, cfg.down_rows, kc), MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
         jobs.append((f"moe down T={t} D={d}", moe._down_kernel, down, 8, cfg.down_rows * 8, 0))
-        for spans in (2, 4):  # the down product over the same groups (GROUPED_DOWN)
-            warps, kc = moe.grouped_down_shape(inter, 128, spans)
-            gdown = dict(down, S=spans, KC=kc, CHUNKS=inter // warps // kc, W=warps,
-                         **moe.layouts(warps, cfg.down_rows, kc))  # fmt: skip
-            jobs.append((f"moe grouped down S={spans} T={t} D={d}", moe._grouped_down_kernel, gdown, warps,
-                         cfg.down_rows * 8, 0))  # fmt: skip
         # symmetric weights under the down kernel's cap (two programs an SM)
         sym = dict(down, HAS_ZERO=False)
         jobs.append((f"moe down sym T={t} D={d}", moe._down_kernel, sym, 8, cfg.down_rows * 8, moe.DOWN_MAXNREG_SYM))
@@ -129,7 +123,7 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 27
+    assert len(kernels) == 23
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]

@@ -146,24 +146,6 @@ def test_grouped_gate_up_matches_reference_act(t: int, e: int, k: int, d: int, i
         assert rel_err(act[p : p + 1], ref[p : p + 1]) <= TOL, (p, ids.reshape(-1)[p].item())
 
 
-def test_moe_with_the_grouped_down(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the down product over the gate-up's groups (GROUPED_DOWN), 1-4 pairs a group, against the reference MoE; the
-    # grouped launch is counted, so a fallback to the pair form fails
-    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
-    monkeypatch.setattr(mma, "GROUPED_DOWN", True)
-    calls: list[int] = []
-    grouped = mma.down_grouped
-    monkeypatch.setattr(mma, "down_grouped", lambda *a, **kw: calls.append(a[6]) or grouped(*a, **kw))
-    for spans in (2, 4, 8):
-        for knob in ("GROUPED_SPANS_NARROW", "GROUPED_SPANS_NARROW_SYM", "GROUPED_SPANS_WIDE"):
-            monkeypatch.setattr(mma, knob, spans)
-        assert run(16, 128, 8, 2048, 768, torch.bfloat16, seed=87, group=128, zeros=True) <= TOL  # I: 2 warps
-        assert run(24, 128, 8, 2048, 768, torch.bfloat16, seed=88, group=128) <= TOL
-        assert run(5, 16, 8, 512, 256, torch.float16, seed=89, group=128) <= TOL  # 16 pairs on an expert
-        assert run(3, 8, 4, 7168, 2048, torch.bfloat16, seed=90, group=128, zeros=True) <= TOL  # I: 8 warps
-    assert calls == [2] * 4 + [4] * 4 + [8] * 4
-
-
 def test_moe_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
     for spans in (2, 4):

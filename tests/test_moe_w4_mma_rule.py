@@ -94,12 +94,3 @@ def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.Mo
     with pytest.raises(Grouped):
         mma.gate_up_grouped(hidden, w13, torch.zeros(16, 8, dtype=torch.int32, device=hidden.device), cfg)
     assert seen == [1]  # 8 / GROUPED_SPANS_NARROW pairs a group
-
-
-def test_the_grouped_down_shape() -> None:
-    # warps split I; each warp's share needs a chunk whose spans lie in the groups: Qwen3-30B-A3B's I = 768 on 2
-    # warps of 3 chunks of 128, DeepSeek-V3's 2048 on 8 of one chunk of 256, Kimi-K2's groups of 32 none
-    assert mma.GROUPED_DOWN is False  # an A/B knob until measured
-    assert mma.grouped_down_shape(768, 128, 2) == (2, 128) and mma.grouped_down_shape(768, 128, 4) == (2, 128)
-    assert mma.grouped_down_shape(2048, 128, 2) == (8, 256) and mma.grouped_down_shape(256, 128, 8) == (2, 128)
-    assert mma.grouped_down_shape(2048, 32, 2) == (0, 0)

@@ -58,7 +58,6 @@ from ftransformers.kernels.gluon_mla_decode import pdl_enter
 from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
-from ftransformers.kernels.triton_fused_moe import moe_sum
 from ftransformers.kernels.triton_moe_groups import group_pairs
 
 MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
@@ -338,13 +337,11 @@ def _grouped_gate_up_kernel(
     n0 = (pid // num_pairs) * HALF
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
-    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
-    # the group's pairs in the expert's round trip, not one after it: the branch reads both (a pair is >= -1, so
-    # the second test never holds; without it the compiler sinks this load past the branch)
-    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
-    if (expert < 0) | (gl.min(col_pair, axis=0) < -1):
+    if expert < 0:
         return
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
+    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
     live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
     x_mask = x_mask & live  # a slot past the group's end loads no x (its columns stay zero where MASK_X)
     tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
@@ -364,53 +361,6 @@ def _grouped_gate_up_kernel(
     rows = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, a2)), 1)
     slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, a2))), 0)  # [1, P]
     gl.store(act_ptr + slot_pair.to(gl.int64) * N + n0 + rows, act, mask=(slot_pair >= 0) & (rows < HALF))
-
-
-@cached_launch
-@gluon.jit
-def _grouped_down_kernel(
-    act_ptr, q_ptr, s_ptr, z_ptr, part_ptr, groups_ptr, tw_ptr, magic, offset, N, num_pairs,
-    stride_am, stride_qe, stride_qn, stride_se, stride_sn,
-    HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr,
-    S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
-    w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
-):  # fmt: skip
-    # part[p, n] = tw[p] * (act[p] @ w2[e, n]) in float32 for the up to P = 8 / S pairs p of the group `pair` leads
-    # (groups as _grouped_gate_up_kernel's), e their expert; program (pair, rows n0..n0+ROWS-1), warp w over K
-    # [w KS, (w + 1) KS) of I, KS = CHUNKS * KC; the B operand's column c is (the group's pair c // S, span c % S).
-    # The slots of a token are added by a second launch (triton_fused_moe.moe_sum).
-    pdl_enter(USE_PDL)
-    RW: gl.constexpr = KC // 32
-    KS: gl.constexpr = CHUNKS * KC
-    P: gl.constexpr = 8 // S
-    DT: gl.constexpr = act_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    pair = pid % num_pairs
-    n0 = (pid // num_pairs) * ROWS
-    group = groups_ptr + pair * (1 + P)
-    expert = gl.load(group)
-    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
-    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)  # in the expert's round trip (as the gate-up)
-    if (expert < 0) | (gl.min(col_pair, axis=0) < -1):
-        return
-    ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
-    live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
-    x_mask = x_mask & live
-    src = gl.where(col_pair >= 0, col_pair, pair)
-    q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + (n0 + wrow).to(gl.int64) * stride_qn + ww * (KS // 8) + word
-    x_ptrs = act_ptr + gl.expand_dims(gl.expand_dims(src, 0), 2).to(gl.int64) * stride_am + xw * KS + xk
-    s_rows = expert.to(gl.int64) * stride_se + (n0 + mrow).to(gl.int64) * stride_sn
-    tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
-                      magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
-                      S)  # fmt: skip
-    if S > 1:  # each slot's spans first, inside a lane quad
-        tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
-    y = gl.sum(tot, axis=0)  # [ROWS, P]
-    y2: gl.constexpr = y.type.layout
-    rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, y2)), 1)
-    slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, y2))), 0)  # [1, P]
-    tw = gl.load(tw_ptr + gl.maximum(slot_pair, 0))  # [1, P] float32
-    gl.store(part_ptr + slot_pair.to(gl.int64) * N + n0 + rows, y * tw, mask=(slot_pair >= 0) & (rows < ROWS))
 
 
 @dataclass(frozen=True)
@@ -509,9 +459,6 @@ GROUPED_FROM_TOKENS = 16
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
-# Where the gate-up runs over groups, the down product too (`down_grouped`: each group's pairs' rows of D in float32,
-# weighted, then a launch that adds each token's slots): an A/B knob, off until measured on a GPU.
-GROUPED_DOWN = False
 
 
 @functools.cache
@@ -609,13 +556,12 @@ def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig,
 
 
 def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
-                    spans: int | None = None, groups: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    spans: int | None = None) -> torch.Tensor:  # fmt: skip
     """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
-    default grouped_spans; groups those of kernels/triton_moe_groups.py for 8 / spans, formed here, one more
-    launch, where None)."""
+    default grouped_spans; the groups from kernels/triton_moe_groups.py, one more launch)."""
     spans = spans or grouped_spans(hidden.shape[1], w13)
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
-    groups = group_pairs(ids, 8 // spans) if groups is None else groups
+    groups = group_pairs(ids, 8 // spans)
     _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
         hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw,
         **pdl_launch(hidden.device),
@@ -642,49 +588,11 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
     return out
 
 
-def grouped_down_shape(inter: int, group: int, spans: int) -> tuple[int, int]:
-    """(warps, KC) of the grouped down product over K = inter: the most warps (<= 8) whose K share has a chunk of
-    `spans` spans inside the quantization groups; (0, 0) if none."""
-    for warps in (8, 4, 2, 1):
-        kc = chunk_k(inter // warps, group, 256, spans) if inter % warps == 0 else 0
-        if kc:
-            return warps, kc
-    return 0, 0
-
-
-def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
-                 groups: torch.Tensor, spans: int, cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
-    """down's [T, D] over groups of up to 8 / spans pairs of one expert (groups from kernels/triton_moe_groups.py):
-    each pair's weighted rows in float32 [T, K, D], then triton_fused_moe.moe_sum adds a token's K slots."""
-    t, d = hidden.shape
-    top_k, inter = ids.shape[1], w2.in_features
-    warps, kc = grouped_down_shape(inter, w2.group_size, spans)
-    assert warps, (inter, w2.group_size, spans)
-    part = torch.empty(t, top_k, d, dtype=torch.float32, device=hidden.device)
-    magic, offset = MAGIC[hidden.dtype]
-    q, s = w2.qweight, w2.scales
-    _grouped_down_kernel[(ids.numel() * (d // cfg.down_rows),)](
-        act, q, s, _zeros(w2), part, groups, weights, magic, offset, d, ids.numel(),
-        act.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, KC=kc, CHUNKS=inter // warps // kc, AHEAD=cfg.down_ahead,
-        S=spans, ROWS=cfg.down_rows, W=warps, **layouts(warps, cfg.down_rows, kc), MASK_X=SPAN_MASKED_X,
-        num_warps=warps, **pdl_launch(hidden.device),
-    )  # fmt: skip
-    return moe_sum(part, torch.empty_like(hidden))
-
-
 def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                topk_ids: torch.Tensor, cfg: MmaMoEConfig | None = None) -> torch.Tensor:  # fmt: skip
     """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]. The gate-up runs
-    over groups of pairs where `grouped_takes`, and the down product too where GROUPED_DOWN (one grouping for
-    both)."""
+    over groups of pairs where `grouped_takes`."""
     ids = topk_ids.contiguous()
     cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
-    if not grouped_takes(hidden, w13, cfg):
-        return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
-    spans = grouped_spans(hidden.shape[1], w13)
-    if not (GROUPED_DOWN and grouped_down_shape(w2.in_features, w2.group_size, spans)[0]):
-        return down(gate_up_grouped(hidden, w13, ids, cfg, spans), hidden, w2, weights, ids, cfg)
-    groups = group_pairs(ids, 8 // spans)
-    act = gate_up_grouped(hidden, w13, ids, cfg, spans, groups)
-    return down_grouped(act, hidden, w2, weights, ids, groups, spans, cfg)
+    act = gate_up_grouped(hidden, w13, ids, cfg) if grouped_takes(hidden, w13, cfg) else gate_up(hidden, w13, ids, cfg)
+    return down(act, hidden, w2, weights, ids, cfg)
