@@ -1,8 +1,8 @@
 """The int4 MoE pair path on mma.sync (kernels/gluon_moe_w4_mma.py) beside the CUDA-core pair path
 (kernels/triton_fused_moe_w4.py), in one process, at decode token counts.
 
-For each shape (Qwen3-30B-A3B, DeepSeek-V3), int4 g128 format (sym, asym) and T, both paths are checked
-against quant_moe_ref on the first routing (relative error, printed), then timed as a CUDA graph of
+For each shape (Qwen3-30B-A3B, DeepSeek-V3), int4 format (g128 sym and asym; `--formats` for others) and T, both
+paths are checked against quant_moe_ref on the first routing (relative error, printed), then timed as a CUDA graph of
 REPS calls over different routings and hiddens (each call's experts differ from the previous one's, so
 weights come from DRAM). Floor = the distinct experts' bytes (expected count under uniform routing is
 not used: the routings here are drawn, and their distinct experts counted) / the copy bandwidth measured
@@ -67,9 +67,10 @@ def _text(variant: list[tuple[str, int]]) -> str:
 
 
 def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict[str, Any], log,
-          ab: list[list[tuple[str, int]]] | None = None, routing: str = "uniform", grouped: tuple[int, ...] = ()) -> None:  # fmt: skip
+          ab: list[list[tuple[str, int]]] | None = None, routing: str = "uniform", grouped: tuple[int, ...] = (),
+          formats: tuple[str, ...] = FORMATS) -> None:  # fmt: skip
     d, _, e, k = bm.SHAPES[shape]
-    for fname in FORMATS:
+    for fname in formats:
         fmt, group, _ = bm.FORMATS[fname]
         w13, w2 = bm.expert_weights(fname, shape)
         for t in tokens:
@@ -196,7 +197,14 @@ def main() -> None:
                     "GROUPED_FROM_TOKENS=0,GROUPED_SPANS_NARROW=4+GROUPED_SPANS_WIDE=4")  # fmt: skip
     ap.add_argument("--grouped-spans", default="", help="with --parts: also time the gate-up over groups of pairs "
                     "(gate_up_grouped, with its grouping launch) at these span counts, e.g. 2,4; and the grouping alone")  # fmt: skip
+    ap.add_argument("--formats", default=",".join(FORMATS), help="int4 formats of bench_moe_w4.FORMATS, e.g. "
+                    "int4-g32-sym (Kimi-K2's experts)")  # fmt: skip
     args = ap.parse_args()
+    formats = tuple(args.formats.split(","))
+    int4 = [n for n in bm.FORMATS if n.startswith("int4-")]
+    for f in formats:
+        if f not in int4:
+            ap.error(f"--formats: int4 formats of bench_moe_w4.FORMATS ({', '.join(int4)}), got {f!r}")
     ab: list[list[tuple[str, int]]] = []
     for text in filter(None, args.ab.split(",")):
         ab.append([])
@@ -225,7 +233,7 @@ def main() -> None:
         if args.sweep:
             sweep(shape, [int(t) for t in args.sweep.split(",")], copy_gbs, out, log)
             continue
-        bench(shape, [int(t) for t in args.tokens.split(",")], copy_gbs, args.parts, out, log, ab, args.routing, grouped)
+        bench(shape, [int(t) for t in args.tokens.split(",")], copy_gbs, args.parts, out, log, ab, args.routing, grouped, formats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")

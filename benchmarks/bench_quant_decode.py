@@ -40,6 +40,11 @@ FORMATS: dict[str, dict[str, Any] | None] = {
     # AutoAWQ GEMM layout, the public DeepSeek-R1 AWQ checkpoints' format
     "w4a16": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
               "modules_to_not_convert": IGNORE},
+    # compressed-tensors pack-quantized int4, symmetric, group 32: Kimi-K2-Thinking's experts' format
+    "w4a16-g32-sym": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": IGNORE,
+                      "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                                    "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                "strategy": "group", "group_size": 32}}}},
     "w8a8": {"quant_method": "w8a8_int8", "ignore": IGNORE},
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "ignored_layers": IGNORE},
