@@ -438,11 +438,6 @@ DOWN_MAXNREG_SYM = 128
 # against 99.4 / 142.9, the W4A16 step at B=16 7.133 against 6.808 ms (moe_w4_mma_upcap_s64_h200.*,
 # ab_upcap_30b_w4a16_s64_h200.*).
 UP_MAXNREG = 0
-# The same cap where the experts are wide (D > NARROW_MAX_HIDDEN, 4-warp programs) and symmetric: offline
-# (Triton 3.9) both gate-up kernels take 136 registers there, three programs an SM; at 120 four, with no spill
-# (at 128 the pair kernel spills; asymmetric ones spill at 120, and at 128 were level on the H200, session 66).
-# An A/B knob, off until measured.
-UP_MAXNREG_WIDE_SYM = 0
 # From this many tokens the gate-up runs over groups of pairs of one expert (`gate_up_grouped`: an expert's rows
 # decoded once a group, not once a pair, after one more launch that forms the groups), with `grouped_spans` spans a
 # chunk (so 8 / spans pairs a group); 0: never. Its warps sum each slot's spans inside a lane quad before adding
@@ -524,12 +519,11 @@ def _up_launch(hidden: torch.Tensor, w13: QuantizedWeight, num_pairs: int, cfg: 
     kc = chunk_k(ks, w13.group_size, cfg.up_kc, spans)
     assert kc, (ks, w13.group_size, spans)
     q, s = w13.qweight, w13.scales
-    cap = UP_MAXNREG_WIDE_SYM if d > NARROW_MAX_HIDDEN and w13.zeros is None else UP_MAXNREG
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     tail = (magic, offset, inter, num_pairs, hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1))
     kw = dict(HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, KC=kc, CHUNKS=ks // kc, AHEAD=cfg.up_ahead,
               ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc), MASK_X=SPAN_MASKED_X,
-              num_warps=cfg.up_warps, **maxnreg_option(cap))  # fmt: skip
+              num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG))  # fmt: skip
     return act, tail, kw
 
 
