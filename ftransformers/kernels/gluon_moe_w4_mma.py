@@ -55,7 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import pdl_enter
-from ftransformers.kernels.launch import cached_launch, maxnreg_option, next_pow2
+from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_moe_groups import group_pairs
@@ -200,23 +200,6 @@ def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, mma: gl.constexpr, W: gl.cons
 
 
 @gluon.jit
-def _line_grid(W: gl.constexpr, ROWS: gl.constexpr, LP: gl.constexpr, LINES: gl.constexpr):
-    # the 128-byte lines of a program's words, a lane each: [W, 1] warp, [1, ROWS LP] its row and line (LP a power
-    # of two >= LINES, the lines of a row's K share; the extra ones repeat the last)
-    pl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])
-    pw = gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, pl)), 1)
-    pi = gl.expand_dims(gl.arange(0, ROWS * LP, layout=gl.SliceLayout(0, pl)), 0)
-    return pw, pi // LP, gl.minimum(pi % LP, LINES - 1)
-
-
-@gluon.jit
-def _l2_lines(ptrs):
-    # request the lines holding ptrs into L2 (a hint: no value, no registers held while the bytes come)
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=gl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
-
-
-@gluon.jit
 def _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
                   AHEAD: gl.constexpr):  # fmt: skip
     # words and x of chunk 0, and of chunk 1 when AHEAD = 2 (else chunk 0's again, unused)
@@ -266,7 +249,7 @@ def _gate_up_kernel(
     stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # act[pair, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, N + n]) in x's dtype, t = pair // TOP_K,
     # e = ids[pair]; program (pair, rows n0..n0+ROWS/2-1), warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
@@ -280,10 +263,6 @@ def _gate_up_kernel(
     pair = pid % num_pairs
     n0 = (pid // num_pairs) * HALF
     expert = gl.load(ids_ptr + pair).to(gl.int64)
-    if PREFETCH > 0:  # every line of the program's words requested at once (PREFETCH_WORDS)
-        pw, prow, pline = _line_grid(W, ROWS, PREFETCH, (KS + 255) // 256)
-        p_rows = (n0 + prow % HALF + (prow // HALF) * N).to(gl.int64)
-        _l2_lines(q_ptr + expert * stride_qe + p_rows * stride_qn + pw * (KS // 8) + pline * 32)
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW)
     q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
     q_ptrs = q_ptr + expert * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
@@ -305,7 +284,7 @@ def _down_kernel(
     stride_qe, stride_qn, stride_se, stride_sn, stride_om,
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr,
     ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
-    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+    x_l: gl.constexpr, MASK_X: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # out[t, n] = sum_w tw[t, w] * (act[t W + w] @ w2[e_w, n]), e_w = ids[t, w], W = TOP_K slots, one a
     # warp, each over all of K = CHUNKS * KC; program (token, ROWS rows from n0)
@@ -317,10 +296,6 @@ def _down_kernel(
     pid = gl.program_id(0)
     t = pid % num_tokens
     n0 = (pid // num_tokens) * ROWS
-    if PREFETCH > 0:  # every line of the program's words (each warp its slot's expert) requested at once
-        pw, prow, pline = _line_grid(W, ROWS, PREFETCH, (K + 255) // 256)
-        pe = gl.load(ids_ptr + t * W + pw).to(gl.int64)  # [W, 1]
-        _l2_lines(q_ptr + pe * stride_qe + (n0 + prow).to(gl.int64) * stride_qn + pline * 32)
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW)
     e4 = gl.load(ids_ptr + t * W + ww).to(gl.int64)  # [W, 1, 1, 1]
     q_ptrs = q_ptr + e4 * stride_qe + (n0 + wrow).to(gl.int64) * stride_qn + word
@@ -344,7 +319,7 @@ def _grouped_gate_up_kernel(
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    USE_PDL: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # _gate_up_kernel's act over groups of up to P = 8 / S pairs of one expert (kernels/triton_moe_groups.py's
     # groups [pairs, 1 + P]): program (pair, rows n0..n0+ROWS/2-1) runs the group its pair leads, and leaves where
@@ -364,10 +339,6 @@ def _grouped_gate_up_kernel(
     expert = gl.load(group)
     if expert < 0:
         return
-    if PREFETCH > 0:  # as _gate_up_kernel's
-        pw, prow, pline = _line_grid(W, ROWS, PREFETCH, (KS + 255) // 256)
-        p_rows = (n0 + prow % HALF + (prow // HALF) * N).to(gl.int64)
-        _l2_lines(q_ptr + expert.to(gl.int64) * stride_qe + p_rows * stride_qn + pw * (KS // 8) + pline * 32)
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
     xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
     col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
@@ -467,16 +438,6 @@ DOWN_MAXNREG_SYM = 128
 # against 99.4 / 142.9, the W4A16 step at B=16 7.133 against 6.808 ms (moe_w4_mma_upcap_s64_h200.*,
 # ab_upcap_30b_w4a16_s64_h200.*).
 UP_MAXNREG = 0
-# Each MoE kernel program first requests every 128-byte line of its weight words into L2 (`prefetch.global.L2`, one
-# a lane), then loads them as before: the loads ptxas issues between mmas (above) then find their bytes in L2, not
-# one DRAM round trip each. An A/B knob, off until measured.
-PREFETCH_WORDS = False
-
-
-def prefetch_lines(k: int) -> int:
-    """The kernels' PREFETCH for a K share of k int4 elements a row: its 128-byte lines rounded up to a power of
-    two (0 where PREFETCH_WORDS is off, read at call time)."""
-    return next_pow2(-(-k // 256)) if PREFETCH_WORDS else 0
 # From this many tokens the gate-up runs over groups of pairs of one expert (`gate_up_grouped`: an expert's rows
 # decoded once a group, not once a pair, after one more launch that forms the groups), with `grouped_spans` spans a
 # chunk (so 8 / spans pairs a group); 0: never. Its warps sum each slot's spans inside a lane quad before adding
@@ -562,7 +523,6 @@ def _up_launch(hidden: torch.Tensor, w13: QuantizedWeight, num_pairs: int, cfg: 
     tail = (magic, offset, inter, num_pairs, hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1))
     kw = dict(HAS_ZERO=w13.zeros is not None, GROUP=w13.group_size, KC=kc, CHUNKS=ks // kc, AHEAD=cfg.up_ahead,
               ROWS=cfg.up_rows, W=cfg.up_warps, **layouts(cfg.up_warps, cfg.up_rows, kc), MASK_X=SPAN_MASKED_X,
-              PREFETCH=prefetch_lines(ks),
               num_warps=cfg.up_warps, **maxnreg_option(UP_MAXNREG))  # fmt: skip
     return act, tail, kw
 
@@ -623,7 +583,6 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
         q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead,
         ROWS=cfg.down_rows, W=top_k, **layouts(top_k, cfg.down_rows, kc), MASK_X=SPAN_MASKED_X, num_warps=top_k,
-        PREFETCH=prefetch_lines(inter),
         **maxnreg_option(0 if w2.zeros is not None else DOWN_MAXNREG_SYM), **pdl_launch(hidden.device),
     )  # fmt: skip
     return out
