@@ -67,10 +67,20 @@ REGISTER_CAPS = True
 PRELOAD_WORDS = True
 
 
-def tokens_and_spans(m: int) -> tuple[int, int]:
-    """(TOK, S): rows of x padded to a power of two, and K spans a chunk (TOK * S = NCOL = max(8, TOK))."""
+def tokens_and_spans(m: int, group: int = 128) -> tuple[int, int]:
+    """(TOK, S): rows of x padded to a power of two, and K spans a chunk (TOK * S = NCOL = max(8, TOK); 16 where
+    SMALL_GROUP_COLUMNS and 8 / TOK spans of one group would make a chunk under 128 elements)."""
     tok = 1 << max(0, (m - 1).bit_length())
+    if SMALL_GROUP_COLUMNS and tok <= 8 and group * (8 // tok) < 128:
+        return tok, 16 // tok
     return tok, max(1, 8 // tok)
+
+
+# A span lies in one quantization group, so at group 32 and 4-8 rows of x (2-1 spans a chunk) a chunk is 64-32
+# elements, and each lane loads its words 8 or 4 bytes at a time: Kimi-K2's dense int4 products (g32) at 8 rows took
+# twice AWQ's g128 time in a DeepSeek-V3 step (session 66, tl_dsv3_w4a16{,g32}_b8_s66_h200.*: 547 against 277 us on
+# the critical path). With 16 columns (twice the spans) the chunks double. An A/B knob, off until measured.
+SMALL_GROUP_COLUMNS = False
 
 
 @gluon.jit
@@ -408,7 +418,7 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: MmaLinear
 
 def fits(m: int, n: int, k: int, group: int, cfg: MmaLinearConfig) -> bool:
     """The shape part of `supported`: 1 <= M <= 16, N a multiple of a program's rows, a chunk for a warp's K."""
-    _, spans = tokens_and_spans(max(m, 1))
+    _, spans = tokens_and_spans(max(m, 1), group)
     return (1 <= m <= MAX_ROWS and n % cfg.tile() == 0 and k % (cfg.split or cfg.warps) == 0
             and chunk_k(cfg.k_share(k), group, spans, cfg.kc) > 0)  # fmt: skip
 
@@ -455,7 +465,7 @@ def kernel_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: MmaLinearConfig) -> dict:
     """The kernel's compile-time arguments for M rows of x, K, the group and cfg (supported shapes)."""
-    tok, spans = tokens_and_spans(m)
+    tok, spans = tokens_and_spans(m, group)
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
