@@ -49,11 +49,12 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
 
     jobs = []
     # default configs, among them: 64 rows a warp (deep and wide weights past 8 rows); at 1-4 rows the H200's
-    # forms (16 warps on narrow weights, 64 rows on wide shallow ones); the last, the split form with its
-    # register cap of 255
+    # forms (16 warps on narrow weights, 64 rows on wide shallow ones); group 32 at 8 rows, its 16 columns
+    # (SMALL_GROUP_COLUMNS, the last here); after them the split form with its register cap of 255
     dense = [(1, 7168, 16384, 128), (2, 24576, 4096, 128), (4, 5120, 2048, 128), (8, 4096, 12288, 128),
              (16, 1024, 2048, 32), (16, 7168, 16384, 128), (16, 24576, 1536, 128), (1, 4096, 12288, 128),
-             (4, 4096, 12288, 128), (1, 24576, 1536, 128), (4, 4096, 7168, 128)]  # fmt: skip
+             (4, 4096, 12288, 128), (1, 24576, 1536, 128), (4, 4096, 7168, 128),
+             (8, 7168, 16384, 32)]  # fmt: skip
     # and the form whose warps split N (split 1, and split K with the last-one-out sum)
     split = [(16, 7168, 16384, 128, lin.MmaLinearConfig(32, 8, 128, 8)),
              (2, 4096, 12288, 128, lin.MmaLinearConfig(16, 4, 128, 1))]  # fmt: skip
@@ -123,7 +124,7 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 23
+    assert len(kernels) == 24
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]

@@ -93,3 +93,15 @@ def test_medium_weights_split_k_in_one_wave() -> None:
         cfg = mma.default_config(16, n, k)
         assert cfg.split >= 1 and n // cfg.tile() * cfg.split <= mma.WAVE < n // cfg.tile() * cfg.split * 2, (n, k, cfg)
     assert mma.default_config(4, 4096, 7168).split == 8 and mma.default_config(4, 6144, 4096).split == 0
+
+
+def test_small_groups_take_16_columns_where_a_chunk_would_be_under_128(monkeypatch: pytest.MonkeyPatch) -> None:
+    # group 32 at 3-8 rows and 64 at 5-8: twice the spans, so chunks of 64-128 elements, not 32-64
+    assert [mma.tokens_and_spans(m, 32) for m in (1, 2, 3, 4, 5, 8, 16)] == [(1, 8), (2, 4), (4, 4), (4, 4), (8, 2),
+                                                                            (8, 2), (16, 1)]  # fmt: skip
+    assert mma.tokens_and_spans(8, 64) == (8, 2) and mma.tokens_and_spans(4, 64) == (4, 2)
+    assert all(mma.tokens_and_spans(m, 128) == mma.tokens_and_spans(m) for m in range(1, 17))
+    cfg = mma.default_config(8, 7168, 16384)
+    assert mma.constexprs(8, 16384, 32, False, False, cfg)["KC"] == 64
+    monkeypatch.setattr(mma, "SMALL_GROUP_COLUMNS", False)  # the knob, read at call time
+    assert mma.tokens_and_spans(8, 32) == (8, 1) and mma.constexprs(8, 16384, 32, False, False, cfg)["KC"] == 32

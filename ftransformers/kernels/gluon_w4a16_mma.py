@@ -79,8 +79,10 @@ def tokens_and_spans(m: int, group: int = 128) -> tuple[int, int]:
 # A span lies in one quantization group, so at group 32 and 4-8 rows of x (2-1 spans a chunk) a chunk is 64-32
 # elements, and each lane loads its words 8 or 4 bytes at a time: Kimi-K2's dense int4 products (g32) at 8 rows took
 # twice AWQ's g128 time in a DeepSeek-V3 step (session 66, tl_dsv3_w4a16{,g32}_b8_s66_h200.*: 547 against 277 us on
-# the critical path). With 16 columns (twice the spans) the chunks double. An A/B knob, off until measured.
-SMALL_GROUP_COLUMNS = False
+# the critical path). With 16 columns (twice the spans) the chunks double: in that step (3 layers, g32, H200,
+# ab_smallgroup_dsv3_w4a16g32_s66_h200.*) B=8 took 1.860 against 2.016 ms (the products 389 against 545 us on the
+# critical path), B=4 level (1.413 against 1.403; 346 against 380 us).
+SMALL_GROUP_COLUMNS = True
 
 
 @gluon.jit
