@@ -233,7 +233,8 @@ def main() -> None:
         if args.sweep:
             sweep(shape, [int(t) for t in args.sweep.split(",")], copy_gbs, out, log)
             continue
-        bench(shape, [int(t) for t in args.tokens.split(",")], copy_gbs, args.parts, out, log, ab, args.routing, grouped, formats)
+        tokens = [int(t) for t in args.tokens.split(",")]
+        bench(shape, tokens, copy_gbs, args.parts, out, log, ab, args.routing, grouped, formats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".log").write_text("\n".join(lines) + "\n")

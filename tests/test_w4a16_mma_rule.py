@@ -100,7 +100,7 @@ def test_small_groups_take_16_columns_where_a_chunk_would_be_under_128(monkeypat
     assert [mma.tokens_and_spans(m, 32) for m in (1, 2, 3, 4, 5, 8, 16)] == [(1, 8), (2, 4), (4, 4), (4, 4), (8, 2),
                                                                             (8, 2), (16, 1)]  # fmt: skip
     assert mma.tokens_and_spans(8, 64) == (8, 2) and mma.tokens_and_spans(4, 64) == (4, 2)
-    assert all(mma.tokens_and_spans(m, 128) == mma.tokens_and_spans(m) for m in range(1, 17))
+    assert all(mma.tokens_and_spans(m, 128)[1] == max(1, 8 // mma.tokens_and_spans(m, 128)[0]) for m in range(1, 17))
     cfg = mma.default_config(8, 7168, 16384)
     assert mma.constexprs(8, 16384, 32, False, False, cfg)["KC"] == 64
     monkeypatch.setattr(mma, "SMALL_GROUP_COLUMNS", False)  # the knob, read at call time
