@@ -43,6 +43,8 @@ SHAPES["deepseek-v3-h64"] = {**SHAPES["deepseek-v3"], "num_attention_heads": 64,
 # (kernels/gluon_mla_few_heads.py); the rest of the layer keeps its one-GPU width
 SHAPES["deepseek-v3-h16"] = {**SHAPES["deepseek-v3"], "num_attention_heads": 16, "num_key_value_heads": 16}
 FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-8b": 36, "deepseek-v3": 61, "deepseek-v3-h64": 61, "deepseek-v3-h16": 61}
+# dense layers at full depth where the model mixes both kinds
+FULL_DENSE = {"deepseek-v3": 3, "deepseek-v3-h64": 3, "deepseek-v3-h16": 3}
 
 
 def model_spec(spec: str) -> tuple[str, int]:
@@ -50,8 +52,7 @@ def model_spec(spec: str) -> tuple[str, int]:
     name, _, layers = spec.partition(":")
     return name, int(layers or FULL_DEPTH[name])
 
-# dense layers at full depth where the model mixes both kinds
-FULL_DENSE = {"deepseek-v3": 3, "deepseek-v3-h64": 3, "deepseek-v3-h16": 3}
+
 # --dry-run (CPU smoke test of this script): every width divided by 16, torch_native kernels.
 SHRINK = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "q_lora_rank", "kv_lora_rank")
 SMALL_HEADS = {

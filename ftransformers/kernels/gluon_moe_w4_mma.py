@@ -594,5 +594,9 @@ def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     over groups of pairs where `grouped_takes`."""
     ids = topk_ids.contiguous()
     cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
-    act = gate_up_grouped(hidden, w13, ids, cfg) if grouped_takes(hidden, w13, cfg) else gate_up(hidden, w13, ids, cfg)
+    spans = grouped_spans(hidden.shape[1], w13)
+    if grouped_takes(hidden, w13, cfg, spans):
+        act = gate_up_grouped(hidden, w13, ids, cfg, spans)
+    else:
+        act = gate_up(hidden, w13, ids, cfg)
     return down(act, hidden, w2, weights, ids, cfg)
