@@ -48,6 +48,23 @@ def test_matches_reference(w: int, m: int, dtype: torch.dtype) -> None:
     assert run(m, 1024, 2048, dtype, 10 * w + m, group, zeros, sdt) <= TOL
 
 
+@pytest.mark.parametrize(("m", "columns"), [(3, False), (5, True), (8, True), (12, True), (16, True)])
+@pytest.mark.parametrize(("group", "zeros", "sdt"), [(32, False, torch.float16), (32, True, torch.bfloat16),
+                                                     (64, True, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_weights_decoded_with_their_scales_before_the_mma(monkeypatch: pytest.MonkeyPatch, m: int, columns: bool,
+                                                          group: int, zeros: bool, sdt: torch.dtype,
+                                                          dtype: torch.dtype) -> None:  # fmt: skip
+    # DEQUANT_SMALL_CHUNKS: where a span of one group leaves chunks under 128, spans cross groups (at 3 rows on 8
+    # columns, 2 spans of 64 elements a chunk; at 9-16 rows one span of 128)
+    monkeypatch.setattr(mma, "DEQUANT_SMALL_CHUNKS", True)
+    monkeypatch.setattr(mma, "SMALL_GROUP_COLUMNS", columns)
+    cfg = mma.default_config(m, 1024, 2048)
+    want = m > 8 or group == 32
+    assert mma.constexprs(m, 2048, group, zeros, False, cfg)["DEQUANT"] == want, (m, group)
+    assert run(m, 1024, 2048, dtype, 7 * m + group, group, zeros, sdt, bias=m == 3) <= TOL
+
+
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_bias_and_model_shapes(m: int) -> None:
     for n, k in [(5120, 2048), (2048, 4096), (4096, 12288)]:  # Qwen3-30B-A3B qkv, o; Qwen3-8B down

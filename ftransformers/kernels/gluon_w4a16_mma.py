@@ -11,7 +11,8 @@ outside the span. C[n, c] is one row's partial sum over one span, so a span must
 quantization group (GROUP % (KC / S) == 0) and the scale and zero apply once per chunk and column. At
 one row this is the MoE kernels' eight-span form; at 8-16 rows every column is a row of x over the
 whole chunk. The x sums of each column come from a second mma with an all-ones A (tensor cores, no
-loads, already in C's layout).
+loads, already in C's layout). Where that leaves chunks under 128 elements (DEQUANT_SMALL_CHUNKS), the weights
+are decoded with their scales and zeros before the mma instead (`_chunk_dequant`), and spans may cross groups.
 
 Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
   words [W, ROWS, 4, RW] (gluon_moe_w4_mma.layouts' w_l, as every layout here): memory word RW t + r of a row's
@@ -43,9 +44,19 @@ from dataclasses import dataclass, replace
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
-from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _chunk, _load_x, layouts, mma_capable, word_offsets
+from ftransformers.kernels.gluon_moe_w4_mma import (
+    MAGIC,
+    _b_tile,
+    _chunk,
+    _load_x,
+    _pair,
+    layouts,
+    mma_capable,
+    word_offsets,
+)
 from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
@@ -83,6 +94,11 @@ def tokens_and_spans(m: int, group: int = 128) -> tuple[int, int]:
 # ab_smallgroup_dsv3_w4a16g32_s66_h200.*) B=8 took 1.860 against 2.016 ms (the products 389 against 545 us on the
 # critical path), B=4 level (1.413 against 1.403; 346 against 380 us).
 SMALL_GROUP_COLUMNS = True
+# Where a span of one group still leaves chunks under 128 elements (group 32 at 9-16 rows: 32), decode the weights
+# with their scales and zeros before the mma instead (`_chunk_dequant`), so a span may cross groups and the chunk
+# grows to `dequant_chunk` (128 at group 32). An A/B knob, off until measured (session 66 wrote it: Kimi-K2's dense
+# products at 16 rows took 561 us of a 3-layer DeepSeek-V3 step's critical path at B=16).
+DEQUANT_SMALL_CHUNKS = False
 
 
 @gluon.jit
@@ -135,6 +151,35 @@ def _split_store_y(y, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, tok, M, N, stri
             _store_y(total, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS)
 
 
+@gluon.jit
+def _word_t(w_l: gl.constexpr):
+    # [1, 1, 4, 1] in w_l: the lane quarter t of a chunk's words RW t .. RW t + RW - 1
+    l3: gl.constexpr = gl.SliceLayout(3, w_l)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
+    return gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 3)
+
+
+@gluon.jit
+def _chunk_dequant(q, x, sw, zw, magic, tot, DT: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr,
+                   NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+                   b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
+    # tot [W, ROWS, NCOL] += A.B over one chunk, A = (offset + code - (offset + zero)) * scale decoded per word before
+    # the mma (sw, zw [W, ROWS, 4, RW] DT: each word's scale and offset + zero; a lane's RW words lie in one group),
+    # so a span need not lie in one group. offset + code - (offset + zero) is exact; the product rounds once to DT.
+    qw = gl.reshape(gl.permute(q, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
+    q2 = gl.join(qw, qw)
+    s1 = gl.reshape(gl.permute(sw, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
+    s2 = gl.join(s1, s1)
+    z1 = gl.reshape(gl.permute(zw, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
+    z2 = gl.join(z1, z1)
+    m2 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q2 * 0 + magic], dtype=gl.int32, is_pure=True, pack=1)
+    c = gl.join(gl.join((_pair(q2, m2, 0, DT) - z2) * s2, (_pair(q2, m2, 1, DT) - z2) * s2),
+                gl.join((_pair(q2, m2, 2, DT) - z2) * s2, (_pair(q2, m2, 3, DT) - z2) * s2))  # fmt: skip
+    c = gl.permute(c, (0, 1, 2, 5, 4, 3))  # as _a_tile's: logical k = 8 (4r + t) + 2i + h
+    a = gl.convert_layout(gl.reshape(c, [W, ROWS, 32 * RW]), a_l, assert_trivial=True)
+    return mma_v2(a, _b_tile(x, b_l, W, NCOL, RW, S, ZEROED), tot)
+
+
 @cached_launch
 @gluon.jit
 def _w4a16_mma_kernel(
@@ -144,6 +189,7 @@ def _w4a16_mma_kernel(
     TOK: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, SPLIT: gl.constexpr,
     PADDED_SUM: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr,
     x_l: gl.constexpr, MASK_X: gl.constexpr = False, PRELOAD: gl.constexpr = False, USE_PDL: gl.constexpr = False,
+    DEQUANT: gl.constexpr = False,
 ):  # fmt: skip
     # SPLIT 0: y[m, n] for m < M, n in [n0, n0 + ROWS); warp w over K [w KS, (w + 1) KS), KS = CHUNKS * KC.
     # SPLIT >= 1: warp w's rows [n0 + w ROWS, n0 + (w + 1) ROWS) over K [k0, k0 + KS), k0 = program_id(1) KS
@@ -194,15 +240,28 @@ def _w4a16_mma_kernel(
 
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
+    if DEQUANT:  # each word's group: [W, ROWS, 4, 1], a lane's RW words in one (KC / 4 divides GROUP)
+        s_rows4 = (n0 + ww * WROWS + wrow).to(gl.int64) * stride_sn
+        k4 = k0 + ww * WK + _word_t(w_l) * (KC // 4)
+        ones_w = gl.full([W, ROWS, 4, RW], 1.0, DT, w_l)
     x = _load_x(x_ptrs, x_mask, ZEROED)
     for c in range(CHUNKS):
         q_c, x_c = q, x
         if CHUNKS > 1:  # the next chunk's words and x are requested before this chunk's mmas
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
             x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, ZEROED)
-        g = (span_k + c * KC) // GROUP
-        tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
-                     W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED)  # fmt: skip
+        if DEQUANT:
+            g4 = s_rows4 + (k4 + c * KC) // GROUP
+            sw = gl.load(s_ptr + g4).to(DT) * ones_w
+            if HAS_ZERO:
+                zw = (gl.load(z_ptr + g4).to(gl.float32) + offset).to(DT) * ones_w
+            else:
+                zw = (ones_w.to(gl.float32) * (offset + 8.0)).to(DT)
+            tot = _chunk_dequant(q_c, x_c, sw, zw, magic, tot, DT, W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED)
+        else:
+            g = (span_k + c * KC) // GROUP
+            tot = _chunk(q_c, x_c, s_ptr + s_rows + g, z_ptr + s_rows + g, ones, magic, offset, tot, HAS_ZERO, DT,
+                         W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED)  # fmt: skip
 
     if SPLIT == 0:
         if PADDED_SUM:
@@ -465,12 +524,27 @@ def kernel_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             qweight.shape[0], x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0))  # fmt: skip
 
 
+def dequant_chunk(ks: int, group: int, spans: int, most: int) -> int:
+    """The chunk of the form that decodes weights with their scales before the mma (DEQUANT): the largest KC <= most
+    (a power of two >= 32) dividing ks whose span is whole words (>= 8 elements) and whose lane runs of KC / 4
+    elements lie in one group (KC / 4 divides it); 0 if none."""
+    kc = most
+    while kc >= 32:
+        if ks % kc == 0 and kc // spans >= 8 and group % (kc // 4) == 0:
+            return kc
+        kc //= 2
+    return 0
+
+
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: MmaLinearConfig) -> dict:
     """The kernel's compile-time arguments for M rows of x, K, the group and cfg (supported shapes)."""
     tok, spans = tokens_and_spans(m, group)
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
+    dq = dequant_chunk(ks, group, spans, cfg.kc) if DEQUANT_SMALL_CHUNKS and kc < 128 else 0
+    kc = max(kc, dq)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
+                DEQUANT=dq > 0 and dq == kc,
                 ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM, MASK_X=SPAN_MASKED_X,
                 PRELOAD=PRELOAD_WORDS,
                 **layouts(cfg.warps, cfg.rows, kc))  # fmt: skip
