@@ -568,10 +568,13 @@ def grouped_form(hidden_size: int, w13: QuantizedWeight, cfg: MmaMoEConfig) -> t
 
 def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int | None = None) -> bool:
     """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a grouped
-    form (spans from `grouped_form` where not given; 0 is none)."""
-    if spans is None:
-        spans = grouped_form(hidden.shape[1], w13, cfg)[0]
-    return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and spans > 0
+    form (`grouped_form`; with spans given, a chunk of that many inside the quantization groups)."""
+    d = hidden.shape[1]
+    if spans:
+        ok = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans) > 0
+    else:
+        ok = grouped_form(d, w13, cfg)[0] > 0
+    return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and ok
 
 
 def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
@@ -615,9 +618,9 @@ def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     over groups of pairs where `grouped_takes`."""
     ids = topk_ids.contiguous()
     cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
-    spans, columns = grouped_form(hidden.shape[1], w13, cfg)
+    spans = grouped_spans(hidden.shape[1], w13)
     if grouped_takes(hidden, w13, cfg, spans):
-        act = gate_up_grouped(hidden, w13, ids, cfg, spans, columns)
+        act = gate_up_grouped(hidden, w13, ids, cfg, spans)
     else:
         act = gate_up(hidden, w13, ids, cfg)
     return down(act, hidden, w2, weights, ids, cfg)
