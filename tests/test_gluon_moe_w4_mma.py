@@ -146,35 +146,6 @@ def test_grouped_gate_up_matches_reference_act(t: int, e: int, k: int, d: int, i
         assert rel_err(act[p : p + 1], ref[p : p + 1]) <= TOL, (p, ids.reshape(-1)[p].item())
 
 
-@pytest.mark.parametrize(("d", "group", "spans"), [(7168, 32, 8), (7168, 128, 4), (2048, 128, 2), (512, 64, 8)])
-def test_grouped_gate_up_on_16_columns_matches_reference_act(d: int, group: int, spans: int) -> None:
-    # 16 / spans pairs a group on two mma column tiles (Kimi-K2's group 32 at 8 spans: 2 pairs), pair by pair
-    t, e, k, inter = 12, 16, 8, 256
-    cfg = mma.default_config(t, d)
-    assert mma.chunk_k(d // cfg.up_warps, group, cfg.up_kc, spans)
-    gen = torch.Generator(DEV).manual_seed(d + group + spans)
-    hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
-    w13 = random_qw("int4", e, 2 * inter, d, gen, group=group, zeros=group != 32)
-    _, ids = make_routing(t, e, k, gen)
-    act = mma.gate_up_grouped(hidden, w13, ids.contiguous(), cfg, spans=spans, columns=16)
-    from ftransformers.kernels.quant_formats import dequantize
-
-    w = dequantize(w13)
-    x = hidden.float()[torch.arange(t, device=DEV).repeat_interleave(k)]
-    gu = torch.einsum("pd,pnd->pn", x, w[ids.reshape(-1)])
-    ref = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(torch.bfloat16)
-    for p in range(t * k):
-        assert rel_err(act[p : p + 1], ref[p : p + 1]) <= TOL, (p, ids.reshape(-1)[p].item())
-
-
-def test_moe_with_the_fallback_grouped_form(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Kimi-K2's group 32 on wide experts through moe_w4_mma, grouped at 8 spans on 16 columns
-    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
-    monkeypatch.setattr(mma, "GROUPED_FALLBACK_SPANS", 8)
-    assert run(16, 64, 8, 7168, 256, torch.bfloat16, seed=80, group=32) <= TOL
-    assert run(3, 16, 8, 7168, 256, torch.float16, seed=81, group=32) <= TOL
-
-
 def test_moe_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
     for spans in (2, 4):

@@ -94,34 +94,3 @@ def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.Mo
     with pytest.raises(Grouped):
         mma.gate_up_grouped(hidden, w13, torch.zeros(16, 8, dtype=torch.int32, device=hidden.device), cfg)
     assert seen == [1]  # 8 / GROUPED_SPANS_NARROW pairs a group
-
-
-def test_small_groups_group_on_16_columns_only_with_the_fallback_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Kimi-K2's group 32 on wide experts: no 2-span chunk, so no grouped form unless GROUPED_FALLBACK_SPANS names
-    # spans that have one, which then run on 16 columns (16 / spans pairs a group)
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    g32 = random_qw("int4", 4, 512, 7168, gen, group=32)
-    g128 = random_qw("int4", 4, 512, 7168, gen, group=128, zeros=True)
-    cfg = mma.default_config(16, 7168)
-    assert mma.GROUPED_FALLBACK_SPANS == 0 and mma.grouped_form(7168, g32, cfg) == (0, 0)
-    assert mma.grouped_form(7168, g128, cfg) == (2, 8)
-    monkeypatch.setattr(mma, "GROUPED_FALLBACK_SPANS", 8)
-    assert mma.grouped_form(7168, g32, cfg) == (8, 16) and mma.grouped_form(7168, g128, cfg) == (2, 8)
-    hidden = torch.zeros(16, 7168, dtype=torch.bfloat16, device=g32.qweight.device)
-    assert mma.grouped_takes(hidden, g32, cfg)
-    monkeypatch.setattr(mma, "GROUPED_FALLBACK_SPANS", 2)  # no 2-span chunk at group 32 either
-    assert mma.grouped_form(7168, g32, cfg) == (0, 0) and not mma.grouped_takes(hidden, g32, cfg)
-    seen: list[int] = []
-
-    class Grouped(Exception):
-        pass
-
-    def group_pairs(ids: torch.Tensor, p: int) -> torch.Tensor:
-        seen.append(p)
-        raise Grouped  # before the GPU launch
-
-    monkeypatch.setattr(mma, "GROUPED_FALLBACK_SPANS", 8)
-    monkeypatch.setattr(mma, "group_pairs", group_pairs)
-    with pytest.raises(Grouped):
-        mma.gate_up_grouped(hidden, g32, torch.zeros(16, 8, dtype=torch.int32, device=hidden.device), cfg)
-    assert seen == [2]  # 16 columns / 8 spans

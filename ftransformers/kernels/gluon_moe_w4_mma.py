@@ -179,23 +179,23 @@ def word_offsets(w_l: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr, RW: gl.
 
 @gluon.jit
 def _offsets(w_l: gl.constexpr, x_l: gl.constexpr, mma: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr,
-             RW: gl.constexpr, S: gl.constexpr = 8, NCOL: gl.constexpr = 8):  # fmt: skip
-    # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W, NCOL, KC]
-    # ([W,1,1] warp, [1,NCOL,1] column, [1,1,KC] element) with the mask of each column's span (column c holds memory
+             RW: gl.constexpr, S: gl.constexpr = 8):  # fmt: skip
+    # Index tensors of one chunk: words ([W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r), x [W, 8, KC]
+    # ([W,1,1] warp, [1,8,1] column, [1,1,KC] element) with the mask of each column's span (column c holds memory
     # elements [(c % S) KC / S, (c % S + 1) KC / S): runs of KC / S >= 16, so the masked loads keep their 16-byte
-    # vectors), C-side ([W,1,1] warp, [1,ROWS,1] row, [1,1,NCOL] column)
+    # vectors), C-side ([W,1,1] warp, [1,ROWS,1] row, [1,1,8] column)
     ww, wrow, word = word_offsets(w_l, W, ROWS, RW)
 
     x2: gl.constexpr = gl.SliceLayout(2, x_l)
     xw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, x2)), 1), 2)
-    xc = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, x2)), 0), 2)
+    xc = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, x2)), 0), 2)
     xk = gl.expand_dims(gl.expand_dims(gl.arange(0, 32 * RW, layout=gl.SliceLayout(0, gl.SliceLayout(0, x_l))), 0), 0)
-    x_mask = (xk // (32 * RW // S)) == xc % S  # [1, NCOL, KC]
+    x_mask = (xk // (32 * RW // S)) == xc % S  # [1, 8, KC]
 
     m2: gl.constexpr = gl.SliceLayout(2, mma)
     mw = gl.expand_dims(gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(1, m2)), 1), 2)
     mrow = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, m2)), 0), 2)
-    mspan = gl.expand_dims(gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma))), 0), 0)
+    mspan = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, mma))), 0), 0)
     return ww, wrow, word, xw, xc * 0 + xk, x_mask, mw, mrow, mspan
 
 
@@ -218,13 +218,13 @@ def _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED: gl.constexpr, KC: gl.constexpr
 def _sum_chunks(q_ptrs, x_ptrs, x_mask, s_rows, z_rows, span_k, magic, offset, HAS_ZERO: gl.constexpr,
                 GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr, DT: gl.constexpr,
                 W: gl.constexpr, ROWS: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
-                ZEROED: gl.constexpr, S: gl.constexpr = 8, NCOL: gl.constexpr = 8):  # fmt: skip
-    # [W, ROWS, NCOL] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs at chunk 0 (x [W, NCOL, KC], column c's span
-    # c % S of S a chunk only where ZEROED), s_rows / z_rows [., ROWS, 1] each row's scales and zeros, span_k
-    # [., 1, NCOL] the K of each column's span start in chunk 0. Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas
+                ZEROED: gl.constexpr, S: gl.constexpr = 8):  # fmt: skip
+    # [W, ROWS, 8] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs at chunk 0 (x [W, 8, KC], column c's span c % S
+    # of S a chunk only where ZEROED), s_rows / z_rows [., ROWS, 1] each row's scales and zeros, span_k [., 1, 8]
+    # the K of each column's span start in chunk 0. Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas
     # (the last one reloads itself).
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
-    tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
+    tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
     q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED, KC, CHUNKS, AHEAD)
     for c in range(CHUNKS):
         q_c, x_c = q, x
@@ -237,7 +237,7 @@ def _sum_chunks(q_ptrs, x_ptrs, x_mask, s_rows, z_rows, span_k, magic, offset, H
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
             x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, ZEROED)
         g = (span_k + c * KC) // GROUP  # each span's group
-        tot = _chunk(q_c, x_c, s_rows + g, z_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W, ROWS, NCOL,
+        tot = _chunk(q_c, x_c, s_rows + g, z_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W, ROWS, 8,
                      KC // 32, S, mma, a_l, b_l, ZEROED)  # fmt: skip
     return tot
 
@@ -319,19 +319,18 @@ def _grouped_gate_up_kernel(
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    USE_PDL: gl.constexpr = False, NCOL: gl.constexpr = 8,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
-    # _gate_up_kernel's act over groups of up to P = NCOL / S pairs of one expert (kernels/triton_moe_groups.py's
+    # _gate_up_kernel's act over groups of up to P = 8 / S pairs of one expert (kernels/triton_moe_groups.py's
     # groups [pairs, 1 + P]): program (pair, rows n0..n0+ROWS/2-1) runs the group its pair leads, and leaves where
     # the pair leads none. The B operand's column c is (the group's pair c // S, span c % S of the chunk, KC / S
     # long, inside one quantization group), as gluon_w4a16_mma's (row of x, span): the expert's rows are decoded
-    # once a group, not once a pair. NCOL 8 or 16 (two mma column tiles, as the dense kernel's 16 rows of x). A slot
-    # past the group's end loads no x (where MASK_X) and is not stored.
+    # once a group, not once a pair. A slot past the group's end loads no x (where MASK_X) and is not stored.
     pdl_enter(USE_PDL)
     RW: gl.constexpr = KC // 32
     KS: gl.constexpr = CHUNKS * KC
     HALF: gl.constexpr = ROWS // 2
-    P: gl.constexpr = NCOL // S
+    P: gl.constexpr = 8 // S
     DT: gl.constexpr = x_ptr.dtype.element_ty
     pid = gl.program_id(0)
     pair = pid % num_pairs
@@ -340,10 +339,10 @@ def _grouped_gate_up_kernel(
     expert = gl.load(group)
     if expert < 0:
         return
-    ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S, NCOL)
-    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [NCOL] columns, as x's
-    col_pair = gl.load(group + 1 + gl.arange(0, NCOL, layout=xcl) // S)
-    live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, NCOL, 1]: the slot holds a pair
+    ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
+    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
     x_mask = x_mask & live  # a slot past the group's end loads no x (its columns stay zero where MASK_X)
     tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
     q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
@@ -352,7 +351,7 @@ def _grouped_gate_up_kernel(
     s_rows = expert.to(gl.int64) * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
     tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
                       magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
-                      S, NCOL)  # fmt: skip
+                      S)  # fmt: skip
     if S > 1:  # each slot's spans first, inside a lane quad, so the warps add P columns, not 8
         tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
     y = gl.sum(tot, axis=0)  # [ROWS, P]: gate rows, then up rows
@@ -460,11 +459,6 @@ GROUPED_FROM_TOKENS = 16
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
-# Experts whose quantization groups hold no chunk of those spans (Kimi-K2's group 32 on DeepSeek-V3-wide experts:
-# a 2-span chunk would need 64 elements, under the kernels' 128) never group; with this set (8 at group 32) they take
-# the grouped gate-up at this many spans on 16 columns (two mma column tiles), 16 / spans pairs a group. An A/B knob,
-# off until measured (session 66 wrote it; Kimi-K2's MoE took 838 against AWQ's 684-719 us at 16 tokens there).
-GROUPED_FALLBACK_SPANS = 0
 
 
 @functools.cache
@@ -552,44 +546,26 @@ def grouped_spans(hidden_size: int, w13: QuantizedWeight) -> int:
     return GROUPED_SPANS_NARROW if w13.zeros is not None else GROUPED_SPANS_NARROW_SYM
 
 
-def grouped_form(hidden_size: int, w13: QuantizedWeight, cfg: MmaMoEConfig) -> tuple[int, int]:
-    """(spans, columns) of the grouped gate-up for these experts: grouped_spans on 8 columns where a chunk of that
-    many spans lies inside the quantization groups; else, where GROUPED_FALLBACK_SPANS is set and its spans have
-    such a chunk, those spans on 16 columns (Kimi-K2's group 32 at D = 7168: 8 spans, 2 pairs a group); else
-    (0, 0), no grouped form."""
-    ks = hidden_size // cfg.up_warps
-    spans = grouped_spans(hidden_size, w13)
-    if chunk_k(ks, w13.group_size, cfg.up_kc, spans):
-        return spans, 8
-    if GROUPED_FALLBACK_SPANS and chunk_k(ks, w13.group_size, cfg.up_kc, GROUPED_FALLBACK_SPANS):
-        return GROUPED_FALLBACK_SPANS, 16
-    return 0, 0
-
-
 def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int | None = None) -> bool:
-    """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a grouped
-    form (`grouped_form`; with spans given, a chunk of that many inside the quantization groups)."""
+    """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a chunk
+    whose spans (default grouped_spans) lie inside the quantization groups."""
     d = hidden.shape[1]
-    if spans:
-        ok = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans) > 0
-    else:
-        ok = grouped_form(d, w13, cfg)[0] > 0
-    return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and ok
+    spans = spans or grouped_spans(d, w13)
+    chunk = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans)
+    return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and chunk > 0
 
 
 def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
-                    spans: int | None = None, columns: int = 8) -> torch.Tensor:  # fmt: skip
-    """gate_up's act [T*K, I] over groups of up to columns / spans pairs of one expert (ids [T, K] contiguous;
-    spans and columns default `grouped_form`'s where spans is None; the groups from kernels/triton_moe_groups.py,
-    one more launch)."""
-    if not spans:
-        spans, columns = grouped_form(hidden.shape[1], w13, cfg)
+                    spans: int | None = None) -> torch.Tensor:  # fmt: skip
+    """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
+    default grouped_spans; the groups from kernels/triton_moe_groups.py, one more launch)."""
+    spans = spans or grouped_spans(hidden.shape[1], w13)
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
-    groups = group_pairs(ids, columns // spans)
+    groups = group_pairs(ids, 8 // spans)
     _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
-        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, NCOL=columns,
-        **kw, **pdl_launch(hidden.device),
-    )  # fmt: skip
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw,
+        **pdl_launch(hidden.device),
+    )
     return act
 
 
