@@ -146,40 +146,6 @@ def test_grouped_gate_up_matches_reference_act(t: int, e: int, k: int, d: int, i
         assert rel_err(act[p : p + 1], ref[p : p + 1]) <= TOL, (p, ids.reshape(-1)[p].item())
 
 
-@pytest.mark.parametrize(("d", "group", "zeros", "spans"), [(7168, 32, False, 2), (7168, 32, True, 2),
-                                                          (7168, 64, True, 1), (512, 32, False, 2),
-                                                          (1024, 32, True, 1)])  # fmt: skip
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_grouped_gate_up_decoded_before_the_mma(monkeypatch: pytest.MonkeyPatch, d: int, group: int, zeros: bool,
-                                                spans: int, dtype: torch.dtype) -> None:  # fmt: skip
-    # GROUPED_DEQUANT: spans that cross quantization groups (Kimi-K2's group 32 at 2 spans of 64), pair by pair
-    monkeypatch.setattr(mma, "GROUPED_DEQUANT", True)
-    t, e, k, inter = 12, 16, 8, 256
-    cfg = mma.default_config(t, d)
-    assert mma.grouped_chunk(d // cfg.up_warps, group, cfg.up_kc, spans)[1], (d, group, spans)
-    gen = torch.Generator(DEV).manual_seed(d + group + spans + (dtype == torch.float16))
-    hidden = torch.randn(t, d, generator=gen, device=DEV).to(dtype)
-    w13 = random_qw("int4", e, 2 * inter, d, gen, group=group, zeros=zeros)
-    _, ids = make_routing(t, e, k, gen)
-    act = mma.gate_up_grouped(hidden, w13, ids.contiguous(), cfg, spans=spans)
-    from ftransformers.kernels.quant_formats import dequantize
-
-    w = dequantize(w13)
-    x = hidden.float()[torch.arange(t, device=DEV).repeat_interleave(k)]
-    gu = torch.einsum("pd,pnd->pn", x, w[ids.reshape(-1)])
-    ref = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dtype)
-    for p in range(t * k):
-        assert rel_err(act[p : p + 1], ref[p : p + 1]) <= TOL, (p, ids.reshape(-1)[p].item())
-
-
-def test_moe_with_the_grouped_gate_up_decoded_before_the_mma(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Kimi-K2's group 32 on wide experts through moe_w4_mma, grouped at 2 spans
-    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
-    monkeypatch.setattr(mma, "GROUPED_DEQUANT", True)
-    assert run(16, 64, 8, 7168, 256, torch.bfloat16, seed=80, group=32) <= TOL
-    assert run(3, 16, 8, 7168, 256, torch.float16, seed=81, group=32) <= TOL
-
-
 def test_moe_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
     for spans in (2, 4):

@@ -94,22 +94,3 @@ def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.Mo
     with pytest.raises(Grouped):
         mma.gate_up_grouped(hidden, w13, torch.zeros(16, 8, dtype=torch.int32, device=hidden.device), cfg)
     assert seen == [1]  # 8 / GROUPED_SPANS_NARROW pairs a group
-
-
-def test_the_grouped_gate_up_decodes_before_the_mma_where_no_chunk_keeps_its_spans_in_a_group(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # GROUPED_DEQUANT: Kimi-K2's group 32 at 2 spans (a 128-wide chunk's spans are 64 long) on chunks of 128, whose
-    # lane runs of 32 lie in one group; groups that hold a chunk's spans keep the plain form
-    monkeypatch.setattr(mma, "GROUPED_DEQUANT", False)
-    assert mma.grouped_chunk(1792, 32, 512, 2) == (0, False)
-    assert mma.grouped_chunk(1792, 128, 512, 2) == (256, False)
-    monkeypatch.setattr(mma, "GROUPED_DEQUANT", True)
-    assert mma.grouped_chunk(1792, 32, 512, 2) == (128, True)
-    assert mma.grouped_chunk(1792, 64, 512, 1) == (256, True)
-    assert mma.grouped_chunk(1792, 128, 512, 2) == (256, False)  # unchanged where the spans fit
-    assert mma.grouped_chunk(1792, 16, 512, 2) == (0, False)  # lane runs of 32 cross groups of 16: none
-    gen = torch.Generator(device=DEV).manual_seed(6)
-    w13 = random_qw("int4", 4, 512, 7168, gen, group=32, zeros=False)
-    hidden = torch.zeros(16, 7168, dtype=torch.bfloat16, device=w13.qweight.device)
-    assert mma.grouped_takes(hidden, w13, mma.default_config(16, 7168))

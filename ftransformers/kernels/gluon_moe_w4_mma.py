@@ -165,49 +165,6 @@ def _chunk(q, x, s_ptrs, z_ptrs, ones, magic, offset, tot, HAS_ZERO: gl.constexp
 
 
 @gluon.jit
-def word_quarter(w_l: gl.constexpr):
-    # [1, 1, 4, 1] in w_l: the lane quarter t of a chunk's words RW t .. RW t + RW - 1
-    l3: gl.constexpr = gl.SliceLayout(3, w_l)
-    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
-    return gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 3)
-
-
-@gluon.jit
-def _chunk_dequant(q, x, sw, zw, magic, tot, DT: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr,
-                   NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
-                   b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
-    # tot [W, ROWS, NCOL] += A.B over one chunk, A = (offset + code - (offset + zero)) * scale decoded per word before
-    # the mma (sw, zw [W, ROWS, 4, RW] DT: each word's scale and offset + zero; a lane's RW words lie in one group),
-    # so a span need not lie in one group. offset + code - (offset + zero) is exact; the product rounds once to DT.
-    qw = gl.reshape(gl.permute(q, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
-    q2 = gl.join(qw, qw)
-    s1 = gl.reshape(gl.permute(sw, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
-    s2 = gl.join(s1, s1)
-    z1 = gl.reshape(gl.permute(zw, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
-    z2 = gl.join(z1, z1)
-    m2 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q2 * 0 + magic], dtype=gl.int32, is_pure=True, pack=1)
-    c = gl.join(gl.join((_pair(q2, m2, 0, DT) - z2) * s2, (_pair(q2, m2, 1, DT) - z2) * s2),
-                gl.join((_pair(q2, m2, 2, DT) - z2) * s2, (_pair(q2, m2, 3, DT) - z2) * s2))  # fmt: skip
-    c = gl.permute(c, (0, 1, 2, 5, 4, 3))  # as _a_tile's: logical k = 8 (4r + t) + 2i + h
-    a = gl.convert_layout(gl.reshape(c, [W, ROWS, 32 * RW]), a_l, assert_trivial=True)
-    return mma_v2(a, _b_tile(x, b_l, W, NCOL, RW, S, ZEROED), tot)
-
-
-@gluon.jit
-def _word_scales(s_words, z_words, k_words, ones_w, offset, HAS_ZERO: gl.constexpr, GROUP: gl.constexpr,
-                 DT: gl.constexpr):  # fmt: skip
-    # each word's scale and offset + zero in DT, [W, ROWS, 4, RW] as ones_w: s_words / z_words a row's scales and
-    # zeros ([., ROWS, 1, 1]), k_words the K of each lane quarter's run ([., ., 4, 1], one group a run)
-    g = k_words // GROUP
-    sw = gl.load(s_words + g).to(DT) * ones_w
-    if HAS_ZERO:
-        zw = (gl.load(z_words + g).to(gl.float32) + offset).to(DT) * ones_w
-    else:
-        zw = (ones_w.to(gl.float32) * (offset + 8.0)).to(DT)
-    return sw, zw
-
-
-@gluon.jit
 def word_offsets(w_l: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr, RW: gl.constexpr):
     # words [W, ROWS, 4, RW] in w_l: [W,1,1,1] warp, [1,ROWS,1,1] row, [1,1,4,RW] word RW t + r of a chunk
     l3: gl.constexpr = gl.SliceLayout(3, w_l)
@@ -261,17 +218,13 @@ def _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED: gl.constexpr, KC: gl.constexpr
 def _sum_chunks(q_ptrs, x_ptrs, x_mask, s_rows, z_rows, span_k, magic, offset, HAS_ZERO: gl.constexpr,
                 GROUP: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr, AHEAD: gl.constexpr, DT: gl.constexpr,
                 W: gl.constexpr, ROWS: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
-                ZEROED: gl.constexpr, S: gl.constexpr = 8, DEQUANT: gl.constexpr = False, s_words=None,
-                z_words=None, k_words=None, w_l: gl.constexpr = None):  # fmt: skip
+                ZEROED: gl.constexpr, S: gl.constexpr = 8):  # fmt: skip
     # [W, ROWS, 8] float32 sums over CHUNKS chunks: q_ptrs / x_ptrs at chunk 0 (x [W, 8, KC], column c's span c % S
     # of S a chunk only where ZEROED), s_rows / z_rows [., ROWS, 1] each row's scales and zeros, span_k [., 1, 8]
     # the K of each column's span start in chunk 0. Chunks c + 1 .. c + AHEAD are requested before chunk c's mmas
-    # (the last one reloads itself). DEQUANT: the weights decoded with their scales before the mma
-    # (`_chunk_dequant`; s_words / z_words / k_words as `_word_scales`' at chunk 0, in w_l), so spans may cross groups.
+    # (the last one reloads itself).
     ones = gl.full([W, 16, KC], 1.0, DT, a_l)
     tot = gl.zeros([W, ROWS, 8], gl.float32, mma)
-    if DEQUANT:
-        ones_w = gl.full([W, ROWS, 4, KC // 32], 1.0, DT, w_l)
     q, x, q1, x1 = _first_chunks(q_ptrs, x_ptrs, x_mask, ZEROED, KC, CHUNKS, AHEAD)
     for c in range(CHUNKS):
         q_c, x_c = q, x
@@ -283,13 +236,9 @@ def _sum_chunks(q_ptrs, x_ptrs, x_mask, s_rows, z_rows, span_k, magic, offset, H
         elif CHUNKS > 1:
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
             x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, ZEROED)
-        if DEQUANT:
-            sw, zw = _word_scales(s_words, z_words, k_words + c * KC, ones_w, offset, HAS_ZERO, GROUP, DT)
-            tot = _chunk_dequant(q_c, x_c, sw, zw, magic, tot, DT, W, ROWS, 8, KC // 32, S, mma, a_l, b_l, ZEROED)
-        else:
-            g = (span_k + c * KC) // GROUP  # each span's group
-            tot = _chunk(q_c, x_c, s_rows + g, z_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W, ROWS, 8,
-                         KC // 32, S, mma, a_l, b_l, ZEROED)  # fmt: skip
+        g = (span_k + c * KC) // GROUP  # each span's group
+        tot = _chunk(q_c, x_c, s_rows + g, z_rows + g, ones, magic, offset, tot, HAS_ZERO, DT, W, ROWS, 8,
+                     KC // 32, S, mma, a_l, b_l, ZEROED)  # fmt: skip
     return tot
 
 
@@ -370,14 +319,13 @@ def _grouped_gate_up_kernel(
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    USE_PDL: gl.constexpr = False, DEQUANT: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # _gate_up_kernel's act over groups of up to P = 8 / S pairs of one expert (kernels/triton_moe_groups.py's
     # groups [pairs, 1 + P]): program (pair, rows n0..n0+ROWS/2-1) runs the group its pair leads, and leaves where
     # the pair leads none. The B operand's column c is (the group's pair c // S, span c % S of the chunk, KC / S
-    # long, inside one quantization group but where DEQUANT), as gluon_w4a16_mma's (row of x, span): the expert's
-    # rows are decoded once a group, not once a pair. A slot past the group's end loads no x (where MASK_X) and is
-    # not stored.
+    # long, inside one quantization group), as gluon_w4a16_mma's (row of x, span): the expert's rows are decoded
+    # once a group, not once a pair. A slot past the group's end loads no x (where MASK_X) and is not stored.
     pdl_enter(USE_PDL)
     RW: gl.constexpr = KC // 32
     KS: gl.constexpr = CHUNKS * KC
@@ -401,11 +349,9 @@ def _grouped_gate_up_kernel(
     q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
     x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(tok, 0), 2).to(gl.int64) * stride_xm + xw * KS + xk
     s_rows = expert.to(gl.int64) * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
-    s_words = expert.to(gl.int64) * stride_se + q_rows.to(gl.int64) * stride_sn  # [1, ROWS, 1, 1] in w_l
-    k_words = ww * KS + word_quarter(w_l) * (KC // 4)  # [W, 1, 4, 1]
     tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
                       magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
-                      S, DEQUANT, s_ptr + s_words, z_ptr + s_words, k_words, w_l)  # fmt: skip
+                      S)  # fmt: skip
     if S > 1:  # each slot's spans first, inside a lane quad, so the warps add P columns, not 8
         tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
     y = gl.sum(tot, axis=0)  # [ROWS, P]: gate rows, then up rows
@@ -513,12 +459,6 @@ GROUPED_FROM_TOKENS = 16
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
-# Where no chunk's spans lie inside the quantization groups (Kimi-K2's group 32 on wide experts: 2 spans of one group
-# need chunks of 64, under the 128 the layouts take), the grouped gate-up decodes the weights with their scales
-# before the mma instead (`_chunk_dequant`, as gluon_w4a16_mma's DEQUANT_SMALL_CHUNKS), on chunks whose lane runs of
-# KC / 4 lie in one group (`grouped_chunk`). An A/B knob, off until measured: without it such experts never group,
-# and Kimi-K2's MoE at 16 tokens took 806 us against AWQ's 684-719 (sessions 66-67).
-GROUPED_DEQUANT = False
 
 
 @functools.cache
@@ -569,14 +509,15 @@ def _zeros(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def _up_launch(hidden: torch.Tensor, w13: QuantizedWeight, num_pairs: int, cfg: MmaMoEConfig,
-               kc: int) -> tuple[torch.Tensor, tuple, dict]:  # fmt: skip
-    """What both gate-up launches share, for chunks of kc: act [num_pairs, I] to fill, the arguments after the pair
-    ids (or groups), and the launch's keywords but PDL's (each launch site passes `pdl_launch` itself, which
-    tests/test_pdl.py checks)."""
+               spans: int) -> tuple[torch.Tensor, tuple, dict]:  # fmt: skip
+    """What both gate-up launches share, for chunks whose `spans` spans lie in the quantization groups: act
+    [num_pairs, I] to fill, the arguments after the pair ids (or groups), and the launch's keywords but PDL's (each
+    launch site passes `pdl_launch` itself, which tests/test_pdl.py checks)."""
     d, inter = hidden.shape[1], w13.out_features // 2
     magic, offset = MAGIC[hidden.dtype]
     ks = d // cfg.up_warps
-    assert kc and ks % kc == 0, (ks, w13.group_size, kc)
+    kc = chunk_k(ks, w13.group_size, cfg.up_kc, spans)
+    assert kc, (ks, w13.group_size, spans)
     q, s = w13.qweight, w13.scales
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     tail = (magic, offset, inter, num_pairs, hidden.stride(0), q.stride(0), q.stride(1), s.stride(0), s.stride(1))
@@ -589,8 +530,7 @@ def _up_launch(hidden: torch.Tensor, w13: QuantizedWeight, num_pairs: int, cfg: 
 def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
             cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
     """[T*K, I] act = silu(gate) * up in hidden's dtype (ids [T, K] contiguous)."""
-    kc = chunk_k(hidden.shape[1] // cfg.up_warps, w13.group_size, cfg.up_kc)
-    act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, kc)
+    act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, 8)
     _gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
         hidden, w13.qweight, w13.scales, _zeros(w13), act, ids, *tail, TOP_K=ids.shape[1], **kw,
         **pdl_launch(hidden.device),
@@ -606,23 +546,12 @@ def grouped_spans(hidden_size: int, w13: QuantizedWeight) -> int:
     return GROUPED_SPANS_NARROW if w13.zeros is not None else GROUPED_SPANS_NARROW_SYM
 
 
-def grouped_chunk(ks: int, group: int, most: int, spans: int) -> tuple[int, bool]:
-    """(KC, dequant) of the grouped gate-up over K = ks a warp at `spans` spans a chunk: chunk_k's where a chunk's
-    spans lie inside the quantization groups; else, where GROUPED_DEQUANT, the largest chunk whose lane runs of KC / 4
-    do (chunk_k at 4 spans), with the weights decoded before the mma; (0, False) if neither."""
-    kc = chunk_k(ks, group, most, spans)
-    if kc or not GROUPED_DEQUANT:
-        return kc, False
-    kc = chunk_k(ks, group, most, 4)
-    return kc, kc > 0
-
-
 def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int | None = None) -> bool:
     """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a chunk
-    for its spans (default grouped_spans; `grouped_chunk`)."""
+    whose spans (default grouped_spans) lie inside the quantization groups."""
     d = hidden.shape[1]
     spans = spans or grouped_spans(d, w13)
-    chunk = grouped_chunk(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans)[0]
+    chunk = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans)
     return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and chunk > 0
 
 
@@ -631,13 +560,12 @@ def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tenso
     """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
     default grouped_spans; the groups from kernels/triton_moe_groups.py, one more launch)."""
     spans = spans or grouped_spans(hidden.shape[1], w13)
-    kc, dequant = grouped_chunk(hidden.shape[1] // cfg.up_warps, w13.group_size, cfg.up_kc, spans)
-    act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, kc)
+    act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     groups = group_pairs(ids, 8 // spans)
     _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
-        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans,
-        DEQUANT=dequant, **kw, **pdl_launch(hidden.device),
-    )  # fmt: skip
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw,
+        **pdl_launch(hidden.device),
+    )
     return act
 
 

@@ -44,18 +44,18 @@ from dataclasses import dataclass, replace
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_moe_w4_mma import (
     MAGIC,
+    _b_tile,
     _chunk,
-    _chunk_dequant,
     _load_x,
-    _word_scales,
+    _pair,
     layouts,
     mma_capable,
     word_offsets,
-    word_quarter,
 )
 from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
@@ -151,6 +151,35 @@ def _split_store_y(y, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, tok, M, N, stri
             _store_y(total, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS)
 
 
+@gluon.jit
+def _word_t(w_l: gl.constexpr):
+    # [1, 1, 4, 1] in w_l: the lane quarter t of a chunk's words RW t .. RW t + RW - 1
+    l3: gl.constexpr = gl.SliceLayout(3, w_l)
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
+    return gl.expand_dims(gl.expand_dims(gl.expand_dims(t, 0), 0), 3)
+
+
+@gluon.jit
+def _chunk_dequant(q, x, sw, zw, magic, tot, DT: gl.constexpr, W: gl.constexpr, ROWS: gl.constexpr,
+                   NCOL: gl.constexpr, RW: gl.constexpr, S: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+                   b_l: gl.constexpr, ZEROED: gl.constexpr = False):  # fmt: skip
+    # tot [W, ROWS, NCOL] += A.B over one chunk, A = (offset + code - (offset + zero)) * scale decoded per word before
+    # the mma (sw, zw [W, ROWS, 4, RW] DT: each word's scale and offset + zero; a lane's RW words lie in one group),
+    # so a span need not lie in one group. offset + code - (offset + zero) is exact; the product rounds once to DT.
+    qw = gl.reshape(gl.permute(q, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
+    q2 = gl.join(qw, qw)
+    s1 = gl.reshape(gl.permute(sw, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
+    s2 = gl.join(s1, s1)
+    z1 = gl.reshape(gl.permute(zw, (0, 1, 3, 2)), [W, ROWS, 4 * RW])
+    z2 = gl.join(z1, z1)
+    m2 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q2 * 0 + magic], dtype=gl.int32, is_pure=True, pack=1)
+    c = gl.join(gl.join((_pair(q2, m2, 0, DT) - z2) * s2, (_pair(q2, m2, 1, DT) - z2) * s2),
+                gl.join((_pair(q2, m2, 2, DT) - z2) * s2, (_pair(q2, m2, 3, DT) - z2) * s2))  # fmt: skip
+    c = gl.permute(c, (0, 1, 2, 5, 4, 3))  # as _a_tile's: logical k = 8 (4r + t) + 2i + h
+    a = gl.convert_layout(gl.reshape(c, [W, ROWS, 32 * RW]), a_l, assert_trivial=True)
+    return mma_v2(a, _b_tile(x, b_l, W, NCOL, RW, S, ZEROED), tot)
+
+
 @cached_launch
 @gluon.jit
 def _w4a16_mma_kernel(
@@ -213,7 +242,7 @@ def _w4a16_mma_kernel(
     tot = gl.zeros([W, ROWS, NCOL], gl.float32, mma)
     if DEQUANT:  # each word's group: [W, ROWS, 4, 1], a lane's RW words in one (KC / 4 divides GROUP)
         s_rows4 = (n0 + ww * WROWS + wrow).to(gl.int64) * stride_sn
-        k4 = k0 + ww * WK + word_quarter(w_l) * (KC // 4)
+        k4 = k0 + ww * WK + _word_t(w_l) * (KC // 4)
         ones_w = gl.full([W, ROWS, 4, RW], 1.0, DT, w_l)
     x = _load_x(x_ptrs, x_mask, ZEROED)
     for c in range(CHUNKS):
@@ -222,7 +251,12 @@ def _w4a16_mma_kernel(
             q = gl.load(q_ptrs + gl.minimum(c + 1, CHUNKS - 1) * (KC // 8))
             x = _load_x(x_ptrs + gl.minimum(c + 1, CHUNKS - 1) * KC, x_mask, ZEROED)
         if DEQUANT:
-            sw, zw = _word_scales(s_ptr + s_rows4, z_ptr + s_rows4, k4 + c * KC, ones_w, offset, HAS_ZERO, GROUP, DT)
+            g4 = s_rows4 + (k4 + c * KC) // GROUP
+            sw = gl.load(s_ptr + g4).to(DT) * ones_w
+            if HAS_ZERO:
+                zw = (gl.load(z_ptr + g4).to(gl.float32) + offset).to(DT) * ones_w
+            else:
+                zw = (ones_w.to(gl.float32) * (offset + 8.0)).to(DT)
             tot = _chunk_dequant(q_c, x_c, sw, zw, magic, tot, DT, W, ROWS, NCOL, RW, S, mma, a_l, b_l, ZEROED)
         else:
             g = (span_k + c * KC) // GROUP
