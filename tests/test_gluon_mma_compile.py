@@ -43,6 +43,13 @@ def _sig(fn, consts: dict) -> tuple[dict, dict]:  # every parameter in order: it
     return sig, {(params.index(n),): [["tt.divisibility", 16]] for n in aligned}
 
 
+def _constexpr_defaults(fn) -> dict:  # the kernel's constexpr parameters with defaults, at them (else _sig's i32)
+    import inspect
+
+    params = inspect.signature(fn.fn).parameters.values()
+    return {p.name: p.default for p in params if "constexpr" in str(p.annotation) and p.default is not p.empty}
+
+
 def _compile() -> list[dict]:  # in this process: per kernel, its name, shared bytes, PTX, ptxas -v log
     from ftransformers.kernels import gluon_moe_w4_mma as moe
     from ftransformers.kernels import gluon_w4a16_mma as lin
@@ -105,6 +112,7 @@ def compile_for_hopper(fn, consts: dict, warps: int, maxnreg: int = 0) -> dict:
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    consts = {**_constexpr_defaults(fn), **consts}
     sig, attrs = _sig(fn, consts)
     src = GluonASTSource(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
