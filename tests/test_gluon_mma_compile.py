@@ -69,15 +69,13 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
         cfg = cfg or lin.default_config(m, n, k)
         jobs.append((f"dense M={m} {n}x{k} g{group}", lin._w4a16_mma_kernel,
                      lin.constexprs(m, k, group, True, True, cfg), cfg.warps, cfg.rows * 16, cfg.maxnreg))  # fmt: skip
-    # the weights decoded with their scales before the mma (DEQUANT_SMALL_CHUNKS, an A/B knob): group 32 at 16 rows
-    lin.DEQUANT_SMALL_CHUNKS, was = True, lin.DEQUANT_SMALL_CHUNKS
+    # the weights decoded with their scales before the mma (DEQUANT_MAX_SPANS): group 32 at 12-16 rows
     for m, n, k, zero in [(16, 1536, 7168, False), (12, 4096, 7168, True)]:
         cfg = lin.default_config(m, n, k)
         consts = lin.constexprs(m, k, 32, zero, True, cfg)
         assert consts["DEQUANT"], (m, n, k)
         jobs.append((f"dense dequant M={m} {n}x{k} g32", lin._w4a16_mma_kernel, consts, cfg.warps, cfg.rows * 16,
                      cfg.maxnreg))  # fmt: skip
-    lin.DEQUANT_SMALL_CHUNKS = was
     for t, d, inter in [(1, 7168, 2048), (8, 2048, 768)]:  # DeepSeek-V3, Qwen3-30B-A3B
         cfg = moe.default_config(t, d)
         kc = moe.chunk_k(d // cfg.up_warps, 128, cfg.up_kc)

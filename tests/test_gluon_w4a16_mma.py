@@ -55,9 +55,9 @@ def test_matches_reference(w: int, m: int, dtype: torch.dtype) -> None:
 def test_weights_decoded_with_their_scales_before_the_mma(monkeypatch: pytest.MonkeyPatch, m: int, columns: bool,
                                                           group: int, zeros: bool, sdt: torch.dtype,
                                                           dtype: torch.dtype) -> None:  # fmt: skip
-    # DEQUANT_SMALL_CHUNKS: where a span of one group leaves chunks under 128, spans cross groups (at 3 rows on 8
+    # DEQUANT_MAX_SPANS at 8: where a span of one group leaves chunks under 128, spans cross groups (at 3 rows on 8
     # columns, 2 spans of 64 elements a chunk; at 9-16 rows one span of 128)
-    monkeypatch.setattr(mma, "DEQUANT_SMALL_CHUNKS", True)
+    monkeypatch.setattr(mma, "DEQUANT_MAX_SPANS", 8)
     monkeypatch.setattr(mma, "SMALL_GROUP_COLUMNS", columns)
     cfg = mma.default_config(m, 1024, 2048)
     want = m > 8 or group == 32

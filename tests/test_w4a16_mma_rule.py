@@ -103,17 +103,26 @@ def test_small_groups_take_16_columns_where_a_chunk_would_be_under_128(monkeypat
     assert all(mma.tokens_and_spans(m, 128)[1] == max(1, 8 // mma.tokens_and_spans(m, 128)[0]) for m in range(1, 17))
     cfg = mma.default_config(8, 7168, 16384)
     assert mma.constexprs(8, 16384, 32, False, False, cfg)["KC"] == 64
+    monkeypatch.setattr(mma, "DEQUANT_MAX_SPANS", 0)  # the spans' own chunks (one span a column decodes otherwise)
     monkeypatch.setattr(mma, "SMALL_GROUP_COLUMNS", False)  # the knob, read at call time
     assert mma.tokens_and_spans(8, 32) == (8, 1) and mma.constexprs(8, 16384, 32, False, False, cfg)["KC"] == 32
 
 
-def test_small_chunks_decode_with_their_scales_only_with_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    # DEQUANT_SMALL_CHUNKS (off): group 32 at 9-16 rows (one span of 32) and wherever a chunk stays under 128 take
-    # chunks of 128 whose lane runs of 32 elements each lie in one group
+def test_small_chunks_of_one_span_decode_with_their_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    # DEQUANT_MAX_SPANS (1, measured faster in the step): group 32 at 9-16 rows (one span of 32) takes chunks of 128
+    # whose lane runs of 32 elements each lie in one group; 8 rows (16 columns of 2 spans, chunks of 64) only past 1
     cfg = mma.default_config(16, 7168, 16384)
     assert mma.dequant_chunk(16384 // cfg.warps, 32, 1, cfg.kc) == 128 and mma.dequant_chunk(2048, 16, 1, 128) == 64
-    assert not mma.DEQUANT_SMALL_CHUNKS and not mma.constexprs(16, 16384, 32, False, False, cfg)["DEQUANT"]
-    monkeypatch.setattr(mma, "DEQUANT_SMALL_CHUNKS", True)
+    assert mma.DEQUANT_MAX_SPANS == 1
     on = mma.constexprs(16, 16384, 32, False, False, cfg)
     assert on["DEQUANT"] and on["KC"] == 128
     assert not mma.constexprs(16, 16384, 128, True, False, cfg)["DEQUANT"]  # g128 chunks are 128 already
+    cfg8 = mma.default_config(8, 7168, 16384)
+    assert mma.constexprs(8, 16384, 32, False, False, cfg8)["KC"] == 64
+    monkeypatch.setattr(mma, "DEQUANT_MAX_SPANS", 2)  # the knob, read at call time
+    assert mma.constexprs(8, 16384, 32, False, False, cfg8)["DEQUANT"]
+    cfg4 = mma.default_config(4, 7168, 16384)
+    assert not mma.constexprs(4, 16384, 32, False, False, cfg4)["DEQUANT"]  # 4 spans: chunks of 128 already
+    monkeypatch.setattr(mma, "DEQUANT_MAX_SPANS", 0)
+    off = mma.constexprs(16, 16384, 32, False, False, cfg)
+    assert not off["DEQUANT"] and off["KC"] == 32

@@ -11,7 +11,7 @@ outside the span. C[n, c] is one row's partial sum over one span, so a span must
 quantization group (GROUP % (KC / S) == 0) and the scale and zero apply once per chunk and column. At
 one row this is the MoE kernels' eight-span form; at 8-16 rows every column is a row of x over the
 whole chunk. The x sums of each column come from a second mma with an all-ones A (tensor cores, no
-loads, already in C's layout). Where that leaves chunks under 128 elements (DEQUANT_SMALL_CHUNKS), the weights
+loads, already in C's layout). Where that leaves chunks under 128 elements (DEQUANT_MAX_SPANS), the weights
 are decoded with their scales and zeros before the mma instead (`_chunk_dequant`), and spans may cross groups.
 
 Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
@@ -94,11 +94,15 @@ def tokens_and_spans(m: int, group: int = 128) -> tuple[int, int]:
 # ab_smallgroup_dsv3_w4a16g32_s66_h200.*) B=8 took 1.860 against 2.016 ms (the products 389 against 545 us on the
 # critical path), B=4 level (1.413 against 1.403; 346 against 380 us).
 SMALL_GROUP_COLUMNS = True
-# Where a span of one group still leaves chunks under 128 elements (group 32 at 9-16 rows: 32), decode the weights
-# with their scales and zeros before the mma instead (`_chunk_dequant`), so a span may cross groups and the chunk
-# grows to `dequant_chunk` (128 at group 32). An A/B knob, off until measured (session 66 wrote it: Kimi-K2's dense
-# products at 16 rows took 561 us of a 3-layer DeepSeek-V3 step's critical path at B=16).
-DEQUANT_SMALL_CHUNKS = False
+# Where a span of one group still leaves chunks under 128 elements (group 32 at 9-16 rows: 32) and a chunk holds up
+# to this many spans, decode the weights with their scales and zeros before the mma instead (`_chunk_dequant`), so a
+# span may cross groups and the chunk grows to `dequant_chunk` (128 at group 32). The product rounds to x's dtype once
+# a weight, as a bf16 dequantized weight does. 0: never. Kimi-K2's format in a 3-layer DeepSeek-V3 step (H200, session
+# 67, ab_dequant{,2}_dsv3_w4a16g32_s67_h200.*), at up to 8 spans: B=16 2.687 against 2.922 ms (the dense products
+# 331 against 575 us on the critical path), B=8 1.812 against 1.834 (16 columns of 2 spans, chunks of 64), B=4 level
+# (chunks of 128 already). At 2 spans the 8-row form under its 128-register cap spills offline (52 bytes, Triton 3.9),
+# so 1 span: the 16-row gain.
+DEQUANT_MAX_SPANS = 1
 
 
 @gluon.jit
@@ -541,7 +545,7 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     tok, spans = tokens_and_spans(m, group)
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
-    dq = dequant_chunk(ks, group, spans, cfg.kc) if DEQUANT_SMALL_CHUNKS and kc < 128 else 0
+    dq = dequant_chunk(ks, group, spans, cfg.kc) if kc < 128 and spans <= DEQUANT_MAX_SPANS else 0
     kc = max(kc, dq)
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
                 DEQUANT=dq > 0 and dq == kc,
