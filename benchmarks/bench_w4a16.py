@@ -48,8 +48,10 @@ SHAPES = {  # name: (N, K) of the weight [N, K]
     "dsv3 shared gate_up": (4096, 7168), "dsv3 shared down": (7168, 2048), "qwen3-8b qkv": (6144, 4096),
     "qwen3-8b o": (4096, 4096),
 }  # fmt: skip
+DEFAULT_SHAPES = list(SHAPES)
+SHAPES |= {"dsv3 q_a kv_a": (2112, 7168), "dsv3 dense gate_up": (36864, 7168), "dsv3 dense down": (7168, 18432)}
 VARIANTS = {"int4-sym": ("int4", 128, False), "int4-asym": ("int4", 128, True), "mxfp4": ("mxfp4", 32, False),
-            "nvfp4": ("nvfp4", 16, False)}  # fmt: skip
+            "nvfp4": ("nvfp4", 16, False), "int4-g32-sym": ("int4", 32, False)}  # fmt: skip  # the last: Kimi-K2's
 ROWS = [1, 2, 4, 8, 16]
 PREFILL_ROWS = [512, 2048]
 L2_BYTES = 50 << 20
@@ -222,17 +224,21 @@ MID_ROWS = [4, 8, 16, 32, 64]
 MID_VARIANTS = ["int4-asym", "mxfp4", "nvfp4"]
 
 
-def mid_configs(M: int, fmt: str) -> list[dict[str, int]]:
+def mid_configs(M: int, fmt: str, group: int = 128) -> list[dict[str, int]]:
     """Tiles at M rows: int4 on the codes kernel (kernels/triton_w4a16_codes.py; x tiles of max(16, M) rows,
-    weight tiles of 64 / 128 rows and 64 / 128 K, K split 1-8, 4 warps, 8 too on 128-row tiles); FP4 on the
-    dequantizing GEMM's decode-shaped tiles (one row tile of max(16, M) rows, 16-64 columns, K split 1-8)."""
+    weight tiles of 64 / 128 rows and 64 / 128 K (32 at group 32: a K tile lies in a group), K split 1-8, 4 warps, 8
+    too on 128-row tiles); FP4, and int4 at groups under 64, on the dequantizing GEMM's decode-shaped tiles (one row
+    tile of max(16, M) rows, 16-64 columns, K split 1-8)."""
     bm = max(16, triton.next_power_of_2(M))
-    if fmt == "int4":
-        return [{"CODES": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w,
-                 "num_stages": 3} for bn in (64, 128) for bk in (64, 128) for sk in (1, 2, 4, 8)
-                for w in ((4,) if bn == 64 else (4, 8))]  # fmt: skip
-    return [{"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "GROUP_M": 1, "num_warps": 4,
-             "num_stages": 3} for bn, bk in ((16, 256), (32, 256), (64, 128)) for sk in (1, 2, 4, 8)]  # fmt: skip
+    dequant = [{"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "GROUP_M": 1, "num_warps": 4,
+                "num_stages": 3} for bn, bk in ((16, 256), (32, 256), (64, 128)) for sk in (1, 2, 4, 8)]  # fmt: skip
+    if fmt != "int4":
+        return dequant
+    bks = (64, 128) if group >= 64 else (32,)
+    codes = [{"CODES": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w,
+              "num_stages": 3} for bn in (64, 128) for bk in bks for sk in (1, 2, 4, 8)
+             for w in ((4,) if bn == 64 else (4, 8))]  # fmt: skip
+    return codes + (dequant if group < 64 else [])
 
 
 def legacy_config(M: int) -> dict[str, int] | None:
@@ -250,7 +256,7 @@ def mid_sweep(out: dict[str, Any], path: str, workers: int, bw: float, peak: flo
     cuBLAS bf16, each beside its floor max(bytes / copy, FLOPs / matmul rate); rows appended to
     out["mid"]."""
     jobs = [(v, *SHAPES[s], M, c) for s in shapes for v in variants for M in rows
-            for c in [None, legacy_config(M)] + mid_configs(M, VARIANTS[v][0])]  # fmt: skip
+            for c in [None, legacy_config(M)] + mid_configs(M, *VARIANTS[v][:2])]  # fmt: skip
     precompile(jobs, workers)
     gen = torch.Generator(device=DEV).manual_seed(2)
     for name in shapes:
@@ -268,7 +274,7 @@ def mid_sweep(out: dict[str, Any], path: str, workers: int, bw: float, peak: flo
                 b16_floor = max((2 * N * K + 2 * M * (K + N)) / bw / 1e6, 2 * M * N * K / peak / 1e9)
                 legacy = legacy_config(M)
                 t_def, t_old = checked_time(x, qws, None), checked_time(x, qws, legacy)
-                timed = [(c, checked_time(x, qws, c, rep=5)) for c in mid_configs(M, VARIANTS[v][0])]
+                timed = [(c, checked_time(x, qws, c, rep=5)) for c in mid_configs(M, *VARIANTS[v][:2])]
                 ok = sorted(((t, c) for c, t in timed if not isinstance(t, str)), key=lambda r: r[0])
                 row = {"shape": name, "fmt": v, "M": M, "bytes": nbytes, "floor_ms": floor, "default": w4a16_config(
                        M, N, K, *VARIANTS[v][:2]), "default_ms": t_def, "legacy": legacy, "legacy_ms": t_old,
@@ -354,7 +360,7 @@ def checked_time(x: torch.Tensor, qws: list[QuantizedWeight], cfg: dict[str, int
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rows", default=",".join(map(str, ROWS + PREFILL_ROWS)))
     p.add_argument("--sweep", action="store_true", help="also time a tile sweep")
