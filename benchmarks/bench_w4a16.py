@@ -327,11 +327,11 @@ def precompile(jobs: list[tuple[str, int, int, int, dict[str, int] | None]], wor
     run_pool(_compile_job, unique, workers)
 
 
-def run_pool(job_fn: Any, jobs: list, workers: int) -> None:
-    """Run job_fn on each job in spawned processes (compiling into Triton's disk cache); job_fn returns
-    "" or an error line, the first ten of which are printed."""
+def run_pool(job_fn: Any, jobs: list, workers: int, initializer: Any = None, initargs: tuple = ()) -> None:
+    """Run job_fn on each job in spawned processes (compiling into Triton's disk cache; initializer(*initargs)
+    first in each); job_fn returns "" or an error line, the first ten of which are printed."""
     t0 = time.time()
-    with mp.get_context("spawn").Pool(workers) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer, initargs) as pool:
         errors = [e for e in pool.map(job_fn, jobs, chunksize=1) if e]
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.0f} s; {len(errors)} failed", flush=True)
     for e in errors[:10]:

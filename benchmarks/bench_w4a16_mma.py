@@ -136,6 +136,12 @@ def built(run: Any, kernel: Any = mma._w4a16_mma_kernel) -> tuple[Any, dict[str,
     return result, occupancy(new[0], 0) if len(new) == 1 else None
 
 
+def apply_settings(settings: list[tuple[str, int]]) -> None:
+    """gluon_w4a16_mma.NAME = V for each (NAME, V), in V's type as the module holds it."""
+    for name, value in settings:
+        setattr(mma, name, type(getattr(mma, name))(value))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -161,8 +167,15 @@ def main() -> None:
     p.add_argument("--wgmma", default="", metavar="T:KC:S[:A[:D]],..",
                    help="also time the wgmma kernel with T 64-row tiles a program, chunks of KC, K split S ways "
                    "(0: its default_config's split), A = 1: scales loaded a chunk ahead, D chunks of words ahead (1)")
+    p.add_argument("--set", default="", metavar="NAME=V[+NAME=V]",
+                   help="module values of gluon_w4a16_mma set to int(V) for the whole run (the compile pool too), "
+                   "e.g. MAX_ROWS=32 to time its forms past 16 rows")  # fmt: skip
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
+    settings = [(n, int(v)) for n, _, v in (s.partition("=") for s in args.set.split("+") if s)]
+    if any(not hasattr(mma, n) for n, _ in settings):
+        p.error(f"--set: NAME=V with NAME a module-level name of gluon_w4a16_mma, got {args.set!r}")
+    apply_settings(settings)
     if args.ab_warp_sum:
         if args.ab:
             p.error("--ab-warp-sum is --ab PADDED_WARP_SUM=0: give one of them")
@@ -181,11 +194,11 @@ def main() -> None:
     jobs += [(v, *SHAPES[s], m, c) for s in shapes for v in variants for m in rows for c in wgmma]
     sweep = [c for c in mma.SWEEP if c.split or not args.sweep_split]
     jobs += [("int4-asym", *SHAPES[s], m, c) for s in shapes for m in sweep_rows for c in sweep]
-    run_pool(_compile_job, jobs, args.workers)
+    run_pool(_compile_job, jobs, args.workers, apply_settings, (settings,))
 
     bw = copy_bandwidth()
     now = datetime.datetime.now().isoformat(timespec="seconds")
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": now,
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "date": now, "settings": dict(settings),
                            "command": " ".join(sys.argv), "torch": torch.__version__, "triton": triton.__version__,
                            "copy_GBps": bw, "rows": [], "sweep": []}  # fmt: skip
     print(f"{out['device']}  copy {bw:.0f} GB/s", flush=True)
