@@ -41,7 +41,7 @@ from ceilings import copy_bandwidth
 from ftransformers.kernels import gluon_w4a16_mma as mma
 from ftransformers.kernels import gluon_w4a16_wgmma as wg
 from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
-from ftransformers.kernels.triton_gemv import gemv
+from ftransformers.kernels.triton_gemv import GEMV_MAX_M, gemv
 from ftransformers.kernels.triton_w4a16 import w4a16_config, w4a16_linear
 
 Job = tuple[str, int, int, int, mma.MmaLinearConfig | wg.WgmmaLinearConfig | None]
@@ -215,7 +215,8 @@ def main() -> None:
                 x = torch.randn(m, k, device=DEV, dtype=DT, generator=gen)
                 nbytes, b16 = probe.nbytes() + 2 * m * (k + n), 2 * n * k + 2 * m * (k + n)
                 if m not in peers:
-                    peers[m] = (time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16)),
+                    peers[m] = (time_per_call(lambda i, x=x, w=w16: gemv(x, w[i]), len(w16))
+                                if m <= GEMV_MAX_M else float("nan"),  # the bf16 GEMV's rows
                                 time_per_call(lambda i, x=x, w=w16: F.linear(x, w[i]), len(w16)))  # fmt: skip
                 cfg = mma.default_config(m, n, k)
                 t_mma, own = ("not supported", None)
