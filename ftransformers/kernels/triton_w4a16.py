@@ -89,12 +89,6 @@ GEMV_PRELOAD_SZ = True
 # the column tiles are few (decode_split)
 DECODE_MAX_M = 64
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
-# Large int4 weights with groups under 64 (Kimi-K2's 32) at 17-64 rows: the dequantizing GEMM's 32 x 256 tiles
-# (`small_group_config`) rather than the codes kernel, whose K tiles must lie in a group (32 there). An A/B knob, off
-# until measured in the step. On the H200 at 32 rows (session 67, w4a16_mid_g32_s67_h200.*), us against the codes
-# kernel: DeepSeek-V3's dense gate_up 153.7 against 187.9, dense down 93.9 against 114.8, o 84.7 against 96.4, q_b
-# 25.7 against 26.9 (the smaller weights were level or slower there, so they keep the codes kernel).
-SMALL_GROUP_TILES = False
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}
@@ -372,18 +366,6 @@ def decode_split(N: int, K: int, block_n: int, block_k: int, programs: int = 512
     return next((s for s in allowed if tiles * s >= programs), allowed[-1])
 
 
-def small_group_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
-    """The dequantizing GEMM's tiles for a large int4 weight with groups under 64 at 17-DECODE_MAX_M rows
-    (SMALL_GROUP_TILES): one row tile, 32 x 256 weight tiles, K split into the fewest of 1, 2, 4, 8 parts that gives
-    512 programs, at least 4 K tiles a part; None elsewhere."""
-    if not SMALL_GROUP_TILES or group >= 64 or not 16 < M <= DECODE_MAX_M or N * K < (1 << 25) or N % 32:
-        return None
-    tiles, bk = N // 32, 256
-    split = next((s for s in (1, 2, 4) if tiles * s >= 512 or cdiv(K, bk) < 8 * s), 8)
-    return {"GEMV": 0, "BLOCK_M": max(16, next_pow2(M)), "BLOCK_N": 32, "BLOCK_K": bk, "SPLIT_K": split,
-            "GROUP_M": 1, "num_warps": 4, "num_stages": 3}  # fmt: skip
-
-
 def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool = True) -> dict[str, int]:
     """Tiles for an [M, K] x [N, K]^T product with a 4-bit weight (fmt and its group size).
 
@@ -400,9 +382,6 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Prefill from M = 129: 256 x 128
     tiles (two warpgroups share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
-    small_group = small_group_config(M, N, K, group) if fmt == "int4" else None
-    if small_group is not None:
-        return small_group
     codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and M > 2 else None
     if codes_cfg is not None:
         return codes_cfg
