@@ -101,7 +101,8 @@ SMALL_GROUP_COLUMNS = True
 # 67, ab_dequant{,2}_dsv3_w4a16g32_s67_h200.*), at up to 8 spans: B=16 2.687 against 2.922 ms (the dense products
 # 331 against 575 us on the critical path), B=8 1.812 against 1.834 (16 columns of 2 spans, chunks of 64), B=4 level
 # (chunks of 128 already). At 2 spans the 8-row form under its 128-register cap spills offline (52 bytes, Triton 3.9),
-# so 1 span: the 16-row gain.
+# so 1 span: the 16-row gain. At 1 against 0 (ab_dequant_default_*): B=16 2.652 against 2.920 ms, B=32 level (4.499
+# against 4.494: no product of 9-16 rows there).
 DEQUANT_MAX_SPANS = 1
 
 
