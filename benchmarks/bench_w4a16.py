@@ -227,8 +227,8 @@ MID_VARIANTS = ["int4-asym", "mxfp4", "nvfp4"]
 def mid_configs(M: int, fmt: str, group: int = 128) -> list[dict[str, int]]:
     """Tiles at M rows: int4 on the codes kernel (kernels/triton_w4a16_codes.py; x tiles of max(16, M) rows,
     weight tiles of 64 / 128 rows and 64 / 128 K (32 at group 32: a K tile lies in a group), K split 1-8, 4 warps, 8
-    too on 128-row tiles); FP4, and int4 at groups under 64, on the dequantizing GEMM's decode-shaped tiles (one row
-    tile of max(16, M) rows, 16-64 columns, K split 1-8)."""
+    too on 128-row tiles); FP4, and int4 at groups under 64 or past 32 rows, on the dequantizing GEMM's decode-shaped
+    tiles (one row tile of max(16, M) rows, 16-64 columns, K split 1-8)."""
     bm = max(16, triton.next_power_of_2(M))
     dequant = [{"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 3} for bn, bk in ((16, 256), (32, 256), (64, 128)) for sk in (1, 2, 4, 8)]  # fmt: skip
@@ -238,7 +238,7 @@ def mid_configs(M: int, fmt: str, group: int = 128) -> list[dict[str, int]]:
     codes = [{"CODES": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w,
               "num_stages": 3} for bn in (64, 128) for bk in bks for sk in (1, 2, 4, 8)
              for w in ((4,) if bn == 64 else (4, 8))]  # fmt: skip
-    return codes + (dequant if group < 64 else [])
+    return codes + (dequant if group < 64 or M > 32 else [])
 
 
 def legacy_config(M: int) -> dict[str, int] | None:

@@ -89,6 +89,10 @@ GEMV_PRELOAD_SZ = True
 # the column tiles are few (decode_split)
 DECODE_MAX_M = 64
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
+# int4 products run on the codes kernel up to this many rows (its own bound, CODES_MAX_M = 64), on the decode-shaped
+# dequantizing tiles past it. An A/B knob (session 67: at 64 rows of Kimi-K2's group 32 the dequantizing GEMM's
+# 64 x 128 tiles beat the codes kernel on every weight swept, w4a16_mid_g32_rows_s67_h200.*)
+CODES_MAX_ROWS = CODES_MAX_M
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}
@@ -382,7 +386,7 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Prefill from M = 129: 256 x 128
     tiles (two warpgroups share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
-    codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and M > 2 else None
+    codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and 2 < M <= CODES_MAX_ROWS else None
     if codes_cfg is not None:
         return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
