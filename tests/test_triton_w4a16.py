@@ -107,6 +107,7 @@ def test_every_tile_path(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatc
         (16, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256, "GEMV": 0}),
         (5, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GEMV": 0, "SPLIT_K": 3}),
         (40, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "GEMV": 0, "GROUP_M": 2}),
+        (48, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GEMV": 0, "SPLIT_K": 2}),  # large int4 past 32 rows
     ]
     for M, cfg in cases:
         x = torch.randn(M, 384, generator=gen).to(DEV)
@@ -243,6 +244,12 @@ def test_config_paths() -> None:
     mid = [w4a16_config(m, 5120, 2048, "int4") for m in (32, 64)]
     assert [(c["BLOCK_M"], c["SPLIT_K"]) for c in mid] == [(32, 8), (64, 4)]
     assert "CODES" not in w4a16_config(65, 5120, 2048, "int4")
+    # large int4 weights (N x K >= 2^25) past CODES_MAX_ROWS_LARGE = 32 rows: the decode-shaped dequantizing tiles
+    assert w4a16_config(32, 24576, 4096, "int4")["CODES"] == 1 and w4a16_config(64, 5120, 2048, "int4")["CODES"] == 1
+    for m, n, k, split in [(33, 24576, 4096, 1), (64, 4096, 12288, 4), (48, 7168, 16384, 4)]:
+        cfg = w4a16_config(m, n, k, "int4")
+        assert "CODES" not in cfg and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]) == (
+            64, 64, 128, split), (m, n, k, cfg)  # fmt: skip
     # FP4, 17-64 rows: one decode-shaped row tile of max(16, M) rows
     assert w4a16_config(33, 5120, 2048, "mxfp4")["BLOCK_M"] == 64
     assert w4a16_config(24, 5120, 2048, "nvfp4")["GROUP_M"] == 1

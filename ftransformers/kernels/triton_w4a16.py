@@ -89,10 +89,16 @@ GEMV_PRELOAD_SZ = True
 # the column tiles are few (decode_split)
 DECODE_MAX_M = 64
 DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing product is not split (~ H100 SMs)
-# int4 products run on the codes kernel up to this many rows (its own bound, CODES_MAX_M = 64), on the decode-shaped
-# dequantizing tiles past it. An A/B knob (session 67: at 64 rows of Kimi-K2's group 32 the dequantizing GEMM's
-# 64 x 128 tiles beat the codes kernel on every weight swept, w4a16_mid_g32_rows_s67_h200.*)
-CODES_MAX_ROWS = CODES_MAX_M
+# Large int4 weights (N x K >= 2^25) take the codes kernel up to this many rows, the decode-shaped dequantizing tiles
+# (64 x 128, `decode_split`) past them; smaller ones the codes kernel up to its CODES_MAX_M = 64. H200, session 67, at
+# 64 rows (w4a16_mid_rows64_s67_h200.*, AWQ-style g128), us, codes kernel against these tiles: DeepSeek-V3 o 104.0
+# against 95.9, dense gate_up 188.0 against 162.5, Qwen3-8B gate_up 69.1 against 53.5, down 52.2 against 42.6; the
+# smaller weights the other way (Qwen3-8B qkv 21.5 against 22.8, Qwen3-30B-A3B qkv 13.3 against 16.4). In whole W4A16
+# steps with every weight's bound at 32 (ab_codes32_*_w4a16_s67_h200.*): Qwen3-8B B=48 / 64 6.781 / 7.147 against
+# 7.379 / 7.747 ms, DeepSeek-V3 (3 layers) level (6.836 / 7.649 against 6.846 / 7.675), Qwen3-30B-A3B, whose dense
+# weights are all small, slower (13.291 / 13.678 against 12.907 / 13.398): hence large weights only. Kimi-K2's group 32
+# at 64 rows gained more (DeepSeek-V3 o 88.5 against 152.0 us, w4a16_mid_g32_rows_s67_h200.*).
+CODES_MAX_ROWS_LARGE = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}
@@ -378,15 +384,17 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     (GEMV_WORDS, FP4_GEMV_WORDS: one warp per 32 word pairs of a 2048-wide K tile), 4 warps, 4 output rows
     per program on small weights, 8 on large. int4 with 3
     to 64 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
-    dot, split K), 1.0-2.4x the dequantizing GEMM there. FP4 up to DECODE_MAX_M rows: one tensor-core row tile of
-    max(16, M) rows, narrow and deep on small weights (more programs) up to 32 rows, wide on large ones and past
+    dot, split K), 1.0-2.4x the dequantizing GEMM there; on large weights only up to CODES_MAX_ROWS_LARGE
+    rows, where the H200 measured the decode-shaped tiles faster past it. FP4 (and those int4 products) up to
+    DECODE_MAX_M rows: one tensor-core row tile of max(16, M) rows, narrow and deep on small weights (more programs) up to 32 rows, wide on large ones and past
     32 rows, K split where the column tiles are fewer than the SMs (`decode_split`, aiming at 512 programs, 256
     past 32 rows; float32 partials summed after the kernel). From the H100 sweep at 24-64 rows
     (benchmarks/results/w4a16_mid4_h100.json): 1.1-3.7x the 64 x 128 x 128 tiles it ran before on Qwen3 weights,
     except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Prefill from M = 129: 256 x 128
     tiles (two warpgroups share each dequantized weight tile)."""
     large = N * K >= (1 << 25)
-    codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and 2 < M <= CODES_MAX_ROWS else None
+    codes_rows = CODES_MAX_ROWS_LARGE if large else CODES_MAX_M
+    codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and 2 < M <= codes_rows else None
     if codes_cfg is not None:
         return codes_cfg
     if M <= 2 or (M <= GEMV_MAX_M and not large):
