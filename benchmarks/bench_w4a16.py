@@ -50,8 +50,9 @@ SHAPES = {  # name: (N, K) of the weight [N, K]
 }  # fmt: skip
 DEFAULT_SHAPES = list(SHAPES)
 SHAPES |= {"dsv3 q_a kv_a": (2112, 7168), "dsv3 dense gate_up": (36864, 7168), "dsv3 dense down": (7168, 18432)}
+# int4-g32-sym: Kimi-K2's int4 format (compressed-tensors pack-quantized, symmetric, group 32)
 VARIANTS = {"int4-sym": ("int4", 128, False), "int4-asym": ("int4", 128, True), "mxfp4": ("mxfp4", 32, False),
-            "nvfp4": ("nvfp4", 16, False), "int4-g32-sym": ("int4", 32, False)}  # fmt: skip  # the last: Kimi-K2's
+            "nvfp4": ("nvfp4", 16, False), "int4-g32-sym": ("int4", 32, False)}  # fmt: skip
 ROWS = [1, 2, 4, 8, 16]
 PREFILL_ROWS = [512, 2048]
 L2_BYTES = 50 << 20

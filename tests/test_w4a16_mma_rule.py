@@ -126,3 +126,11 @@ def test_small_chunks_of_one_span_decode_with_their_scales(monkeypatch: pytest.M
     monkeypatch.setattr(mma, "DEQUANT_MAX_SPANS", 0)
     off = mma.constexprs(16, 16384, 32, False, False, cfg)
     assert not off["DEQUANT"] and off["KC"] == 32
+
+
+def test_the_decoded_form_only_where_its_chunk_is_larger() -> None:
+    # a K share of 192 (K 1536 over 8 warps) leaves chunks of 64 at group 128 either way: the plain form stays
+    cfg = mma.MmaLinearConfig(rows=32, warps=8, kc=128)
+    plain = mma.constexprs(16, 1536, 128, True, False, cfg)
+    assert plain["KC"] == 64 and not plain["DEQUANT"]
+    assert mma.constexprs(16, 1536, 32, True, False, cfg)["DEQUANT"]  # group 32: chunks of 32 -> 64

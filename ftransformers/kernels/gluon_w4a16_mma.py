@@ -547,9 +547,10 @@ def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: 
     ks = cfg.k_share(k)
     kc = chunk_k(ks, group, spans, cfg.kc)
     dq = dequant_chunk(ks, group, spans, cfg.kc) if kc < 128 and spans <= DEQUANT_MAX_SPANS else 0
-    kc = max(kc, dq)
+    dequant = dq > kc  # only where the decoded form's chunk is the larger
+    kc = dq if dequant else kc
     return dict(HAS_ZERO=has_zero, HAS_BIAS=has_bias, GROUP=group, KC=kc, CHUNKS=ks // kc, TOK=tok, S=spans,
-                DEQUANT=dq > 0 and dq == kc,
+                DEQUANT=dequant,
                 ROWS=cfg.rows, W=cfg.warps, SPLIT=cfg.split, PADDED_SUM=PADDED_WARP_SUM, MASK_X=SPAN_MASKED_X,
                 PRELOAD=PRELOAD_WORDS,
                 **layouts(cfg.warps, cfg.rows, kc))  # fmt: skip
