@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_moe_w4 as bm
+from ceilings import module_settings, module_values
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma
 from ftransformers.kernels import triton_fused_moe_w4 as w4
@@ -99,16 +100,10 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                     continue
                 row[f"{name}_us"] = bm.graph_ms(call, REPS) * 1e3
             for variant in ab if ab and "mma_us" in row else []:  # the mma path again with module values changed
-                kept = {name: getattr(mma, name) for name, _ in variant}
-                for name, value in variant:
-                    setattr(mma, name, type(kept[name])(value))
-                try:
+                with module_values(mma, variant):
                     err = bm.rel_err(paths["mma"](0), ref)
                     us = bm.graph_ms(paths["mma"], REPS) * 1e3 if err < 1e-2 else None
-                    row.setdefault("ab", []).append({"variant": _text(variant), "err": err, "us": us})
-                finally:
-                    for name, value in kept.items():
-                        setattr(mma, name, value)
+                row.setdefault("ab", []).append({"variant": _text(variant), "err": err, "us": us})
             if parts and "mma_us" in row:
                 mc = mma.default_config(t, d)
                 acts = [mma.gate_up(hiddens[i], w13, routes[i][1].contiguous(), mc) for i in range(REPS)]
@@ -205,14 +200,10 @@ def main() -> None:
     for f in formats:
         if f not in int4:
             ap.error(f"--formats: int4 formats of bench_moe_w4.FORMATS ({', '.join(int4)}), got {f!r}")
-    ab: list[list[tuple[str, int]]] = []
-    for text in filter(None, args.ab.split(",")):
-        ab.append([])
-        for item in text.split("+"):
-            name, _, value = item.partition("=")
-            if not hasattr(mma, name) or not value.lstrip("-").isdigit():
-                ap.error(f"--ab: NAME=V with NAME a module-level name of gluon_moe_w4_mma and V an integer, got {item!r}")
-            ab[-1].append((name, int(value)))
+    try:
+        ab = [module_settings(text, mma) for text in filter(None, args.ab.split(","))]
+    except ValueError as e:
+        ap.error(f"--ab: {e}")
     grouped = tuple(int(s) for s in args.grouped_spans.split(",") if s)
     copy_gbs, _ = bm.ceilings()
     lines: list[str] = []

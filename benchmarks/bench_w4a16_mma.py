@@ -36,7 +36,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_w4_b1 import compiled, occupancy
 from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, run_pool, time_per_call
-from ceilings import copy_bandwidth
+from ceilings import copy_bandwidth, module_settings, module_values, set_module_values
 
 from ftransformers.kernels import gluon_w4a16_mma as mma
 from ftransformers.kernels import gluon_w4a16_wgmma as wg
@@ -137,9 +137,8 @@ def built(run: Any, kernel: Any = mma._w4a16_mma_kernel) -> tuple[Any, dict[str,
 
 
 def apply_settings(settings: list[tuple[str, int]]) -> None:
-    """gluon_w4a16_mma.NAME = V for each (NAME, V), in V's type as the module holds it."""
-    for name, value in settings:
-        setattr(mma, name, type(getattr(mma, name))(value))
+    """--set's values on gluon_w4a16_mma for the rest of the process (the compile pool's initializer too)."""
+    set_module_values(mma, settings)
 
 
 def main() -> None:
@@ -158,8 +157,8 @@ def main() -> None:
     p.add_argument(
         "--ab",
         default="",
-        metavar="NAME=V",
-        help="also time each row's default config with the module toggle gluon_w4a16_mma.NAME set to int(V), "
+        metavar="NAME=V[+NAME=V]",
+        help="also time each row's default config with module values gluon_w4a16_mma.NAME set to int(V), "
         "e.g. SPAN_MASKED_X=0",
     )
     p.add_argument("--caps", default="", metavar="R,..",
@@ -172,17 +171,18 @@ def main() -> None:
                    "e.g. MAX_ROWS=32 to time its forms past 16 rows")  # fmt: skip
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
-    settings = [(n, int(v)) for n, _, v in (s.partition("=") for s in args.set.split("+") if s)]
-    if any(not hasattr(mma, n) for n, _ in settings):
-        p.error(f"--set: NAME=V with NAME a module-level name of gluon_w4a16_mma, got {args.set!r}")
-    apply_settings(settings)
     if args.ab_warp_sum:
         if args.ab:
             p.error("--ab-warp-sum is --ab PADDED_WARP_SUM=0: give one of them")
         args.ab = "PADDED_WARP_SUM=0"
-    ab_name, _, ab_value = args.ab.partition("=")
-    if args.ab and (not hasattr(mma, ab_name) or not ab_value.lstrip("-").isdigit()):
-        p.error(f"--ab: NAME=V with NAME a module-level name of gluon_w4a16_mma and V an integer, got {args.ab!r}")
+    parsed = {}
+    for flag in ("set", "ab"):
+        try:
+            parsed[flag] = module_settings(getattr(args, flag), mma)
+        except ValueError as e:
+            p.error(f"--{flag}: {e}")
+    settings, ab = parsed["set"], parsed["ab"]
+    apply_settings(settings)
     shapes, variants = args.shapes.split(","), args.variants.split(",")
     rows = [int(m) for m in args.rows.split(",")]
     sweep_rows = [int(m) for m in args.sweep.split(",") if m]
@@ -227,13 +227,9 @@ def main() -> None:
                        "mma_config": asdict(cfg), "mma_ms": t_mma, "before_ms": t_before, "gemv_bf16_ms": peers[m][0],
                        "cublas_bf16_ms": peers[m][1], "mma_kernel": own}  # fmt: skip
                 t_ab = None
-                if args.ab and not isinstance(t_mma, str):
-                    kept = getattr(mma, ab_name)
-                    setattr(mma, ab_name, type(kept)(int(ab_value)))
-                    try:
+                if ab and not isinstance(t_mma, str):
+                    with module_values(mma, ab):
                         t_ab = checked(x, qws, lambda x, qw: run_mma(x, qw, None))
-                    finally:
-                        setattr(mma, ab_name, kept)
                     row["mma_ab"] = {"toggle": args.ab, "ms": t_ab}
                 by_cap: dict[int, tuple[float | str, dict[str, Any] | None]] = {}  # cap: (ms, its kernel)
                 if caps and not isinstance(t_mma, str):

@@ -12,18 +12,20 @@ demonstrably sustains, so that a floor is reachable rather than flattering. On t
 wall-clock medians stand in.
 
 Also shared here: `Report` (a result file's header and log lines) and `graph_ms` (a kernel's time per call from one
-CUDA graph of calls), so that scripts comparing each other's figures time them the same way.
+CUDA graph of calls), so that scripts comparing each other's figures time them the same way; `module_settings`,
+`set_module_values` and `module_values`, the benches' `NAME=V[+NAME=V]` settings of a kernel module's knobs, parsed and applied.
 
     PYTHONPATH=$PWD python benchmarks/ceilings.py   # every former method beside this one
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,37 @@ class Report:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.out, indent=1))
         Path(path).with_suffix(".log").write_text("\n".join(self.lines) + "\n")
+
+
+def module_settings(text: str, module: Any) -> list[tuple[str, int]]:
+    """'NAME=V[+NAME=V]' -> [(NAME, V)], each NAME a module-level value of module and V an integer (a bench's --ab or
+    --set); ValueError saying which item is wrong otherwise."""
+    out = []
+    for item in filter(None, text.split("+")):
+        name, _, value = item.partition("=")
+        if not hasattr(module, name) or not value.lstrip("-").isdigit():
+            raise ValueError(f"NAME=V with NAME a module-level name of {module.__name__} and V an integer, got {item!r}")
+        out.append((name, int(value)))
+    return out
+
+
+def set_module_values(module: Any, settings: list[tuple[str, int]]) -> dict[str, Any]:
+    """module.NAME = V (in the type the module holds) for each setting; the values they replaced."""
+    kept = {name: getattr(module, name) for name, _ in settings}
+    for name, value in settings:
+        setattr(module, name, type(kept[name])(value))
+    return kept
+
+
+@contextlib.contextmanager
+def module_values(module: Any, settings: list[tuple[str, int]]) -> Iterator[None]:
+    """`set_module_values` inside the block, the old values restored after it."""
+    kept = set_module_values(module, settings)
+    try:
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(module, name, value)
 
 
 def main() -> None:

@@ -530,15 +530,11 @@ def kernel_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 
 def dequant_chunk(ks: int, group: int, spans: int, most: int) -> int:
-    """The chunk of the form that decodes weights with their scales before the mma (DEQUANT): the largest KC <= most
-    (a power of two >= 32) dividing ks whose span is whole words (>= 8 elements) and whose lane runs of KC / 4
-    elements lie in one group (KC / 4 divides it); 0 if none."""
-    kc = most
-    while kc >= 32:
-        if ks % kc == 0 and kc // spans >= 8 and group % (kc // 4) == 0:
-            return kc
-        kc //= 2
-    return 0
+    """The chunk of the form that decodes weights with their scales before the mma (DEQUANT): `chunk_k`'s at 4 spans
+    (the largest KC <= most dividing ks whose lane runs of KC / 4 elements lie in one group), where its `spans` spans
+    are whole words (>= 8 elements; a smaller chunk's would not be either); 0 if none."""
+    kc = chunk_k(ks, group, 4, most)
+    return kc if kc // spans >= 8 else 0
 
 
 def constexprs(m: int, k: int, group: int, has_zero: bool, has_bias: bool, cfg: MmaLinearConfig) -> dict:
