@@ -225,11 +225,24 @@ MID_ROWS = [4, 8, 16, 32, 64]
 MID_VARIANTS = ["int4-asym", "mxfp4", "nvfp4"]
 
 
-def mid_configs(M: int, fmt: str, group: int = 128) -> list[dict[str, int]]:
+def decoded_configs(M: int, group: int = 128) -> list[dict[str, int]]:
+    """The int4 codes kernel's decoded form (DEQUANT: weights decoded with their scales before one dot a tile) at M
+    rows: weight tiles of 64 / 128 rows, K tiles of 64 / 128 inside a group, K split 1-4, 4 warps (8 too on 128-row
+    tiles), 3 or 4 stages."""
+    bm = max(16, triton.next_power_of_2(M))
+    bks = [bk for bk in (64, 128) if group % bk == 0] or [32]
+    return [{"CODES": 1, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w,
+             "num_stages": st} for bn in (64, 128) for bk in bks for sk in (1, 2, 4)
+            for w in ((4,) if bn == 64 else (4, 8)) for st in (3, 4)]  # fmt: skip
+
+
+def mid_configs(M: int, fmt: str, group: int = 128, decoded: bool = False) -> list[dict[str, int]]:
     """Tiles at M rows: int4 on the codes kernel (kernels/triton_w4a16_codes.py; x tiles of max(16, M) rows,
     weight tiles of 64 / 128 rows and 64 / 128 K (32 at group 32: a K tile lies in a group), K split 1-8, 4 warps, 8
     too on 128-row tiles); FP4, and int4 at groups under 64 or past 32 rows, on the dequantizing GEMM's decode-shaped
-    tiles (one row tile of max(16, M) rows, 16-64 columns, K split 1-8)."""
+    tiles (one row tile of max(16, M) rows, 16-64 columns, K split 1-8). `decoded`: int4 on `decoded_configs` only."""
+    if decoded:
+        return decoded_configs(M, group) if fmt == "int4" else []
     bm = max(16, triton.next_power_of_2(M))
     dequant = [{"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 3} for bn, bk in ((16, 256), (32, 256), (64, 128)) for sk in (1, 2, 4, 8)]  # fmt: skip
@@ -252,12 +265,12 @@ def legacy_config(M: int) -> dict[str, int] | None:
 
 
 def mid_sweep(out: dict[str, Any], path: str, workers: int, bw: float, peak: float, shapes: list[str],
-              variants: list[str], rows: list[int]) -> None:  # fmt: skip
+              variants: list[str], rows: list[int], decoded: bool = False) -> None:  # fmt: skip
     """3-64 rows (decode at batch 3-64): the default config beside the pre-session-30 one, mid_configs' tiles and
     cuBLAS bf16, each beside its floor max(bytes / copy, FLOPs / matmul rate); rows appended to
     out["mid"]."""
     jobs = [(v, *SHAPES[s], M, c) for s in shapes for v in variants for M in rows
-            for c in [None, legacy_config(M)] + mid_configs(M, *VARIANTS[v][:2])]  # fmt: skip
+            for c in [None, legacy_config(M)] + mid_configs(M, *VARIANTS[v][:2], decoded)]  # fmt: skip
     precompile(jobs, workers)
     gen = torch.Generator(device=DEV).manual_seed(2)
     for name in shapes:
@@ -275,7 +288,7 @@ def mid_sweep(out: dict[str, Any], path: str, workers: int, bw: float, peak: flo
                 b16_floor = max((2 * N * K + 2 * M * (K + N)) / bw / 1e6, 2 * M * N * K / peak / 1e9)
                 legacy = legacy_config(M)
                 t_def, t_old = checked_time(x, qws, None), checked_time(x, qws, legacy)
-                timed = [(c, checked_time(x, qws, c, rep=5)) for c in mid_configs(M, *VARIANTS[v][:2])]
+                timed = [(c, checked_time(x, qws, c, rep=5)) for c in mid_configs(M, *VARIANTS[v][:2], decoded)]
                 ok = sorted(((t, c) for c, t in timed if not isinstance(t, str)), key=lambda r: r[0])
                 row = {"shape": name, "fmt": v, "M": M, "bytes": nbytes, "floor_ms": floor, "default": w4a16_config(
                        M, N, K, *VARIANTS[v][:2]), "default_ms": t_def, "legacy": legacy, "legacy_ms": t_old,
@@ -371,6 +384,8 @@ def main() -> None:
     p.add_argument("--codes-sweep", action="store_true", help="only sweep the int4 codes kernel (codes_sweep)")
     p.add_argument("--mid-sweep", action="store_true", help="only the 3-64-row comparison (mid_sweep; --shapes, "
                    "--variants default to its own, --rows to MID_ROWS)")  # fmt: skip
+    p.add_argument("--decoded", action="store_true", help="with --mid-sweep: time the codes kernel's decoded form "
+                   "(decoded_configs) instead of mid_configs' tiles")  # fmt: skip
     args = p.parse_args()
     if args.mid_sweep:
         bw, peak = copy_bandwidth(), matmul_rate()
@@ -378,7 +393,7 @@ def main() -> None:
         print(f"{out['device']}  copy {bw:.0f} GB/s  bf16 matmul {peak:.0f} TFLOP/s", flush=True)
         rows = MID_ROWS if args.rows == p.get_default("rows") else [int(m) for m in args.rows.split(",")]
         variants = MID_VARIANTS if args.variants == p.get_default("variants") else args.variants.split(",")
-        mid_sweep(out, args.out, args.workers, bw, peak, args.shapes.split(","), variants, rows)
+        mid_sweep(out, args.out, args.workers, bw, peak, args.shapes.split(","), variants, rows, args.decoded)
         return
     if args.codes_sweep:
         bw = copy_bandwidth()

@@ -318,6 +318,45 @@ def test_codes_kernel(dtype: torch.dtype) -> None:
         assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < tol(dtype), cfg
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_codes_kernel_decoded(dtype: torch.dtype) -> None:
+    """The codes kernel's decoded form (DEQUANT: (code - zero) * scale rounded to x's dtype before one dot a tile):
+    split K, zero points or none, bias, masked N and M, scales in x's dtype and in the other 16-bit one (rounded to
+    x's), group 64 and 128, 3-64 rows."""
+    gen = torch.Generator().manual_seed(12)
+    n, k = (1029, 4096) if DEV == "cuda" else (40, 512)
+    cases = [  # group, zeros, scale dtype is x's, M, BLOCK_N, BLOCK_K, split
+        (128, True, False, 33, 64, 128, 1),
+        (128, False, True, 64, 128, 64, 2),
+        (64, True, True, 48, 64, 64, 4),
+        (128, True, True, 3, 128, 128, 1),
+    ]
+    for group, zeros, same, M, bn, bk, split in cases:
+        bn = bn if DEV == "cuda" else 16
+        other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+        qw = random_weight("int4", n, k, gen, group, zeros, dtype if same else other)
+        x = torch.randn(M, k, generator=gen).to(DEV, dtype)
+        b = torch.randn(n, generator=gen).to(DEV, dtype)
+        bm = max(16, 1 << (M - 1).bit_length())
+        cfg = {**CODES_BASE, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
+        assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < tol(dtype), cfg
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the PTX decode (the interpreter runs the float32 form)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_codes_decoded_ptx_equals_float32_form(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoded form's PTX pairs give the float32 form's weights bit for bit (same tiles, same dot order)."""
+    from ftransformers.kernels import triton_w4a16_codes
+
+    gen = torch.Generator().manual_seed(13)
+    qw = random_weight("int4", 1029, 4096, gen, 128, True, dtype)
+    x = torch.randn(40, 4096, generator=gen).to(DEV, dtype)
+    cfg = {**CODES_BASE, "DEQUANT": 1, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+    ptx = w4a16_linear(x, qw, config=cfg)
+    monkeypatch.setattr(triton_w4a16_codes, "DQ_ASM", False)
+    assert torch.equal(ptx, w4a16_linear(x, qw, config=cfg))
+
+
 def test_codes_split_without_tickets(monkeypatch: pytest.MonkeyPatch) -> None:
     """With no ticket counters (a graph capture before the pool exists) a split product runs unsplit."""
     from ftransformers.kernels import tickets

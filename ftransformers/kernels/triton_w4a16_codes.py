@@ -47,6 +47,9 @@ from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CODES_MAX_M = 64  # rows the codes kernel takes (x's tile up to 64 rows)
+# The decoded form (a config's DEQUANT) decodes its pairs in PTX (`dequant_tile`); False: the same arithmetic in
+# float32 ops (the interpreter's form; an A/B on the GPU)
+DQ_ASM = True
 # (magic pair, code offset) per x dtype: bf16 0x4300 = 128.0, fp16 0x6400 = 1024.0
 MAGIC = {torch.bfloat16: (0x43004300, 128.0), torch.float16: (0x64006400, 1024.0)}
 
@@ -76,6 +79,44 @@ def code_tile(q, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
     return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
+# The decoded form (DEQUANT): one block of PTX a word, 8 weights as 4 pairs of x's 16-bit type: LOP3 makes (offset +
+# code) exact, FMA by one adds -(offset + zero) (exact: small integers), FMA by the scale with a -0 addend rounds the
+# product once. $0-$3: pairs (nibble i, nibble i + 4), i = 0..3; $4 $5: the word (twice, pack 2); $6: -(offset +
+# zero), $7: the scale (each 16-bit pair in one register); $8 $9: the magic.
+_DQ_BODY = """{ .reg .b32 t<4>, one, nzero;
+mov.b32 one, ONE; mov.b32 nzero, 0x80008000;
+lop3.b32 t0, $4, 0x000F000F, $8, 0xEA;
+shr.u32 t1, $4, 4; lop3.b32 t1, t1, 0x000F000F, $8, 0xEA;
+shr.u32 t2, $4, 8; lop3.b32 t2, t2, 0x000F000F, $8, 0xEA;
+shr.u32 t3, $4, 12; lop3.b32 t3, t3, 0x000F000F, $8, 0xEA;
+FMA t0, t0, one, $6; FMA $0, t0, $7, nzero;
+FMA t1, t1, one, $6; FMA $1, t1, $7, nzero;
+FMA t2, t2, one, $6; FMA $2, t2, $7, nzero;
+FMA t3, t3, one, $6; FMA $3, t3, $7, nzero; }"""
+_DQ_BF16: tl.constexpr = tl.constexpr(_DQ_BODY.replace("ONE", "0x3F803F80").replace("FMA", "fma.rn.bf16x2"))
+_DQ_F16: tl.constexpr = tl.constexpr(_DQ_BODY.replace("ONE", "0x3C003C00").replace("FMA", "fma.rn.f16x2"))
+
+
+@triton.jit
+def dequant_tile(q, scale, nzoff, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ASM: tl.constexpr):  # fmt: skip
+    # q [BN, BW] words, scale and nzoff = -(offset + zero) [BN] in DT (one group a tile) -> [BN, BK] DT weights
+    # (code - zero) * scale in K order, rounded once. ASM: code_tile's pairs decoded by _DQ_* in registers (2 PTX
+    # instructions a weight and a half); else the same arithmetic in float32 (the interpreter), bit for bit equal.
+    if ASM:
+        q2 = tl.join(q, q)  # [BN, BW, 2]: each pack-2 instance gets one word
+        nz2 = nzoff[:, None, None]
+        s2 = scale[:, None, None]
+        m2 = q2 * 0 + magic
+        asm: tl.constexpr = _DQ_BF16 if DT == tl.bfloat16 else _DQ_F16
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r,r,r", [q2, nz2, s2, m2],
+                                                   dtype=(DT.value,) * 4, is_pure=True, pack=2)  # fmt: skip
+        # p_i [BN, BW, 2]: nibbles (i, i + 4), joined as code_tile's into nibble j = 4h + i at k = 8w + j
+        return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [BLOCK_N, BLOCK_K])
+    codes = code_tile(q, magic, DT, BLOCK_N, BLOCK_K).to(tl.float32)
+    return ((codes + nzoff[:, None].to(tl.float32)) * scale[:, None].to(tl.float32)).to(DT)
+
+
 @triton.jit
 def group_params(s_ptrs, z_ptrs, g, n_ok, offset, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
     # [BN] float32 scale and (offset + zero) of group g
@@ -95,10 +136,12 @@ def _w4a16_codes_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, DEQUANT: tl.constexpr = False, DQ_ASM: tl.constexpr = False,
 ):  # fmt: skip
     # y [M, N] (x's dtype); part [SPLIT_K, M, N] float32. The product is y^T = W @ x^T: the weight tile
     # [BN, BK] is the A operand (BN rows: the wgmma M), x^T [BK, BM] the B operand; acc [BN, BM].
+    # DEQUANT: the tile is decoded with its scale and zero before the dot (`dequant_tile`), so one dot a tile into
+    # one running accumulator instead of the codes' dot, the sums' dot and a scaled add.
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -129,18 +172,25 @@ def _w4a16_codes_kernel(
         scale_k, zoff_k = scale, zoff
         nxt = tl.minimum(k0 + k_step, K - BLOCK_K)
         scale, zoff = group_params(s_ptrs, z_ptrs, nxt // GROUP, n_ok, offset, HAS_ZEROS, BLOCK_N)
-        w = code_tile(q, magic, DT, BLOCK_N, BLOCK_K)
-        if IEEE:  # the CPU interpreter (whose 16-bit dot is wrong): float32 dots of the same exact values
-            xd = x.to(tl.float32)
-            wd = w.to(tl.float32)
+        if DEQUANT:
+            w = dequant_tile(q, scale_k.to(DT), (-zoff_k).to(DT), magic, DT, BLOCK_N, BLOCK_K, DQ_ASM)
+            if IEEE:
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
         else:
-            xd = x
-            wd = w
-        part = tl.dot(wd, tl.trans(xd), input_precision=prec)  # [BN, BM]
-        # sum_k x[m, k] broadcast over the rows, on the tensor cores: a constant A operand needs no
-        # shared-memory round trip, where a row reduction of x took shuffles and a barrier
-        xs = tl.dot(ones, tl.trans(xd), input_precision=prec)  # [BN, BM]
-        acc += (part - zoff_k[:, None] * xs) * scale_k[:, None]
+            w = code_tile(q, magic, DT, BLOCK_N, BLOCK_K)
+            if IEEE:  # the CPU interpreter (whose 16-bit dot is wrong): float32 dots of the same exact values
+                xd = x.to(tl.float32)
+                wd = w.to(tl.float32)
+            else:
+                xd = x
+                wd = w
+            part = tl.dot(wd, tl.trans(xd), input_precision=prec)  # [BN, BM]
+            # sum_k x[m, k] broadcast over the rows, on the tensor cores: a constant A operand needs no
+            # shared-memory round trip, where a row reduction of x took shuffles and a barrier
+            xs = tl.dot(ones, tl.trans(xd), input_precision=prec)  # [BN, BM]
+            acc += (part - zoff_k[:, None] * xs) * scale_k[:, None]
     acc = tl.trans(acc)  # [BM, BN]
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -217,6 +267,7 @@ def w4a16_codes(
         magic, offset, M, N, K, x.stride(0), qweight.stride(0), s.stride(0), z.stride(0), y.stride(0),
         GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, DT=dt, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, SPLIT_K=split, IEEE=_INTERPRET, EVEN_N=N % bn == 0,
+        DEQUANT=bool(cfg.get("DEQUANT")), DQ_ASM=DQ_ASM and not _INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch(x.device),
     )  # fmt: skip
