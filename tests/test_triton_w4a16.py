@@ -228,7 +228,7 @@ def test_gemv_scale_zero_only_where_the_gemv_runs() -> None:
     assert triton_w4a16.gemv_scale_zero(random_weight("mxfp4", 64, 256, gen)) is None
 
 
-def test_config_paths() -> None:
+def test_config_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     assert w4a16_config(1, 5120, 2048, "int4")["GEMV"] == 1 and w4a16_config(2, 5120, 2048, "int4")["BLOCK_M"] == 2
     assert w4a16_config(4, 5120, 2048, "mxfp4")["GEMV"] == 1 and w4a16_config(4, 5120, 2048, "mxfp4")["BLOCK_M"] == 4
     # int4, 3-16 rows: the codes kernel, K split until 512 programs (80 column tiles -> 8 splits)
@@ -240,14 +240,31 @@ def test_config_paths() -> None:
     )
     assert "CODES" not in w4a16_config(8, 5120, 2048, "int4", 16)  # group 16: no K tile fits in a group
     assert w4a16_config(16, 5120, 2048, "nvfp4")["GEMV"] == 0 and w4a16_config(16, 5120, 2048, "nvfp4")["BLOCK_M"] == 16
-    # int4, 17-64 rows: the codes kernel with a 32- or 64-row x tile; past 32 rows K split until 256 programs
-    mid = [w4a16_config(m, 5120, 2048, "int4") for m in (32, 64)]
-    assert [(c["BLOCK_M"], c["SPLIT_K"]) for c in mid] == [(32, 8), (64, 4)]
+    # int4, 17-64 rows, groups holding K tiles of 64: the codes kernel's decoded form, (BLOCK_M, BLOCK_N, BLOCK_K,
+    # SPLIT_K, warps): wide large weights 128-row tiles split 2 to 32 rows, then 64-row tiles unsplit; deep large
+    # weights 128-row tiles split 4; smaller ones 64-row tiles, K split until 256 programs
+    def tiles(c: dict) -> tuple:
+        assert c["CODES"] == 1 and c["DEQUANT"] == 1, c
+        return c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["num_warps"]
+
+    assert tiles(w4a16_config(17, 24576, 4096, "int4")) == (32, 128, 128, 2, 8)
+    assert tiles(w4a16_config(33, 24576, 4096, "int4")) == (64, 64, 128, 1, 4)
+    assert tiles(w4a16_config(48, 7168, 16384, "int4", 64)) == (64, 128, 64, 4, 8)
+    assert tiles(w4a16_config(32, 5120, 2048, "int4")) == (32, 64, 128, 4, 4)
+    assert tiles(w4a16_config(64, 2048, 4096, "int4")) == (64, 64, 128, 4, 4)
+    assert tiles(w4a16_config(64, 16384, 4096, "int4")) == (64, 64, 128, 1, 4)  # 256 tiles: unsplit
     assert "CODES" not in w4a16_config(65, 5120, 2048, "int4")
-    # large int4 weights (N x K >= 2^25) past CODES_MAX_ROWS_LARGE = 32 rows: the decode-shaped dequantizing tiles
+    # without it (DECODED off): the codes form; large weights past CODES_MAX_ROWS_LARGE = 32 rows the decode-shaped
+    # dequantizing tiles. Group 32 (no K tile of 64 in a group) keeps that rule.
+    monkeypatch.setattr(triton_w4a16, "DECODED", False)
+    mid = [w4a16_config(m, 5120, 2048, "int4") for m in (32, 64)]
+    assert [(c["BLOCK_M"], c["SPLIT_K"], c.get("DEQUANT")) for c in mid] == [(32, 8, None), (64, 4, None)]
     assert w4a16_config(32, 24576, 4096, "int4")["CODES"] == 1 and w4a16_config(64, 5120, 2048, "int4")["CODES"] == 1
-    for m, n, k, split in [(33, 24576, 4096, 1), (64, 4096, 12288, 4), (48, 7168, 16384, 4)]:
-        cfg = w4a16_config(m, n, k, "int4")
+    for m, n, k, group, split in [(33, 24576, 4096, 128, 1), (64, 4096, 12288, 128, 4), (48, 7168, 16384, 128, 4),
+                                  (48, 7168, 16384, 32, 4)]:  # fmt: skip
+        if group == 32:
+            monkeypatch.setattr(triton_w4a16, "DECODED", True)
+        cfg = w4a16_config(m, n, k, "int4", group)
         assert "CODES" not in cfg and (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]) == (
             64, 64, 128, split), (m, n, k, cfg)  # fmt: skip
     # FP4, 17-64 rows: one decode-shaped row tile of max(16, M) rows
@@ -330,6 +347,7 @@ def test_codes_kernel_decoded(dtype: torch.dtype) -> None:
         (128, False, True, 64, 128, 64, 2),
         (64, True, True, 48, 64, 64, 4),
         (128, True, True, 3, 128, 128, 1),
+        (128, True, True, 64, 128, 64, 4),
     ]
     for group, zeros, same, M, bn, bk, split in cases:
         bn = bn if DEV == "cuda" else 16
@@ -345,16 +363,23 @@ def test_codes_kernel_decoded(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(DEV != "cuda", reason="the PTX decode (the interpreter runs the float32 form)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_codes_decoded_ptx_equals_float32_form(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decoded form's PTX pairs give the float32 form's weights bit for bit (same tiles, same dot order)."""
+    """The decoded form's PTX pairs give the float32 form's weights bit for bit (same tiles, same dot order), on
+    tiles of 64 and 128 rows, 4 and 8 warps, K tiles of 64 and 128 and split K (where session 68's first form, which
+    passed 16-bit operands two to an instance, paired words with other words' scales: 128 x 64 tiles, 8 warps)."""
     from ftransformers.kernels import triton_w4a16_codes
 
     gen = torch.Generator().manual_seed(13)
-    qw = random_weight("int4", 1029, 4096, gen, 128, True, dtype)
-    x = torch.randn(40, 4096, generator=gen).to(DEV, dtype)
-    cfg = {**CODES_BASE, "DEQUANT": 1, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
-    ptx = w4a16_linear(x, qw, config=cfg)
-    monkeypatch.setattr(triton_w4a16_codes, "DQ_ASM", False)
-    assert torch.equal(ptx, w4a16_linear(x, qw, config=cfg))
+    qw = random_weight("int4", 1024, 4096, gen, 128, True, dtype)
+    for m, bn, bk, split, warps, stages in [(40, 64, 128, 1, 4, 3), (64, 128, 64, 4, 8, 3), (64, 128, 128, 2, 8, 4),
+                                            (17, 128, 64, 1, 4, 4)]:  # fmt: skip
+        x = torch.randn(m, 4096, generator=gen).to(DEV, dtype)
+        cfg = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": max(16, 1 << (m - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": bk,
+               "SPLIT_K": split, "num_warps": warps, "num_stages": stages}  # fmt: skip
+        monkeypatch.setattr(triton_w4a16_codes, "DQ_ASM", True)
+        ptx = w4a16_linear(x, qw, config=cfg)
+        assert rel_err(ptx, quant_linear_ref(x, qw)) < tol(dtype), cfg
+        monkeypatch.setattr(triton_w4a16_codes, "DQ_ASM", False)
+        assert torch.equal(ptx, w4a16_linear(x, qw, config=cfg)), cfg
 
 
 def test_codes_split_without_tickets(monkeypatch: pytest.MonkeyPatch) -> None:

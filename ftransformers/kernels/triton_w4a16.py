@@ -56,6 +56,7 @@ from ftransformers.kernels.triton_w4a16_codes import (
     CODES_MAX_M,
     codes_config,
     codes_supported,
+    decoded_config,
     split_programs,
     w4a16_codes,
 )
@@ -99,6 +100,10 @@ DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing p
 # weights are all small, slower (13.291 / 13.678 against 12.907 / 13.398): hence large weights only. Kimi-K2's group 32
 # at 64 rows gained more (DeepSeek-V3 o 88.5 against 152.0 us, w4a16_mid_g32_rows_s67_h200.*).
 CODES_MAX_ROWS_LARGE = 32
+# int4 products of 17-64 rows of 16-bit x on weights whose groups hold K tiles of 64 take the codes kernel's decoded
+# form (`decoded_config`); False: the rule before it (the codes form, or the dequantizing GEMM on large weights past
+# CODES_MAX_ROWS_LARGE rows), for an A/B (`set=triton_w4a16.DECODED=0`)
+DECODED = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
 _FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}
@@ -392,6 +397,9 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     (benchmarks/results/w4a16_mid4_h100.json): 1.1-3.7x the 64 x 128 x 128 tiles it ran before on Qwen3 weights,
     except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Prefill from M = 129: 256 x 128
     tiles (two warpgroups share each dequantized weight tile)."""
+    decoded = decoded_config(M, N, K, group) if codes and fmt == "int4" and DECODED else None
+    if decoded is not None:
+        return decoded
     large = N * K >= (1 << 25)
     codes_rows = CODES_MAX_ROWS_LARGE if large else CODES_MAX_M
     codes_cfg = codes_config(M, N, K, group) if codes and fmt == "int4" and 2 < M <= codes_rows else None

@@ -81,38 +81,54 @@ def code_tile(q, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 
 # The decoded form (DEQUANT): one block of PTX a word, 8 weights as 4 pairs of x's 16-bit type: LOP3 makes (offset +
 # code) exact, FMA by one adds -(offset + zero) (exact: small integers), FMA by the scale with a -0 addend rounds the
-# product once. $0-$3: pairs (nibble i, nibble i + 4), i = 0..3; $4 $5: the word (twice, pack 2); $6: -(offset +
-# zero), $7: the scale (each 16-bit pair in one register); $8 $9: the magic.
+# product once. $0-$3: pairs (nibble i, nibble i + 4), i = 0..3; $4: the word; $5: -(offset + zero) and $6: the
+# scale, each twice in one register; $7: the magic. Every operand is 32-bit and one instance takes one word, so no
+# layout Triton picks can pair a word with another's scale (pack 2 on 16-bit operands did, at some tiles).
 _DQ_BODY = """{ .reg .b32 t<4>, one, nzero;
 mov.b32 one, ONE; mov.b32 nzero, 0x80008000;
-lop3.b32 t0, $4, 0x000F000F, $8, 0xEA;
-shr.u32 t1, $4, 4; lop3.b32 t1, t1, 0x000F000F, $8, 0xEA;
-shr.u32 t2, $4, 8; lop3.b32 t2, t2, 0x000F000F, $8, 0xEA;
-shr.u32 t3, $4, 12; lop3.b32 t3, t3, 0x000F000F, $8, 0xEA;
-FMA t0, t0, one, $6; FMA $0, t0, $7, nzero;
-FMA t1, t1, one, $6; FMA $1, t1, $7, nzero;
-FMA t2, t2, one, $6; FMA $2, t2, $7, nzero;
-FMA t3, t3, one, $6; FMA $3, t3, $7, nzero; }"""
+lop3.b32 t0, $4, 0x000F000F, $7, 0xEA;
+shr.u32 t1, $4, 4; lop3.b32 t1, t1, 0x000F000F, $7, 0xEA;
+shr.u32 t2, $4, 8; lop3.b32 t2, t2, 0x000F000F, $7, 0xEA;
+shr.u32 t3, $4, 12; lop3.b32 t3, t3, 0x000F000F, $7, 0xEA;
+FMA t0, t0, one, $5; FMA $0, t0, $6, nzero;
+FMA t1, t1, one, $5; FMA $1, t1, $6, nzero;
+FMA t2, t2, one, $5; FMA $2, t2, $6, nzero;
+FMA t3, t3, one, $5; FMA $3, t3, $6, nzero; }"""
 _DQ_BF16: tl.constexpr = tl.constexpr(_DQ_BODY.replace("ONE", "0x3F803F80").replace("FMA", "fma.rn.bf16x2"))
 _DQ_F16: tl.constexpr = tl.constexpr(_DQ_BODY.replace("ONE", "0x3C003C00").replace("FMA", "fma.rn.f16x2"))
+
+
+@triton.jit
+def _twice(v, DT: tl.constexpr):
+    # [BN] DT -> [BN, 1] int32 holding v's 16 bits in both halves
+    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (b | (b << 16))[:, None]
+
+
+@triton.jit
+def _halves(t, DT: tl.constexpr):
+    # int32 pairs -> (low half, high half) as DT
+    return t.to(tl.int16).to(DT, bitcast=True), (t >> 16).to(tl.int16).to(DT, bitcast=True)
 
 
 @triton.jit
 def dequant_tile(q, scale, nzoff, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  ASM: tl.constexpr):  # fmt: skip
     # q [BN, BW] words, scale and nzoff = -(offset + zero) [BN] in DT (one group a tile) -> [BN, BK] DT weights
-    # (code - zero) * scale in K order, rounded once. ASM: code_tile's pairs decoded by _DQ_* in registers (2 PTX
-    # instructions a weight and a half); else the same arithmetic in float32 (the interpreter), bit for bit equal.
+    # (code - zero) * scale in K order, rounded once. ASM: the pairs decoded by _DQ_* in registers (two 16-bit FMAs
+    # a pair); else the same arithmetic in float32 (the interpreter), bit for bit equal.
     if ASM:
-        q2 = tl.join(q, q)  # [BN, BW, 2]: each pack-2 instance gets one word
-        nz2 = nzoff[:, None, None]
-        s2 = scale[:, None, None]
-        m2 = q2 * 0 + magic
         asm: tl.constexpr = _DQ_BF16 if DT == tl.bfloat16 else _DQ_F16
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r,r,r,r", [q2, nz2, s2, m2],
-                                                   dtype=(DT.value,) * 4, is_pure=True, pack=2)  # fmt: skip
-        # p_i [BN, BW, 2]: nibbles (i, i + 4), joined as code_tile's into nibble j = 4h + i at k = 8w + j
-        return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [BLOCK_N, BLOCK_K])
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            asm, "=r,=r,=r,=r,r,r,r,r", [q, _twice(nzoff, DT), _twice(scale, DT), q * 0 + magic],
+            dtype=(tl.int32,) * 4, is_pure=True, pack=1,
+        )  # fmt: skip
+        l0, h0 = _halves(p0, DT)
+        l1, h1 = _halves(p1, DT)
+        l2, h2 = _halves(p2, DT)
+        l3, h3 = _halves(p3, DT)
+        w = tl.join(tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3)))
+        return tl.reshape(w, [BLOCK_N, BLOCK_K])  # as code_tile's: nibble j = 4h + i at k = 8w + j
     codes = code_tile(q, magic, DT, BLOCK_N, BLOCK_K).to(tl.float32)
     return ((codes + nzoff[:, None].to(tl.float32)) * scale[:, None].to(tl.float32)).to(DT)
 
@@ -233,6 +249,31 @@ def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     split = next((s for s in (1, 2, 4) if tiles * s >= split_programs(M)), 8)
     return {"CODES": 1, "BLOCK_M": max(16, next_pow2(M)), "BLOCK_N": 64, "BLOCK_K": bk,
             "SPLIT_K": min(split, K // bk), "num_warps": 4, "num_stages": 3}  # fmt: skip
+
+
+def decoded_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
+    """Tiles for the decoded form (DEQUANT) at 17-64 rows of x on an int4 [N, K] weight whose group holds K tiles of
+    128 (or 64), or None. From the H200 (session 68, benchmarks/results/w4a16_decoded_s68_h200.*: 36 tiles at 32 and
+    64 rows against the codes form or the dequantizing GEMM the rule ran before, and cuBLAS on the bf16 weight):
+    - wide large weights (N / 64 >= 256: Qwen3-8B gate_up): 128 x 128 tiles, 8 warps, K in 2 at up to 32 rows (43.3
+      against 53.5 us; cuBLAS 49.8), 64 x 128, 4 warps, unsplit past them (45.0 against 53.6; cuBLAS 50.5);
+    - other large weights (N x K >= 2^25, deep: Qwen3-8B down, DeepSeek-V3 o): 128 x 128, 8 warps, K in 4 (32 rows
+      26.0 / 54.2 against 27.9 / 65.1; 64 rows 31.0 / 79.0 against 42.8 / 95.9);
+    - smaller weights: 64 x 128, 4 warps, K split into the fewest of 1, 2, 4 parts giving 256 programs (Qwen3-8B qkv
+      19.3 / 18.0 against 18.3 / 21.5 at 32 / 64 rows, Qwen3-30B-A3B qkv 9.7 / 13.7 against 11.4 / 13.5)."""
+    bk = next((b for b in (128, 64) if group % b == 0 and K % b == 0), 0)
+    if not bk or not 16 < M <= CODES_MAX_M:
+        return None
+    tiles64 = cdiv(N, 64)
+    if N * K >= 1 << 25 and tiles64 >= 256:
+        bn, warps, split = (128, 8, 2) if M <= 32 else (64, 4, 1)
+    elif N * K >= 1 << 25:
+        bn, warps, split = 128, 8, 4
+    else:
+        bn, warps = 64, 4
+        split = next((s for s in (1, 2) if tiles64 * s >= 256), 4)
+    return {"CODES": 1, "DEQUANT": 1, "BLOCK_M": max(16, next_pow2(M)), "BLOCK_N": bn, "BLOCK_K": bk,
+            "SPLIT_K": min(split, K // bk), "num_warps": warps, "num_stages": 3}  # fmt: skip
 
 
 def codes_supported(M: int, K: int, group: int, fmt: str, x_dtype: torch.dtype, block_k: int) -> bool:
