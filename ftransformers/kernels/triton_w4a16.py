@@ -14,7 +14,8 @@ kernels, chosen by `w4a16_config` from M, the format and the weight size:
   by the engine carry `QuantizedWeight.scale_zero` (`gemv_scale_zero`), which the GEMV reads instead of
   the scales and zeros: a thread's 4 rows of a group in one 16-byte load.
 - `triton_w4a16_codes` (int4, 3 <= M <= 64): tensor cores on the raw codes, scales applied per group
-  after the dot, split K with a last-one-out sum (its module docstring).
+  after the dot, split K with a last-one-out sum (its module docstring); at 17-64 rows its decoded form, each tile
+  decoded with its scale before one dot (`decoded_config`).
 - `_w4a16_gemm_kernel` (FP4 with M > 2, int4 groups the codes kernel cannot take, prefill): tensor
   cores (mma / wgmma). The weight tile is dequantized per nibble, interleaved in registers into K order
   ([BLOCK_N, BLOCK_K], 16-byte shared stores) and fed to tl.dot with float32 accumulation; x and
@@ -102,7 +103,11 @@ DECODE_MIN_TILES = 128  # column tiles from which a decode-shaped dequantizing p
 CODES_MAX_ROWS_LARGE = 32
 # int4 products of 17-64 rows of 16-bit x on weights whose groups hold K tiles of 64 take the codes kernel's decoded
 # form (`decoded_config`); False: the rule before it (the codes form, or the dequantizing GEMM on large weights past
-# CODES_MAX_ROWS_LARGE rows), for an A/B (`set=triton_w4a16.DECODED=0`)
+# CODES_MAX_ROWS_LARGE rows), for an A/B (`set=triton_w4a16.DECODED=0`). W4A16 steps, replay ms, on against off
+# (H200, session 68, ab_decoded_{8b,dsv3,30b}_w4a16_s68_h200.*): Qwen3-8B B=48 / 64 5.639 / 6.127 against 6.677 /
+# 7.081 (and 7.173 / 7.577 with the codes form on every weight), B=24 / 32 level (5.407 / 5.593 against 5.389 /
+# 5.628); DeepSeek-V3 (3 layers) B=24-64 0.5-1.6% faster (B=48 6.837 against 6.949); Qwen3-30B-A3B, whose dense
+# weights are all small, within 1.3% either way (B=24 8.195 against 8.306, B=48 12.950 against 12.871)
 DECODED = True
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _FMT_ID = {"int4": 0, "mxfp4": 1, "nvfp4": 2}
@@ -390,7 +395,8 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     per program on small weights, 8 on large. int4 with 3
     to 64 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
     dot, split K), 1.0-2.4x the dequantizing GEMM there; on large weights only up to CODES_MAX_ROWS_LARGE
-    rows, where the H200 measured the decode-shaped tiles faster past it. FP4 (and those int4 products) up to
+    rows, where the H200 measured the decode-shaped tiles faster past it; at 17-64 rows, where a group holds K tiles
+    of 64, the codes kernel's decoded form instead (`decoded_config`, `DECODED`). FP4 (and those int4 products) up to
     DECODE_MAX_M rows: one tensor-core row tile of max(16, M) rows, narrow and deep on small weights (more
     programs) up to 32 rows, wide on large ones and past 32 rows, K split where the column tiles are fewer than the SMs (`decode_split`, aiming at 512 programs, 256
     past 32 rows; float32 partials summed after the kernel). From the H100 sweep at 24-64 rows

@@ -17,6 +17,14 @@ are ~30x the column term they leave, so their rounding is ~1e-5 of the result (m
 over the 1e-5 float32 tolerance). That is far under 16-bit rounding, so only 16-bit x takes this
 kernel; float32 x takes the dequantizing kernels.
 
+The decoded form (a config's DEQUANT, `decoded_config`: 17-64 rows) decodes each tile's weights with their scale and
+zero before the dot, (128 + code - (128 + zero)) * scale in x's dtype, two packed 16-bit FMAs a pair in inline PTX
+(`dequant_tile`; the first exact, the second rounding once, as a bf16 copy of the weight would), and accumulates one
+dot a tile. The codes form's second dot (the x sums) and its scaled add a tile go, and Triton keeps the decoded tile
+as wgmma's register A operand. The scale is rounded to x's dtype first (vLLM's Marlin path does the same with AWQ's
+float16 scales in a bf16 model). At 33-64 rows on large weights it took a Qwen3-8B W4A16 step 13-16% under the rule
+before it (session 68, docs/performance.md).
+
 The product is y^T = W @ x^T: the weight tile is the dot's A operand (BLOCK_N rows, the wgmma M), x^T
 its B operand. Split K: SPLIT_K programs per column tile each take every SPLIT_K-th K tile; with
 tickets (kernels/tickets.py) they publish float32 partials and the last one out adds them in split
