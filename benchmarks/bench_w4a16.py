@@ -225,18 +225,15 @@ MID_ROWS = [4, 8, 16, 32, 64]
 MID_VARIANTS = ["int4-asym", "mxfp4", "nvfp4"]
 
 
-STAGES = (3,)
-
-
 def decoded_configs(M: int, group: int = 128) -> list[dict[str, int]]:
     """The int4 codes kernel's decoded form (DEQUANT: weights decoded with their scales before one dot a tile) at M
-    rows: W @ x^T and x @ W^T (W_AS_B), weight tiles of 64 / 128 rows, K tiles of 64 / 128 inside a group, K split
-    1-4, 4 warps (8 too on 128-row tiles), STAGES pipeline stages (session 68's first sweep also ran 4: no better)."""
+    rows: weight tiles of 64 / 128 rows, K tiles of 64 / 128 inside a group, K split 1-4, 4 warps (8 too on 128-row
+    tiles), 3 or 4 stages."""
     bm = max(16, triton.next_power_of_2(M))
     bks = [bk for bk in (64, 128) if group % bk == 0] or [32]
-    return [{"CODES": 1, "DEQUANT": 1, "W_AS_B": wb, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
-             "num_warps": w, "num_stages": st} for wb in (0, 1) for bn in (64, 128) for bk in bks for sk in (1, 2, 4)
-            for w in ((4,) if bn == 64 else (4, 8)) for st in STAGES]  # fmt: skip
+    return [{"CODES": 1, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w,
+             "num_stages": st} for bn in (64, 128) for bk in bks for sk in (1, 2, 4)
+            for w in ((4,) if bn == 64 else (4, 8)) for st in (3, 4)]  # fmt: skip
 
 
 def mid_configs(M: int, fmt: str, group: int = 128, decoded: bool = False) -> list[dict[str, int]]:

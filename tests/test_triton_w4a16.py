@@ -342,23 +342,21 @@ def test_codes_kernel_decoded(dtype: torch.dtype) -> None:
     x's), group 64 and 128, 3-64 rows."""
     gen = torch.Generator().manual_seed(12)
     n, k = (1029, 4096) if DEV == "cuda" else (40, 512)
-    cases = [  # group, zeros, scale dtype is x's, M, BLOCK_N, BLOCK_K, split, W_AS_B
-        (128, True, False, 33, 64, 128, 1, 0),
-        (128, False, True, 64, 128, 64, 2, 0),
-        (64, True, True, 48, 64, 64, 4, 1),
-        (128, True, True, 3, 128, 128, 1, 0),
-        (128, True, True, 64, 128, 64, 4, 0),
-        (128, True, False, 24, 128, 128, 2, 1),
+    cases = [  # group, zeros, scale dtype is x's, M, BLOCK_N, BLOCK_K, split
+        (128, True, False, 33, 64, 128, 1),
+        (128, False, True, 64, 128, 64, 2),
+        (64, True, True, 48, 64, 64, 4),
+        (128, True, True, 3, 128, 128, 1),
+        (128, True, True, 64, 128, 64, 4),
     ]
-    for group, zeros, same, M, bn, bk, split, w_as_b in cases:
+    for group, zeros, same, M, bn, bk, split in cases:
         bn = bn if DEV == "cuda" else 16
         other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
         qw = random_weight("int4", n, k, gen, group, zeros, dtype if same else other)
         x = torch.randn(M, k, generator=gen).to(DEV, dtype)
         b = torch.randn(n, generator=gen).to(DEV, dtype)
         bm = max(16, 1 << (M - 1).bit_length())
-        cfg = {**CODES_BASE, "DEQUANT": 1, "W_AS_B": w_as_b, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-               "SPLIT_K": split}  # fmt: skip
+        cfg = {**CODES_BASE, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
         assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < tol(dtype), cfg
 
 
@@ -372,12 +370,11 @@ def test_codes_decoded_ptx_equals_float32_form(dtype: torch.dtype, monkeypatch: 
 
     gen = torch.Generator().manual_seed(13)
     qw = random_weight("int4", 1024, 4096, gen, 128, True, dtype)
-    for m, bn, bk, split, warps, stages, w_as_b in [(40, 64, 128, 1, 4, 3, 0), (64, 128, 64, 4, 8, 3, 0),
-                                                    (64, 128, 128, 2, 8, 4, 0), (17, 128, 64, 1, 4, 4, 0),
-                                                    (64, 128, 128, 1, 8, 3, 1), (24, 64, 64, 2, 4, 3, 1)]:  # fmt: skip
+    for m, bn, bk, split, warps, stages in [(40, 64, 128, 1, 4, 3), (64, 128, 64, 4, 8, 3), (64, 128, 128, 2, 8, 4),
+                                            (17, 128, 64, 1, 4, 4)]:  # fmt: skip
         x = torch.randn(m, 4096, generator=gen).to(DEV, dtype)
-        cfg = {"CODES": 1, "DEQUANT": 1, "W_AS_B": w_as_b, "BLOCK_M": max(16, 1 << (m - 1).bit_length()),
-               "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "num_stages": stages}  # fmt: skip
+        cfg = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": max(16, 1 << (m - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": bk,
+               "SPLIT_K": split, "num_warps": warps, "num_stages": stages}  # fmt: skip
         monkeypatch.setattr(triton_w4a16_codes, "DQ_ASM", True)
         ptx = w4a16_linear(x, qw, config=cfg)
         assert rel_err(ptx, quant_linear_ref(x, qw)) < tol(dtype), cfg

@@ -161,14 +161,11 @@ def _w4a16_codes_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, EVEN_N: tl.constexpr,
     USE_PDL: tl.constexpr = False, DEQUANT: tl.constexpr = False, DQ_ASM: tl.constexpr = False,
-    W_AS_B: tl.constexpr = False,
 ):  # fmt: skip
     # y [M, N] (x's dtype); part [SPLIT_K, M, N] float32. The product is y^T = W @ x^T: the weight tile
     # [BN, BK] is the A operand (BN rows: the wgmma M), x^T [BK, BM] the B operand; acc [BN, BM].
     # DEQUANT: the tile is decoded with its scale and zero before the dot (`dequant_tile`), so one dot a tile into
-    # one running accumulator instead of the codes' dot, the sums' dot and a scaled add. W_AS_B (with DEQUANT): the
-    # product is x @ W^T instead, acc [BM, BN], the decoded tile the B operand (Triton stores it to shared memory
-    # once, where as A it reaches wgmma's register layout through rounds of layout conversion).
+    # one running accumulator instead of the codes' dot, the sums' dot and a scaled add.
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -184,10 +181,7 @@ def _w4a16_codes_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     s_ptrs = s_ptr + offs_n * stride_sn  # [BN]
     z_ptrs = z_ptr + offs_n * stride_zn
-    if W_AS_B:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_step = SPLIT_K * BLOCK_K  # split pid_k takes every SPLIT_K-th K tile
     # the scale and zero of a tile are loaded one iteration ahead (their latency off the tile's chain)
     scale, zoff = group_params(s_ptrs, z_ptrs, pid_k * BLOCK_K // GROUP, n_ok, offset, HAS_ZEROS, BLOCK_N)
@@ -205,12 +199,7 @@ def _w4a16_codes_kernel(
         if DEQUANT:
             w = dequant_tile(q, scale_k.to(DT), (-zoff_k).to(DT), magic, DT, BLOCK_N, BLOCK_K, DQ_ASM)
             if IEEE:
-                if W_AS_B:
-                    acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            elif W_AS_B:
-                acc = tl.dot(x, tl.trans(w), acc)
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
         else:
@@ -226,8 +215,7 @@ def _w4a16_codes_kernel(
             # shared-memory round trip, where a row reduction of x took shuffles and a barrier
             xs = tl.dot(ones, tl.trans(xd), input_precision=prec)  # [BN, BM]
             acc += (part - zoff_k[:, None] * xs) * scale_k[:, None]
-    if not W_AS_B:
-        acc = tl.trans(acc)  # [BM, BN]
+    acc = tl.trans(acc)  # [BM, BN]
     mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -328,7 +316,7 @@ def w4a16_codes(
         magic, offset, M, N, K, x.stride(0), qweight.stride(0), s.stride(0), z.stride(0), y.stride(0),
         GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, DT=dt, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, SPLIT_K=split, IEEE=_INTERPRET, EVEN_N=N % bn == 0,
-        DEQUANT=bool(cfg.get("DEQUANT")), DQ_ASM=DQ_ASM and not _INTERPRET, W_AS_B=bool(cfg.get("W_AS_B")),
+        DEQUANT=bool(cfg.get("DEQUANT")), DQ_ASM=DQ_ASM and not _INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch(x.device),
     )  # fmt: skip
