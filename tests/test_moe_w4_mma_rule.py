@@ -29,23 +29,24 @@ def _capable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "mma_capable", lambda t: True)
 
 
-def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_32_tokens() -> None:
-    # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 32 at top-8 (256 pairs) here, then the
+def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_48_tokens() -> None:
+    # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 48 at top-8 (384 pairs) here, then the
     # aligned path
-    assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2 and mma.NARROW_MAX_PAIRS == 256
+    assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2 and mma.NARROW_MAX_PAIRS == 384
     assert _takes(1, 2048) == (True, False)
-    for t in (2, 8, 24, 32):
+    for t in (2, 8, 24, 32, 40, 48):
         assert _takes(t, 2048) == (False, True), t
-    assert _takes(33, 2048) == (False, False)
-    assert _takes(64, 2048, top_k=4) == (False, True) and _takes(65, 2048, top_k=4) == (False, False)
+    assert _takes(49, 2048) == (False, False)
+    assert _takes(96, 2048, top_k=4) == (False, True) and _takes(97, 2048, top_k=4) == (False, False)
     assert _takes(16, 2048, zeros=False) == (False, True)  # symmetric weights too
 
 
-def test_wide_experts_on_mma_from_one_token_to_256_pairs() -> None:
+def test_wide_experts_on_mma_from_one_token_to_512_pairs() -> None:
     # DeepSeek-V3's width (past the token kernels' 4096): every count up to WIDE_MAX_PAIRS pairs
+    assert mma.WIDE_MAX_PAIRS == 512
     assert _takes(1, 7168) == (False, True)
-    assert _takes(32, 7168) == (False, True)
-    assert _takes(33, 7168) == (False, False)
+    assert _takes(64, 7168) == (False, True)
+    assert _takes(65, 7168) == (False, False)
 
 
 def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width_and_symmetry() -> None:

@@ -415,11 +415,16 @@ def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
 # / 11.523 ms) (moe_w4_mma_t32_s63_h200.*, ab_pairs256_30b_w4a16_s63_h200.*). With the grouped gate-up (below;
 # session 65, spans 2) 32 tokens took 148.0 / 164.9 us against the aligned path's 189.8 / 183.4 (asymmetric /
 # symmetric, moe_w4_mma_grouped_spanfirst_t32_*), and the step at batch 32 9.735 against 11.645 ms
-# (ab_grouped16_30b_*), so up to 256 pairs.
+# (ab_grouped16_30b_*), so up to 256 pairs. Past 32 tokens (session 68, H200, AWQ-style g128 asymmetric;
+# moe_w4_mma_t48_s68_h200.*, ab_pairs512_{30b,dsv3}_w4a16_s68_h200.*), us here against the aligned path: Qwen3-30B-A3B
+# 173.5 / 198.1 / 244.6 against 196.4 / 206.0 / 209.9 at 40 / 48 / 64 tokens, its step at B=40 / 48 / 64 11.349 /
+# 12.718 / 15.264 against 12.424 / 12.947 / 13.436 ms, so narrow experts up to 384 pairs; DeepSeek-V3 1531.6 /
+# 1774.7 / 2155.9 against 2491.2 / 2754.6 / 3071.2, its step (3 layers) at B=48 / 64 4.741 / 5.703 against 6.727 /
+# 7.560 ms, so wide ones up to 512 (64 tokens at top-8; past it not measured).
 MIN_TOKENS = 2
 NARROW_MAX_HIDDEN = 4096  # experts up to this D are narrow (Qwen3-30B-A3B), wider ones wide (DeepSeek-V3, Kimi-K2)
-NARROW_MAX_PAIRS = 256
-WIDE_MAX_PAIRS = 256
+NARROW_MAX_PAIRS = 384
+WIDE_MAX_PAIRS = 512
 # A lane loads x only on its column's span (masked 16-byte loads; kernels/gluon_w4a16_mma.py's form at one row),
 # not the whole of its quarter of the chunk: False loads it all (an A/B toggle for the benches). On the H200,
 # Qwen3-30B-A3B's asymmetric int4 MoE at 16 tokens took 100.5 against 115.7 us before (the x loads were 8-byte

@@ -24,8 +24,8 @@ names): the dense GEMV's register layout, no shared-memory round trip for x, the
 of a token in one program.
 
 Other int4 experts at decode sizes go to kernels/gluon_moe_w4_mma.py (the pair path's contract on
-mma.sync) wherever its `takes` says: from 2 tokens up to 256 pairs (32 tokens at top-8), and on D > 4096 from
-one token to 256 pairs (the measurements are beside its bounds).
+mma.sync) wherever its `takes` says: from 2 tokens up to 384 pairs (48 tokens at top-8), and on D > 4096 from
+one token to 512 pairs (the measurements are beside its bounds).
 """
 
 from __future__ import annotations
