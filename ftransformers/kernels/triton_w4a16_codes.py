@@ -107,7 +107,7 @@ _DQ_F16: tl.constexpr = tl.constexpr(_DQ_BODY.replace("ONE", "0x3C003C00").repla
 
 
 @triton.jit
-def _twice(v, DT: tl.constexpr):
+def _twice(v):
     # [BN] DT -> [BN, 1] int32 holding v's 16 bits in both halves
     b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return (b | (b << 16))[:, None]
@@ -128,7 +128,7 @@ def dequant_tile(q, scale, nzoff, magic, DT: tl.constexpr, BLOCK_N: tl.constexpr
     if ASM:
         asm: tl.constexpr = _DQ_BF16 if DT == tl.bfloat16 else _DQ_F16
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            asm, "=r,=r,=r,=r,r,r,r,r", [q, _twice(nzoff, DT), _twice(scale, DT), q * 0 + magic],
+            asm, "=r,=r,=r,=r,r,r,r,r", [q, _twice(nzoff), _twice(scale), q * 0 + magic],
             dtype=(tl.int32,) * 4, is_pure=True, pack=1,
         )  # fmt: skip
         l0, h0 = _halves(p0, DT)
