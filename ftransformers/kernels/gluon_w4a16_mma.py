@@ -1,8 +1,8 @@
 """int4 weight x 16-bit activation products at decode sizes (1-16 rows) on mma.sync, in Gluon:
 y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the "int4" layout of kernels/quant_formats.py.
 
-The weight side is kernels/gluon_moe_w4_mma.py's: one LOP3 turns a word into two 16-bit A operands
-(offset + code, exact), K is permuted logically inside a chunk of KC so a thread's words of a row are
+The weight side is kernels/gluon_w4_mma_tiles.py's (as the MoE kernels'): one LOP3 turns a word into two 16-bit A
+operands (offset + code, exact), K is permuted logically inside a chunk of KC so a thread's words of a row are
 adjacent in memory, and the codes' offset and zero leave through scale * (acc - (offset + zero) * sum(x)).
 
 The B operand's NCOL = 8 (16 at 9-16 rows) columns are (row of x, K span) pairs: TOK = M padded to a
@@ -15,7 +15,7 @@ loads, already in C's layout). Where that leaves chunks under 128 elements (DEQU
 are decoded with their scales and zeros before the mma instead (`_chunk_dequant`), and spans may cross groups.
 
 Layouts (mma_v2, batched, warps_per_cta = [W, 1, 1]; each warp its own A, B, C):
-  words [W, ROWS, 4, RW] (gluon_moe_w4_mma.layouts' w_l, as every layout here): memory word RW t + r of a row's
+  words [W, ROWS, 4, RW] (gluon_w4_mma_tiles.layouts' w_l, as every layout here): memory word RW t + r of a row's
   chunk.
   x [W, NCOL, KC] in memory order: lane (t, column) holds its column's 8 RW contiguous elements from
   8 RW t (16-byte loads); reshaped [.., t, r, h, i] and permuted to logical k = 8 (4r + t) + 2i + h it
@@ -47,7 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
-from ftransformers.kernels.gluon_moe_w4_mma import (
+from ftransformers.kernels.gluon_w4_mma_tiles import (
     MAGIC,
     _b_tile,
     _chunk,

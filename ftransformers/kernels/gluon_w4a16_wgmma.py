@@ -17,7 +17,7 @@ tile. Here:
   padding columns repeat the last row of x and are never stored).
 - x is read once a program: its K share [NP, KS] goes to shared memory at the start, in logical K order, with
   each chunk's column sums beside it, so the loop has no barrier and no load of x.
-- The weights go from global memory to registers and, through gluon_moe_w4_mma's LOP3 (`_pair`: offset + code,
+- The weights go from global memory to registers and, through gluon_w4_mma_tiles' LOP3 (`_pair`: offset + code,
   exact in 16 bits), straight into wgmma's A register fragment. K is permuted inside a chunk of KC (a power of
   two dividing the group, 32-128) so that a thread's RW = KC / 32 words of a row are adjacent in memory:
   logical k = h + 2t + 8i + 32r holds memory element e = i + 4h + 8(RW t + r) (lane t = lane % 4, word r of
@@ -47,7 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
-from ftransformers.kernels.gluon_moe_w4_mma import MAGIC, _capability, _pair
+from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability, _pair
 from ftransformers.kernels.gluon_w4a16_mma import _split_store_y, kernel_args
 from ftransformers.kernels.launch import cached_launch
 from ftransformers.kernels.pdl import pdl_launch
@@ -211,7 +211,7 @@ def chunk_words(w_l: gl.constexpr, BM: gl.constexpr, RW: gl.constexpr):
 def _a_fragment(q, magic, DT: gl.constexpr, a_l: gl.constexpr, BM: gl.constexpr, RW: gl.constexpr):
     # q [BM, 4 (t), RW (r)] words -> [BM, 32 RW] DT A operand, logical k = h + 2t + 8i + 32r
     q2 = gl.join(q, q)
-    # the magic through an opaque mov (as gluon_moe_w4_mma._a_tile: one register, not the constant bank)
+    # the magic through an opaque mov (as gluon_w4_mma_tiles._a_tile: one register, not the constant bank)
     m2 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [q2 * 0 + magic], dtype=gl.int32, is_pure=True, pack=1)
     c = gl.join(gl.join(_pair(q2, m2, 0, DT), _pair(q2, m2, 1, DT)),
                 gl.join(_pair(q2, m2, 2, DT), _pair(q2, m2, 3, DT)))  # [BM, t, r, h, i bit 0, i bit 1]
