@@ -33,11 +33,12 @@ PTR = {"x_ptr": "*bf16", "act_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", 
        "cnt_ptr": "*i32", "groups_ptr": "*i32"}  # fmt: skip
 
 
-def _sig(fn, consts: dict) -> tuple[dict, dict]:  # every parameter in order: its type, or constexpr
+def _sig(fn, consts: dict, types: dict | None = None) -> tuple[dict, dict]:  # every parameter: its type or constexpr
     import inspect
 
     params = list(inspect.signature(fn.fn).parameters)
-    sig = {n: "constexpr" if n in consts or n == "USE_PDL" else PTR.get(n, "fp32" if n == "offset" else "i32")
+    known = {**PTR, **(types or {})}
+    sig = {n: "constexpr" if n in consts or n == "USE_PDL" else known.get(n, "fp32" if n == "offset" else "i32")
            for n in params}  # fmt: skip
     aligned = [n for n in params if n.endswith("_ptr") or n.startswith("stride")]
     return sig, {(params.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -102,18 +103,23 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
     return out
 
 
-def compile_for_hopper(fn, consts: dict, warps: int, maxnreg: int = 0) -> dict:
-    """A Gluon kernel compiled for sm_90 with PDL on, in this process: its shared bytes, PTX and the ptxas -v log
-    of the ptxas Triton itself runs."""
+def compile_for_hopper(fn, consts: dict, warps: int, maxnreg: int = 0, types: dict | None = None,
+                       stages: int = 0) -> dict:  # fmt: skip
+    """A Gluon (or, with `stages`, Triton) kernel compiled for sm_90 with PDL on, in this process: its shared bytes,
+    PTX and the ptxas -v log of the ptxas Triton itself runs. `types` names parameter types past PTR's."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
     consts = {**_constexpr_defaults(fn), **consts}
-    sig, attrs = _sig(fn, consts)
-    src = GluonASTSource(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
+    sig, attrs = _sig(fn, consts, types)
+    source = ASTSource if stages else GluonASTSource
+    src = source(fn, sig, constexprs={**consts, "USE_PDL": True}, attrs=attrs)
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    if stages:
+        options["num_stages"] = stages
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])

@@ -7,52 +7,29 @@ and fp16 x: the decode's LOP3 and packed 16-bit FMAs (two a pair), wgmma with fl
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
-from test_gluon_mma_compile import compiled_in_child
+from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
 
 pytest.importorskip("triton")
 
-PTR = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "b_ptr": "*bf16", "y_ptr": "*bf16",
-       "part_ptr": "*fp32", "ticket_ptr": "*i32"}  # fmt: skip
-
 
 def _compile() -> list[dict]:  # in this process: per case, its name, words a thread, PTX and ptxas -v log
-    import inspect
-
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
 
     from ftransformers.kernels import triton_w4a16_codes as codes
 
-    fn = codes._w4a16_codes_kernel
-    params = list(inspect.signature(fn.fn).parameters)
     out = []
     for m, n, k, dt in [(32, 24576, 4096, "bf16"), (64, 24576, 4096, "fp16")]:
         cfg = codes.decoded_config(m, n, k, 128)
         tiles = {name: cfg[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")}
         consts = {"GROUP": 128, "HAS_ZEROS": True, "HAS_BIAS": False, "DT": tl.bfloat16 if dt == "bf16" else tl.float16,
-                  **tiles, "IEEE": False, "EVEN_N": True, "USE_PDL": True, "DEQUANT": True, "DQ_ASM": True}
-        sig = {p: "constexpr" if p in consts else PTR.get(p, "fp32" if p == "offset" else "i32") for p in params}
-        for p in ("x_ptr", "b_ptr", "y_ptr"):
-            sig[p] = f"*{dt}"
-        aligned = [p for p in params if p.endswith("_ptr") or p.startswith("stride")]
-        attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in aligned}
-        src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})  # fmt: skip
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "k.ptx").write_text(kernel.asm["ptx"])
-            log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                                 capture_output=True, text=True, check=True).stderr  # fmt: skip
+                  **tiles, "IEEE": False, "EVEN_N": True, "DEQUANT": True, "DQ_ASM": True}
+        types = {"x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", "ticket_ptr": "*i32"}
+        built = compile_for_hopper(codes._w4a16_codes_kernel, consts, cfg["num_warps"], types=types,
+                                   stages=cfg["num_stages"])  # fmt: skip
         words = cfg["BLOCK_N"] * cfg["BLOCK_K"] // 8 // (32 * cfg["num_warps"])
-        out.append({"name": f"M={m} {dt} {cfg}", "dt": dt, "words": words, "ptx": kernel.asm["ptx"], "ptxas": log})
+        out.append({"name": f"M={m} {dt} {cfg}", "dt": dt, "words": words, **built})
     return out
 
 
