@@ -116,6 +116,12 @@ def bench(shape: str, tokens: list[int], copy_gbs: float, parts: bool, out: dict
                         gu = lambda i, h=hiddens, r=routes, c=mc, s=spans: mma.gate_up_grouped(h[i], w13, r[i][1].contiguous(), c, s)
                         ok = all(bm.rel_err(gu(i), acts[i]) < 1e-2 for i in range(REPS))
                         row[f"grouped{spans}_gate_up_us"] = bm.graph_ms(gu, REPS) * 1e3 if ok else None
+                    if mma.grouped_down_takes(hiddens[0], w2, mc, spans):
+                        gs = [group_pairs(routes[i][1].contiguous(), 8 // spans) for i in range(REPS)]
+                        gd = lambda i, h=hiddens, f=flat, a=acts, c=mc, s=spans, g=gs: mma.down_grouped(
+                            a[i], h[i], w2, f[i][0], f[i][1].contiguous(), g[i], s, c)
+                        ok = all(bm.rel_err(gd(i), dn(i)) < 1e-2 for i in range(REPS))
+                        row[f"grouped{spans}_down_us"] = bm.graph_ms(gd, REPS) * 1e3 if ok else None
                 if grouped:
                     gp = lambda i, r=routes: group_pairs(r[i][1], 4)
                     row["group_pairs_us"] = bm.graph_ms(gp, REPS) * 1e3
@@ -191,7 +197,8 @@ def main() -> None:
                     "= V (integers), each comma-separated variant in turn, e.g. "
                     "GROUPED_FROM_TOKENS=0,GROUPED_SPANS_NARROW=4+GROUPED_SPANS_WIDE=4")  # fmt: skip
     ap.add_argument("--grouped-spans", default="", help="with --parts: also time the gate-up over groups of pairs "
-                    "(gate_up_grouped, with its grouping launch) at these span counts, e.g. 2,4; and the grouping alone")  # fmt: skip
+                    "(gate_up_grouped, with its grouping launch) and the down over them (down_grouped, without) at "
+                    "these span counts, e.g. 2,4; and the grouping alone")  # fmt: skip
     ap.add_argument("--formats", default=",".join(FORMATS), help="int4 formats of bench_moe_w4.FORMATS, e.g. "
                     "int4-g32-sym (Kimi-K2's experts)")  # fmt: skip
     args = ap.parse_args()

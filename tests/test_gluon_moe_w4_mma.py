@@ -21,6 +21,8 @@ from test_triton_moe_w4 import TOL, make_routing, random_qw, rel_err
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma
 from ftransformers.kernels.quant_formats import quant_moe_ref
+from ftransformers.kernels.tickets import POOL_SIZE, ticket_counters
+from ftransformers.kernels.triton_moe_groups import group_pairs
 
 DEV = "cuda"
 QUANT = [
@@ -162,3 +164,75 @@ def test_moe_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
         assert run(16, 128, 8, 2048, 768, torch.bfloat16, seed=77, group=128, zeros=True) <= TOL
         assert run(5, 16, 8, 512, 256, torch.float16, seed=78, group=128) <= TOL
         assert run(2, 64, 8, 7168, 256, torch.bfloat16, seed=79, group=128) <= TOL
+
+
+def _down_ref(act: torch.Tensor, w2, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # out[t] = sum_k weights[t, k] * act[t K + k] @ w2[ids[t, k]]^T in float32, rounded once
+    from ftransformers.kernels.quant_formats import dequantize
+
+    w = dequantize(w2)[ids.reshape(-1)]  # [pairs, D, I]
+    y = torch.einsum("pi,pdi->pd", act.float(), w) * weights.reshape(-1, 1).float()
+    return y.reshape(*ids.shape, -1).sum(1).to(dtype)
+
+
+@pytest.mark.parametrize(("t", "e", "k", "d", "inter"), [
+    (16, 16, 8, 512, 256), (24, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (9, 16, 2, 1024, 256),
+    (5, 8, 4, 7168, 256), (48, 32, 8, 7168, 512),
+])  # fmt: skip
+@pytest.mark.parametrize("q", [0, 1, 2])
+@pytest.mark.parametrize("spans", [1, 2, 4, 8])
+def test_grouped_down_matches_reference(t: int, e: int, k: int, d: int, inter: int, q: int, spans: int) -> None:
+    # down_grouped on random act against the reference down, token by token: 16 experts at top-8 put up to 16
+    # pairs on an expert (several groups on it), 128 at 64 tokens about 4; fp16 where the scales are
+    quant = [{"group": 128}, {"group": 128, "zeros": True}, {"group": 256, "zeros": True, "scale_dtype": torch.float16}]
+    dtype = torch.float16 if q == 2 else torch.bfloat16
+    cfg = mma.default_config(t, d)
+    if not mma.chunk_k(inter, quant[q]["group"], cfg.down_kc, spans):
+        pytest.skip("no chunk for this group and span count")
+    gen = torch.Generator(DEV).manual_seed(2000 * q + 10 * t + spans)
+    hidden = torch.randn(t, d, generator=gen, device=DEV).to(dtype)
+    act = torch.randn(t * k, inter, generator=gen, device=DEV).to(dtype)
+    w2 = random_qw("int4", e, d, inter, gen, **quant[q])
+    weights, ids = make_routing(t, e, k, gen)
+    flat, ids = weights.reshape(-1).contiguous(), ids.contiguous()
+    groups = group_pairs(ids, 8 // spans)
+    out = mma.down_grouped(act, hidden, w2, flat, ids, groups, spans, cfg)
+    ref = _down_ref(act, w2, weights, ids, dtype)
+    assert out.dtype == dtype
+    for i in range(t):
+        assert rel_err(out[i : i + 1], ref[i : i + 1]) <= TOL, i
+    again = mma.down_grouped(act, hidden, w2, flat, ids, groups, spans, cfg)
+    assert torch.equal(out, again)  # the partials are added in slot order, whichever program comes last
+    assert not ticket_counters(hidden.device, "moe_w4_grouped_down", POOL_SIZE).any()  # every counter back to 0
+
+
+def test_grouped_down_in_graph_replays() -> None:
+    # the whole MoE captured once (grouped gate-up and down at 16 tokens), replayed over six routings and hiddens
+    gen = torch.Generator(DEV).manual_seed(31)
+    t, e, k, d, inter = 16, 128, 8, 2048, 768
+    w13 = random_qw("int4", e, 2 * inter, d, gen, group=128, zeros=True)
+    w2 = random_qw("int4", e, d, inter, gen, group=128, zeros=True)
+    hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
+    weights, ids = make_routing(t, e, k, gen)
+    flat = weights.reshape(-1).contiguous()
+    assert mma.grouped_takes(hidden, w13, mma.default_config(t, d))
+    mma.moe_w4_mma(hidden, w13, w2, flat, ids)  # the counters exist before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mma.moe_w4_mma(hidden, w13, w2, flat, ids)
+    for _ in range(6):
+        new_w, new_ids = make_routing(t, e, k, gen)
+        hidden.copy_(torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16))
+        flat.copy_(new_w.reshape(-1))
+        ids.copy_(new_ids)
+        graph.replay()
+        assert rel_err(out, quant_moe_ref(hidden, w13, w2, new_w, new_ids)) <= TOL
+    assert not ticket_counters(hidden.device, "moe_w4_grouped_down", POOL_SIZE).any()
+
+
+def test_moe_grouped_down_against_per_token_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the whole MoE with the grouped down and with the per-token one: both against the reference
+    for grouped in (True, False):
+        monkeypatch.setattr(mma, "GROUPED_DOWN", grouped)
+        assert run(32, 128, 8, 2048, 768, torch.bfloat16, seed=91, group=128, zeros=True) <= TOL
+        assert run(24, 64, 8, 7168, 256, torch.bfloat16, seed=92, group=128) <= TOL

@@ -39,11 +39,12 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ftransformers.kernels.gluon_mla_decode import pdl_enter
+from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _chunk, _load_x, layouts, mma_capable, word_offsets
 from ftransformers.kernels.launch import cached_launch, maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
+from ftransformers.kernels.tickets import ticket_counters
 from ftransformers.kernels.triton_moe_groups import group_pairs
 
 
@@ -233,6 +234,69 @@ def _grouped_gate_up_kernel(
     gl.store(act_ptr + slot_pair.to(gl.int64) * N + n0 + rows, act, mask=(slot_pair >= 0) & (rows < HALF))
 
 
+@cached_launch
+@gluon.jit
+def _grouped_down_kernel(
+    act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, groups_ptr, tw_ptr, magic, offset, D, num_pairs,
+    stride_qe, stride_qn, stride_se, stride_sn, stride_om,
+    HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
+    AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
+    a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    # _down_kernel's out over the gate-up's groups of up to P = 8 / S pairs of one expert: program (pair, rows
+    # n0..n0+W ROWS-1) runs the group its pair leads (leaves where none), warp w rows n0 + w ROWS.., each over all of
+    # K = CHUNKS * KC, columns (the group's pair c // S, span c % S) as the grouped gate-up's, so the expert's rows are
+    # decoded once a group, not once a pair. Each pair's tw-weighted float32 rows go to part [pairs, D]; a ticket per
+    # (token, row tile) counts its TOP_K pairs in, and the program holding the last adds the token's TOP_K partials in
+    # slot order (deterministic), stores out and puts the counter back to 0 (kernels/tickets.py's protocol).
+    pdl_enter(USE_PDL)
+    RW: gl.constexpr = KC // 32
+    K: gl.constexpr = CHUNKS * KC
+    P: gl.constexpr = 8 // S
+    TILE: gl.constexpr = W * ROWS
+    pid = gl.program_id(0)
+    pair = pid % num_pairs
+    tile = pid // num_pairs
+    n0 = tile * TILE
+    group = groups_ptr + pair * (1 + P)
+    expert = gl.load(group)
+    if expert < 0:
+        return
+    ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
+    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    x_mask = x_mask & gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # a slot past the group's end loads no x
+    x_row = gl.expand_dims(gl.expand_dims(gl.where(col_pair >= 0, col_pair, pair), 0), 2)  # [1, 8, 1] act rows
+    q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + (n0 + ww * ROWS + wrow).to(gl.int64) * stride_qn + word
+    x_ptrs = act_ptr + x_row.to(gl.int64) * K + xw * 0 + xk  # every warp the same act rows (L1 serves all but one)
+    s_rows = expert.to(gl.int64) * stride_se + (n0 + mw * ROWS + mrow).to(gl.int64) * stride_sn
+    tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * 0 + (mspan % S) * (KC // S),
+                      magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, act_ptr.dtype.element_ty, W, ROWS, mma, a_l,
+                      b_l, MASK_X, S)  # fmt: skip
+    if S > 1:
+        tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
+    st_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // P, P], [W, 1], [1, 0])
+    y = gl.convert_layout(gl.reshape(tot, [TILE, P]), st_l)  # row n0 + r, slot p
+    rows = gl.expand_dims(gl.arange(0, TILE, layout=gl.SliceLayout(1, st_l)), 1)  # [TILE, 1]
+    slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, st_l))), 0)  # [1, P]
+    live = slot_pair >= 0
+    tw = gl.load(tw_ptr + slot_pair, mask=live, other=0.0)
+    gl.store(part_ptr + slot_pair.to(gl.int64) * D + n0 + rows, y * tw, mask=live & (rows < TILE))
+    _cta_barrier()  # every warp's partials are stored before the release tickets
+    tok = slot_pair // TOP_K
+    cnt = cnt_ptr + tok * (D // TILE) + tile  # [1, P]: one counter a (token, row tile)
+    last = (gl.atomic_add(cnt, 1, mask=live, sem="acq_rel") == TOP_K - 1) & live
+    if gl.max(gl.max(last.to(gl.int32), axis=1), axis=0) > 0:
+        gl.store(cnt, 0, mask=last)
+        mask = last & (rows < TILE)
+        first = part_ptr + (tok * TOP_K).to(gl.int64) * D + n0 + rows
+        total = gl.load(first, mask=mask, other=0.0, cache_modifier=".cg")
+        for k in gl.static_range(1, TOP_K):
+            total += gl.load(first + k * D, mask=mask, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + tok.to(gl.int64) * stride_om + n0 + rows, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True)
 class MmaMoEConfig:
     """Per kernel: the largest chunk KC (a power of two >= 128; the largest that divides the warp's K and
@@ -246,6 +310,8 @@ class MmaMoEConfig:
     down_kc: int = 256
     down_ahead: int = 1
     down_rows: int = 16
+    gdown_rows: int = 16  # the grouped down (`down_grouped`): A rows a warp and warps a program, each warp its rows
+    gdown_warps: int = 4
 
 
 def default_config(num_tokens: int, hidden_size: int) -> MmaMoEConfig:
@@ -331,6 +397,9 @@ UP_MAXNREG = 0
 #   So 16 tokens on both widths; spans 2 but on narrow symmetric experts, 4 there. Before the span-first sums
 #   (session 64) the grouped form lost on narrow experts.
 GROUPED_FROM_TOKENS = 16
+# Where the gate-up runs over groups, the down runs over the same groups too (`down_grouped`); False: the per-token
+# down kernel, every pair decoding its expert's rows (an A/B knob)
+GROUPED_DOWN = True
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
@@ -421,12 +490,14 @@ def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig,
 
 
 def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
-                    spans: int | None = None) -> torch.Tensor:  # fmt: skip
+                    spans: int | None = None, groups: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
-    default grouped_spans; the groups from kernels/triton_moe_groups.py, one more launch)."""
+    default grouped_spans; groups of 8 / spans pairs from kernels/triton_moe_groups.py, one more launch where not
+    given)."""
     spans = spans or grouped_spans(hidden.shape[1], w13)
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
-    groups = group_pairs(ids, 8 // spans)
+    if groups is None:
+        groups = group_pairs(ids, 8 // spans)
     _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
         hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw,
         **pdl_launch(hidden.device),
@@ -453,6 +524,41 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
     return out
 
 
+def grouped_down_takes(hidden: torch.Tensor, w2: QuantizedWeight, cfg: MmaMoEConfig, spans: int) -> bool:
+    """Whether `down_grouped` can run the down over the gate-up's groups of 8 / spans pairs: GROUPED_DOWN on, a
+    chunk of I whose spans lie in the quantization groups, and D a multiple of the program's rows."""
+    d, inter = hidden.shape[1], w2.in_features
+    return GROUPED_DOWN and chunk_k(inter, w2.group_size, cfg.down_kc, spans) > 0 and d % (
+        cfg.gdown_rows * cfg.gdown_warps) == 0
+
+
+def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
+                 groups: torch.Tensor, spans: int, cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
+    """`down`'s out [T, D] over groups of 8 / spans pairs of one expert (groups from group_pairs(ids, 8 / spans), as
+    the grouped gate-up's): each group's rows decoded once, the pairs' weighted partials added per token by the last
+    of its pairs in (ticket counters). Runs `down` instead while a CUDA graph is captured before the counters exist."""
+    t, d = hidden.shape
+    top_k, inter = ids.shape[1], w2.in_features
+    tile = cfg.gdown_rows * cfg.gdown_warps
+    counters = ticket_counters(hidden.device, "moe_w4_grouped_down", t * (d // tile))
+    if counters is None:
+        return down(act, hidden, w2, weights, ids, cfg)
+    out = torch.empty(t, d, dtype=hidden.dtype, device=hidden.device)
+    part = torch.empty(t * top_k, d, dtype=torch.float32, device=hidden.device)
+    magic, offset = MAGIC[hidden.dtype]
+    kc = chunk_k(inter, w2.group_size, cfg.down_kc, spans)
+    q, s = w2.qweight, w2.scales
+    _grouped_down_kernel[(t * top_k * (d // tile),)](
+        act, q, s, _zeros(w2), out, part, counters, groups, weights, magic, offset, d, t * top_k,
+        q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
+        HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, TOP_K=top_k, KC=kc, CHUNKS=inter // kc,
+        AHEAD=cfg.down_ahead, S=spans, ROWS=cfg.gdown_rows, W=cfg.gdown_warps,
+        **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, num_warps=cfg.gdown_warps,
+        **pdl_launch(hidden.device),
+    )  # fmt: skip
+    return out
+
+
 def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                topk_ids: torch.Tensor, cfg: MmaMoEConfig | None = None) -> torch.Tensor:  # fmt: skip
     """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]. The gate-up runs
@@ -460,8 +566,10 @@ def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     ids = topk_ids.contiguous()
     cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
     spans = grouped_spans(hidden.shape[1], w13)
-    if grouped_takes(hidden, w13, cfg, spans):
-        act = gate_up_grouped(hidden, w13, ids, cfg, spans)
-    else:
-        act = gate_up(hidden, w13, ids, cfg)
+    if not grouped_takes(hidden, w13, cfg, spans):
+        return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
+    groups = group_pairs(ids, 8 // spans)
+    act = gate_up_grouped(hidden, w13, ids, cfg, spans, groups)
+    if grouped_down_takes(hidden, w2, cfg, spans):
+        return down_grouped(act, hidden, w2, weights, ids, groups, spans, cfg)
     return down(act, hidden, w2, weights, ids, cfg)
