@@ -286,7 +286,7 @@ def _grouped_down_kernel(
     _cta_barrier()  # every warp's partials are stored before the release tickets
     tok = slot_pair // TOP_K
     cnt = cnt_ptr + tok * (D // TILE) + tile  # [1, P]: one counter a (token, row tile)
-    last = (gl.atomic_add(cnt, 1, mask=live, sem="acq_rel") == TOP_K - 1) & live
+    last = (gl.atomic_add(cnt, live.to(gl.int32), mask=live, sem="acq_rel") == TOP_K - 1) & live
     if gl.max(gl.max(last.to(gl.int32), axis=1), axis=0) > 0:
         gl.store(cnt, 0, mask=last)
         mask = last & (rows < TILE)
