@@ -242,7 +242,7 @@ def _grouped_down_kernel(
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    USE_PDL: gl.constexpr = False,
+    GROUP_MAJOR: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # _down_kernel's out over the gate-up's groups of up to P = 8 / S pairs of one expert: program (pair, rows
     # n0..n0+W ROWS-1) runs the group its pair leads (leaves where none), warp w rows n0 + w ROWS.., each over all of
@@ -256,8 +256,12 @@ def _grouped_down_kernel(
     P: gl.constexpr = 8 // S
     TILE: gl.constexpr = W * ROWS
     pid = gl.program_id(0)
-    pair = pid % num_pairs
-    tile = pid // num_pairs
+    if GROUP_MAJOR:  # a group's row tiles in consecutive programs
+        pair = pid // (D // TILE)
+        tile = pid % (D // TILE)
+    else:
+        pair = pid % num_pairs
+        tile = pid // num_pairs
     n0 = tile * TILE
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
@@ -310,8 +314,9 @@ class MmaMoEConfig:
     down_kc: int = 256
     down_ahead: int = 1
     down_rows: int = 16
-    gdown_rows: int = 16  # the grouped down (`down_grouped`): A rows a warp and warps a program, each warp its rows
-    gdown_warps: int = 4
+    gdown_rows: int = 16  # the grouped down (`down_grouped`): A rows a warp, warps a program (each its own rows),
+    gdown_warps: int = 4  # chunks requested ahead
+    gdown_ahead: int = 1
 
 
 def default_config(num_tokens: int, hidden_size: int) -> MmaMoEConfig:
@@ -329,7 +334,8 @@ def default_config(num_tokens: int, hidden_size: int) -> MmaMoEConfig:
     else:
         up = dict(up_warps=4, up_kc=512)
     rows = 32 if num_tokens * hidden_size // 32 >= 132 else 16
-    return MmaMoEConfig(**up, down_kc=256, down_rows=rows)
+    return MmaMoEConfig(**up, down_kc=256, down_rows=rows, gdown_rows=GROUPED_DOWN_ROWS, gdown_warps=GROUPED_DOWN_WARPS,
+                        gdown_ahead=GROUPED_DOWN_AHEAD)  # fmt: skip
 
 
 def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
@@ -400,6 +406,10 @@ GROUPED_FROM_TOKENS = 16
 # Where the gate-up runs over groups, the down runs over the same groups too (`down_grouped`); False: the per-token
 # down kernel, every pair decoding its expert's rows (an A/B knob)
 GROUPED_DOWN = True
+GROUPED_DOWN_ROWS = 16
+GROUPED_DOWN_WARPS = 4
+GROUPED_DOWN_AHEAD = 1
+GROUPED_DOWN_GROUP_MAJOR = False
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
@@ -552,8 +562,9 @@ def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, w
         act, q, s, _zeros(w2), out, part, counters, groups, weights, magic, offset, d, t * top_k,
         q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, TOP_K=top_k, KC=kc, CHUNKS=inter // kc,
-        AHEAD=cfg.down_ahead, S=spans, ROWS=cfg.gdown_rows, W=cfg.gdown_warps,
-        **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, num_warps=cfg.gdown_warps,
+        AHEAD=cfg.gdown_ahead, S=spans, ROWS=cfg.gdown_rows, W=cfg.gdown_warps,
+        **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, GROUP_MAJOR=bool(GROUPED_DOWN_GROUP_MAJOR),
+        num_warps=cfg.gdown_warps,
         **pdl_launch(hidden.device),
     )  # fmt: skip
     return out
