@@ -236,20 +236,3 @@ def test_moe_grouped_down_against_per_token_down(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(mma, "GROUPED_DOWN", grouped)
         assert run(32, 128, 8, 2048, 768, torch.bfloat16, seed=91, group=128, zeros=True) <= TOL
         assert run(24, 64, 8, 7168, 256, torch.bfloat16, seed=92, group=128) <= TOL
-
-
-@pytest.mark.parametrize("run_pairs", [3, 8])
-def test_grouped_kernels_walk_runs_of_pairs(monkeypatch: pytest.MonkeyPatch, run_pairs: int) -> None:
-    # a program of either grouped kernel walks GROUPED_RUN pairs (3 leaves a short last run: 16 x 8 = 128 pairs), and
-    # the whole MoE and the grouped act still match their references
-    monkeypatch.setattr(mma, "GROUPED_RUN", run_pairs)
-    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
-    assert run(16, 128, 8, 2048, 768, torch.bfloat16, seed=95, group=128, zeros=True) <= TOL
-    assert run(5, 16, 8, 512, 256, torch.float16, seed=96, group=128) <= TOL  # up to 5 pairs an expert: 2 groups
-    assert run(3, 8, 4, 7168, 256, torch.bfloat16, seed=97, group=128, zeros=True) <= TOL
-    gen = torch.Generator(DEV).manual_seed(98)
-    hidden = torch.randn(7, 1024, generator=gen, device=DEV).to(torch.bfloat16)
-    w13 = random_qw("int4", 16, 2 * 256, 1024, gen, group=128, zeros=True)
-    _, ids = make_routing(7, 16, 8, gen)
-    cfg = mma.default_config(7, 1024)
-    assert rel_err(mma.gate_up_grouped(hidden, w13, ids, cfg, 2), mma.gate_up(hidden, w13, ids, cfg)) <= TOL

@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -191,14 +190,13 @@ def _grouped_gate_up_kernel(
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    RUN: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # _gate_up_kernel's act over groups of up to P = 8 / S pairs of one expert (kernels/triton_moe_groups.py's
-    # groups [pairs, 1 + P]): program (run of RUN pairs, rows n0..n0+ROWS/2-1) runs, one after the other, the groups
-    # its pairs lead (a pair leading none is skipped). The B operand's column c is (the group's pair c // S, span c % S
-    # of the chunk, KC / S long, inside one quantization group), as gluon_w4a16_mma's (row of x, span): the expert's
-    # rows are decoded once a group, not once a pair. A slot past the group's end loads no x (where MASK_X) and is not
-    # stored.
+    # groups [pairs, 1 + P]): program (pair, rows n0..n0+ROWS/2-1) runs the group its pair leads, and leaves where
+    # the pair leads none. The B operand's column c is (the group's pair c // S, span c % S of the chunk, KC / S
+    # long, inside one quantization group), as gluon_w4a16_mma's (row of x, span): the expert's rows are decoded
+    # once a group, not once a pair. A slot past the group's end loads no x (where MASK_X) and is not stored.
     pdl_enter(USE_PDL)
     RW: gl.constexpr = KC // 32
     KS: gl.constexpr = CHUNKS * KC
@@ -206,35 +204,34 @@ def _grouped_gate_up_kernel(
     P: gl.constexpr = 8 // S
     DT: gl.constexpr = x_ptr.dtype.element_ty
     pid = gl.program_id(0)
-    runs = gl.cdiv(num_pairs, RUN)
-    n0 = (pid // runs) * HALF
+    pair = pid % num_pairs
+    n0 = (pid // num_pairs) * HALF
+    group = groups_ptr + pair * (1 + P)
+    expert = gl.load(group)
+    if expert < 0:
+        return
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
     xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
+    x_mask = x_mask & live  # a slot past the group's end loads no x (its columns stay zero where MASK_X)
+    tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
     q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
-    for j in range(RUN):
-        pair = gl.minimum((pid % runs) * RUN + j, num_pairs - 1)  # past the last: the last again, which is skipped
-        group = groups_ptr + pair * (1 + P)
-        expert = gl.load(group)
-        if (expert >= 0) & ((pid % runs) * RUN + j < num_pairs):
-            col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
-            live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
-            mask = x_mask & live  # a slot past the group's end loads no x (its columns stay zero where MASK_X)
-            tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
-            q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
-            x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(tok, 0), 2).to(gl.int64) * stride_xm + xw * KS + xk
-            s_rows = expert.to(gl.int64) * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
-            tot = _sum_chunks(q_ptrs, x_ptrs, mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
-                              magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
-                              S)  # fmt: skip
-            if S > 1:  # each slot's spans first, inside a lane quad, so the warps add P columns, not 8
-                tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
-            y = gl.sum(tot, axis=0)  # [ROWS, P]: gate rows, then up rows
-            gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF, P]), (1, 2, 0)))
-            act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)  # [HALF, P]
-            a2: gl.constexpr = act.type.layout
-            rows = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, a2)), 1)
-            slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, a2))), 0)  # [1, P]
-            gl.store(act_ptr + slot_pair.to(gl.int64) * N + n0 + rows, act, mask=(slot_pair >= 0) & (rows < HALF))
+    q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
+    x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(tok, 0), 2).to(gl.int64) * stride_xm + xw * KS + xk
+    s_rows = expert.to(gl.int64) * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
+    tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
+                      magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
+                      S)  # fmt: skip
+    if S > 1:  # each slot's spans first, inside a lane quad, so the warps add P columns, not 8
+        tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
+    y = gl.sum(tot, axis=0)  # [ROWS, P]: gate rows, then up rows
+    gate, up = gl.split(gl.permute(gl.reshape(y, [2, HALF, P]), (1, 2, 0)))
+    act = (gate / (1.0 + gl.exp(-gate)) * up).to(DT)  # [HALF, P]
+    a2: gl.constexpr = act.type.layout
+    rows = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(1, a2)), 1)
+    slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, a2))), 0)  # [1, P]
+    gl.store(act_ptr + slot_pair.to(gl.int64) * N + n0 + rows, act, mask=(slot_pair >= 0) & (rows < HALF))
 
 
 @cached_launch
@@ -245,61 +242,63 @@ def _grouped_down_kernel(
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    RUN: gl.constexpr = 1, USE_PDL: gl.constexpr = False,
+    GROUP_MAJOR: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
-    # _down_kernel's out over the gate-up's groups of up to P = 8 / S pairs of one expert: program (run of RUN pairs,
-    # rows n0..n0+W ROWS-1) runs the groups its pairs lead one after the other, warp w rows n0 + w ROWS.., each over all
-    # of K = CHUNKS * KC, columns (the group's pair c // S, span c % S) as the grouped gate-up's, so the expert's rows
-    # are decoded once a group, not once a pair. Each pair's tw-weighted float32 rows go to part [pairs, D]; a ticket
-    # per (token, row tile) counts its TOP_K pairs in, and the program holding the last adds the token's TOP_K partials
-    # in slot order (deterministic), stores out and puts the counter back to 0 (kernels/tickets.py's protocol).
+    # _down_kernel's out over the gate-up's groups of up to P = 8 / S pairs of one expert: program (pair, rows
+    # n0..n0+W ROWS-1) runs the group its pair leads (leaves where none), warp w rows n0 + w ROWS.., each over all of
+    # K = CHUNKS * KC, columns (the group's pair c // S, span c % S) as the grouped gate-up's, so the expert's rows are
+    # decoded once a group, not once a pair. Each pair's tw-weighted float32 rows go to part [pairs, D]; a ticket per
+    # (token, row tile) counts its TOP_K pairs in, and the program holding the last adds the token's TOP_K partials in
+    # slot order (deterministic), stores out and puts the counter back to 0 (kernels/tickets.py's protocol).
     pdl_enter(USE_PDL)
     RW: gl.constexpr = KC // 32
     K: gl.constexpr = CHUNKS * KC
     P: gl.constexpr = 8 // S
     TILE: gl.constexpr = W * ROWS
     pid = gl.program_id(0)
-    runs = gl.cdiv(num_pairs, RUN)
-    tile = pid // runs
+    if GROUP_MAJOR:  # a group's row tiles in consecutive programs
+        pair = pid // (D // TILE)
+        tile = pid % (D // TILE)
+    else:
+        pair = pid % num_pairs
+        tile = pid // num_pairs
     n0 = tile * TILE
+    group = groups_ptr + pair * (1 + P)
+    expert = gl.load(group)
+    if expert < 0:
+        return
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
     xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    x_mask = x_mask & gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # a slot past the group's end loads no x
+    x_row = gl.expand_dims(gl.expand_dims(gl.where(col_pair >= 0, col_pair, pair), 0), 2)  # [1, 8, 1] act rows
+    q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + (n0 + ww * ROWS + wrow).to(gl.int64) * stride_qn + word
+    x_ptrs = act_ptr + x_row.to(gl.int64) * K + xw * 0 + xk  # every warp the same act rows (L1 serves all but one)
+    s_rows = expert.to(gl.int64) * stride_se + (n0 + mw * ROWS + mrow).to(gl.int64) * stride_sn
+    tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * 0 + (mspan % S) * (KC // S),
+                      magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, act_ptr.dtype.element_ty, W, ROWS, mma, a_l,
+                      b_l, MASK_X, S)  # fmt: skip
+    if S > 1:
+        tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
     st_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // P, P], [W, 1], [1, 0])
+    y = gl.convert_layout(gl.reshape(tot, [TILE, P]), st_l)  # row n0 + r, slot p
     rows = gl.expand_dims(gl.arange(0, TILE, layout=gl.SliceLayout(1, st_l)), 1)  # [TILE, 1]
-    for j in range(RUN):
-        pair = gl.minimum((pid % runs) * RUN + j, num_pairs - 1)  # past the last: the last again, which is skipped
-        group = groups_ptr + pair * (1 + P)
-        expert = gl.load(group)
-        if (expert >= 0) & ((pid % runs) * RUN + j < num_pairs):
-            col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
-            mask = x_mask & gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # no x past the group's end
-            x_row = gl.expand_dims(gl.expand_dims(gl.where(col_pair >= 0, col_pair, pair), 0), 2)  # [1, 8, 1] act rows
-            q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + (n0 + ww * ROWS + wrow).to(gl.int64) * stride_qn + word
-            x_ptrs = act_ptr + x_row.to(gl.int64) * K + xw * 0 + xk  # every warp the same act rows (L1 serves them)
-            s_rows = expert.to(gl.int64) * stride_se + (n0 + mw * ROWS + mrow).to(gl.int64) * stride_sn
-            tot = _sum_chunks(q_ptrs, x_ptrs, mask, s_ptr + s_rows, z_ptr + s_rows, mw * 0 + (mspan % S) * (KC // S),
-                              magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, act_ptr.dtype.element_ty, W, ROWS, mma,
-                              a_l, b_l, MASK_X, S)  # fmt: skip
-            if S > 1:
-                tot = gl.sum(gl.reshape(tot, [W, ROWS, P, S]), axis=3)  # [W, ROWS, P]
-            y = gl.convert_layout(gl.reshape(tot, [TILE, P]), st_l)  # row n0 + r, slot p
-            slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, st_l))), 0)
-            live = slot_pair >= 0  # [1, P]
-            tw = gl.load(tw_ptr + slot_pair, mask=live, other=0.0)
-            gl.store(part_ptr + slot_pair.to(gl.int64) * D + n0 + rows, y * tw, mask=live & (rows < TILE))
-            _cta_barrier()  # every warp's partials are stored before the release tickets
-            tok = slot_pair // TOP_K
-            cnt = cnt_ptr + tok * (D // TILE) + tile  # [1, P]: one counter a (token, row tile)
-            last = (gl.atomic_add(cnt, live.to(gl.int32), mask=live, sem="acq_rel") == TOP_K - 1) & live
-            if gl.max(gl.max(last.to(gl.int32), axis=1), axis=0) > 0:
-                gl.store(cnt, 0, mask=last)
-                done = last & (rows < TILE)
-                first = part_ptr + (tok * TOP_K).to(gl.int64) * D + n0 + rows
-                total = gl.load(first, mask=done, other=0.0, cache_modifier=".cg")
-                for k in gl.static_range(1, TOP_K):
-                    total += gl.load(first + k * D, mask=done, other=0.0, cache_modifier=".cg")
-                gl.store(out_ptr + tok.to(gl.int64) * stride_om + n0 + rows, total.to(out_ptr.dtype.element_ty),
-                         mask=done)  # fmt: skip
+    slot_pair = gl.expand_dims(gl.load(group + 1 + gl.arange(0, P, layout=gl.SliceLayout(0, st_l))), 0)  # [1, P]
+    live = slot_pair >= 0
+    tw = gl.load(tw_ptr + slot_pair, mask=live, other=0.0)
+    gl.store(part_ptr + slot_pair.to(gl.int64) * D + n0 + rows, y * tw, mask=live & (rows < TILE))
+    _cta_barrier()  # every warp's partials are stored before the release tickets
+    tok = slot_pair // TOP_K
+    cnt = cnt_ptr + tok * (D // TILE) + tile  # [1, P]: one counter a (token, row tile)
+    last = (gl.atomic_add(cnt, live.to(gl.int32), mask=live, sem="acq_rel") == TOP_K - 1) & live
+    if gl.max(gl.max(last.to(gl.int32), axis=1), axis=0) > 0:
+        gl.store(cnt, 0, mask=last)
+        mask = last & (rows < TILE)
+        first = part_ptr + (tok * TOP_K).to(gl.int64) * D + n0 + rows
+        total = gl.load(first, mask=mask, other=0.0, cache_modifier=".cg")
+        for k in gl.static_range(1, TOP_K):
+            total += gl.load(first + k * D, mask=mask, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + tok.to(gl.int64) * stride_om + n0 + rows, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -407,11 +406,10 @@ GROUPED_FROM_TOKENS = 16
 # Where the gate-up runs over groups, the down runs over the same groups too (`down_grouped`); False: the per-token
 # down kernel, every pair decoding its expert's rows (an A/B knob)
 GROUPED_DOWN = True
-GROUPED_DOWN_ROWS = 32
+GROUPED_DOWN_ROWS = 16
 GROUPED_DOWN_WARPS = 4
 GROUPED_DOWN_AHEAD = 1
-# Pairs a program of the grouped kernels walks (running the groups they lead one after the other)
-GROUPED_RUN = 1
+GROUPED_DOWN_GROUP_MAJOR = False
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
@@ -510,10 +508,8 @@ def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tenso
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     if groups is None:
         groups = group_pairs(ids, 8 // spans)
-    grid = triton.cdiv(ids.numel(), GROUPED_RUN) * (act.shape[1] // (cfg.up_rows // 2))
-    _grouped_gate_up_kernel[(grid,)](
-        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, RUN=GROUPED_RUN,
-        **kw,
+    _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw,
         **pdl_launch(hidden.device),
     )
     return act
@@ -562,12 +558,13 @@ def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, w
     magic, offset = MAGIC[hidden.dtype]
     kc = chunk_k(inter, w2.group_size, cfg.down_kc, spans)
     q, s = w2.qweight, w2.scales
-    _grouped_down_kernel[(triton.cdiv(t * top_k, GROUPED_RUN) * (d // tile),)](
+    _grouped_down_kernel[(t * top_k * (d // tile),)](
         act, q, s, _zeros(w2), out, part, counters, groups, weights, magic, offset, d, t * top_k,
         q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, TOP_K=top_k, KC=kc, CHUNKS=inter // kc,
         AHEAD=cfg.gdown_ahead, S=spans, ROWS=cfg.gdown_rows, W=cfg.gdown_warps,
-        **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, RUN=GROUPED_RUN, num_warps=cfg.gdown_warps,
+        **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, GROUP_MAJOR=bool(GROUPED_DOWN_GROUP_MAJOR),
+        num_warps=cfg.gdown_warps,
         **pdl_launch(hidden.device),
     )  # fmt: skip
     return out
