@@ -242,7 +242,7 @@ def _grouped_down_kernel(
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    GROUP_MAJOR: gl.constexpr = False, USE_PDL: gl.constexpr = False,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # _down_kernel's out over the gate-up's groups of up to P = 8 / S pairs of one expert: program (pair, rows
     # n0..n0+W ROWS-1) runs the group its pair leads (leaves where none), warp w rows n0 + w ROWS.., each over all of
@@ -256,12 +256,8 @@ def _grouped_down_kernel(
     P: gl.constexpr = 8 // S
     TILE: gl.constexpr = W * ROWS
     pid = gl.program_id(0)
-    if GROUP_MAJOR:  # a group's row tiles in consecutive programs
-        pair = pid // (D // TILE)
-        tile = pid % (D // TILE)
-    else:
-        pair = pid % num_pairs
-        tile = pid // num_pairs
+    pair = pid % num_pairs
+    tile = pid // num_pairs
     n0 = tile * TILE
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
@@ -406,10 +402,9 @@ GROUPED_FROM_TOKENS = 16
 # Where the gate-up runs over groups, the down runs over the same groups too (`down_grouped`); False: the per-token
 # down kernel, every pair decoding its expert's rows (an A/B knob)
 GROUPED_DOWN = True
-GROUPED_DOWN_ROWS = 16
+GROUPED_DOWN_ROWS = 32
 GROUPED_DOWN_WARPS = 4
 GROUPED_DOWN_AHEAD = 1
-GROUPED_DOWN_GROUP_MAJOR = False
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
@@ -563,8 +558,7 @@ def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, w
         q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, TOP_K=top_k, KC=kc, CHUNKS=inter // kc,
         AHEAD=cfg.gdown_ahead, S=spans, ROWS=cfg.gdown_rows, W=cfg.gdown_warps,
-        **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, GROUP_MAJOR=bool(GROUPED_DOWN_GROUP_MAJOR),
-        num_warps=cfg.gdown_warps,
+        **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, num_warps=cfg.gdown_warps,
         **pdl_launch(hidden.device),
     )  # fmt: skip
     return out
