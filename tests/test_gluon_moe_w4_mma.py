@@ -113,7 +113,10 @@ def test_takes_where_measured_faster() -> None:
     assert not mma.takes(one, *qwen, 8)  # one token, small experts: the GEMV-form token kernels
     assert mma.takes(two, *qwen, 8)
     assert mma.takes(torch.randn(48, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)
-    assert not mma.takes(torch.randn(49, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)  # aligned path
+    assert not mma.takes(torch.randn(49, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)  # symmetric: aligned path
+    awq = (random_qw("int4", 4, 2 * 768, 2048, gen, zeros=True), random_qw("int4", 4, 2048, 768, gen, zeros=True))
+    assert mma.takes(torch.randn(64, 2048, device=DEV, dtype=torch.bfloat16), *awq, 8)
+    assert not mma.takes(torch.randn(65, 2048, device=DEV, dtype=torch.bfloat16), *awq, 8)
     wide = (random_qw("int4", 2, 2 * 256, 8192, gen), random_qw("int4", 2, 8192, 256, gen))
     assert mma.takes(torch.randn(1, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8)
     assert mma.takes(torch.randn(64, 8192, device=DEV, dtype=torch.bfloat16), *wide, 8)
@@ -121,9 +124,11 @@ def test_takes_where_measured_faster() -> None:
 
 
 def test_moe_at_the_pair_bounds() -> None:
-    # the largest calls `takes` sends here: Qwen3-30B-A3B's experts at 48 tokens (384 pairs), DeepSeek-V3's width at
-    # 64 tokens (512 pairs) on fewer, smaller experts; the grouped gate-up runs on both
-    assert run(48, 128, 8, 2048, 768, torch.bfloat16, seed=81, group=128, zeros=True) <= TOL
+    # the largest calls `takes` sends here: Qwen3-30B-A3B's experts at 64 tokens (512 pairs) with zero points and 48
+    # (384) without, DeepSeek-V3's width at 64 tokens (512 pairs) on fewer, smaller experts; the grouped gate-up and
+    # down run on all but g32
+    assert run(64, 128, 8, 2048, 768, torch.bfloat16, seed=81, group=128, zeros=True) <= TOL
+    assert run(48, 128, 8, 2048, 768, torch.bfloat16, seed=84, group=128) <= TOL
     assert run(64, 32, 8, 7168, 256, torch.bfloat16, seed=82, group=128, zeros=True) <= TOL
     assert run(64, 32, 8, 7168, 256, torch.bfloat16, seed=83, group=32) <= TOL  # Kimi-K2's groups: the pair form
 

@@ -29,16 +29,18 @@ def _capable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "mma_capable", lambda t: True)
 
 
-def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_48_tokens() -> None:
-    # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 48 at top-8 (384 pairs) here, then the
-    # aligned path
-    assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2 and mma.NARROW_MAX_PAIRS == 384
+def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_64_tokens() -> None:
+    # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 64 at top-8 (512 pairs) here with zero points,
+    # 48 (384 pairs) without, then the aligned path
+    assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2
+    assert mma.NARROW_MAX_PAIRS == 512 and mma.NARROW_MAX_PAIRS_SYM == 384
     assert _takes(1, 2048) == (True, False)
-    for t in (2, 8, 24, 32, 40, 48):
+    for t in (2, 8, 24, 32, 40, 48, 56, 64):
         assert _takes(t, 2048) == (False, True), t
-    assert _takes(49, 2048) == (False, False)
-    assert _takes(96, 2048, top_k=4) == (False, True) and _takes(97, 2048, top_k=4) == (False, False)
-    assert _takes(16, 2048, zeros=False) == (False, True)  # symmetric weights too
+    assert _takes(65, 2048) == (False, False)
+    assert _takes(128, 2048, top_k=4) == (False, True) and _takes(129, 2048, top_k=4) == (False, False)
+    assert _takes(16, 2048, zeros=False) == (False, True) and _takes(48, 2048, zeros=False) == (False, True)
+    assert _takes(49, 2048, zeros=False) == (False, False)  # symmetric weights: 384 pairs
 
 
 def test_wide_experts_on_mma_from_one_token_to_512_pairs() -> None:

@@ -358,10 +358,15 @@ def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
 # 173.5 / 198.1 / 244.6 against 196.4 / 206.0 / 209.9 at 40 / 48 / 64 tokens, its step at B=40 / 48 / 64 11.349 /
 # 12.718 / 15.264 against 12.424 / 12.947 / 13.436 ms, so narrow experts up to 384 pairs; DeepSeek-V3 1531.6 /
 # 1774.7 / 2155.9 against 2491.2 / 2754.6 / 3071.2, its step (3 layers) at B=48 / 64 4.741 / 5.703 against 6.727 /
-# 7.560 ms, so wide ones up to 512 (64 tokens at top-8; past it not measured).
+# 7.560 ms, so wide ones up to 512 (64 tokens at top-8; past it not measured). With the grouped down (session 69,
+# moe_w4_gdown_shape_s69_h200.*, ab_pairs512_30b_w4a16_s69_h200.*) Qwen3-30B-A3B's asymmetric experts at 48 / 64
+# tokens took 166.4 / 198.8 us here against the aligned path's 202.7 / 210.2, the W4A16 step at B=56 / 64 12.065 /
+# 12.970 against 13.341 / 13.586 ms, so asymmetric narrow experts up to 512 pairs; symmetric ones stay at 384 (194.0
+# against 193.6 us at 48 tokens, 243.4 against 199.4 at 64).
 MIN_TOKENS = 2
 NARROW_MAX_HIDDEN = 4096  # experts up to this D are narrow (Qwen3-30B-A3B), wider ones wide (DeepSeek-V3, Kimi-K2)
-NARROW_MAX_PAIRS = 384
+NARROW_MAX_PAIRS = 512  # with zero points; without, NARROW_MAX_PAIRS_SYM
+NARROW_MAX_PAIRS_SYM = 384
 WIDE_MAX_PAIRS = 512
 # A lane loads x only on its column's span (masked 16-byte loads; kernels/gluon_w4a16_mma.py's form at one row),
 # not the whole of its quarter of the chunk: False loads it all (an A/B toggle for the benches). On the H200,
@@ -417,7 +422,8 @@ def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k
     measured, 1 to 32 tokens, 78 against 98-108 us at one, 1660 against 2148 at 32)."""
     t, d = hidden.shape
     wide = d > NARROW_MAX_HIDDEN
-    if t * top_k > (WIDE_MAX_PAIRS if wide else NARROW_MAX_PAIRS) or not (wide or t >= MIN_TOKENS):
+    most = WIDE_MAX_PAIRS if wide else NARROW_MAX_PAIRS if w13.zeros is not None else NARROW_MAX_PAIRS_SYM
+    if t * top_k > most or not (wide or t >= MIN_TOKENS):
         return False
     return supported(hidden, w13, w2, top_k)
 
