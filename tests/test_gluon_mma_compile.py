@@ -6,8 +6,8 @@ Triton's interpreter, see tests/test_gluon_mla_compile.py).
 
 What each compiled kernel must show: m16n8k16 bf16 mma.sync with float32 accumulation; the weights decoded
 by the inline LOP3 (lut 0xEA: (q & mask) | magic) into operand registers, never staged in shared memory
-(the only shared memory is the cross-warp sum, at most 6 bytes an output element a warp: float32, rows of 16
-columns padded to 24); ptxas (the one Triton runs for sm_90, -v) spilling nothing, except one register (4
+(the only shared memory is the cross-warp sum or, in the grouped down, the partials' layout change: at most 6
+bytes an output element a warp: float32, rows of 16 columns padded to 24); ptxas (the one Triton runs for sm_90, -v) spilling nothing, except one register (4
 bytes) under a register cap (gluon_w4a16_mma.register_cap: the 16-warp form capped at 128 spills that here, 2
 bytes on the H200's ptxas, and measured 8% faster); the dense kernel's first chunk of words loaded ahead of
 the PDL wait (PRELOAD_WORDS), nothing stored there; and at 1-4 rows its x loaded on its spans only
@@ -89,6 +89,13 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
             grouped = dict(up, S=spans, KC=kc, CHUNKS=d // cfg.up_warps // kc, **moe.layouts(cfg.up_warps, cfg.up_rows, kc))
             jobs.append((f"moe grouped gate-up S={spans} T={t} D={d}", moe._grouped_gate_up_kernel, grouped, cfg.up_warps,
                          cfg.up_rows * 8, 0))  # fmt: skip
+        for spans, zero in ((2, True), (4, False)):  # the down over the same groups (ticket counters, 32 rows a warp)
+            kc = moe.chunk_k(inter, 128, cfg.down_kc, spans)
+            gd = dict(HAS_ZERO=zero, GROUP=128, TOP_K=8, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.gdown_ahead, S=spans,
+                      ROWS=cfg.gdown_rows, W=cfg.gdown_warps, **moe.layouts(cfg.gdown_warps, cfg.gdown_rows, kc),
+                      MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
+            jobs.append((f"moe grouped down S={spans} T={t} D={d}", moe._grouped_down_kernel, gd, cfg.gdown_warps,
+                         cfg.gdown_rows * cfg.gdown_warps * 8, 0))  # fmt: skip
         kc = moe.chunk_k(inter, 128, cfg.down_kc)
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
                     **moe.layouts(8, cfg.down_rows, kc), MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
@@ -145,7 +152,7 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 26
+    assert len(kernels) == 30
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]
@@ -163,3 +170,6 @@ def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
             assert "ld.global" in ahead and "st.global" not in ahead and "st.shared" not in ahead, k["name"]
         if re.match(r"dense M=[1-4] |moe ", k["name"]):  # x on its spans only: predicated 16-byte loads
             assert re.search(r"@%p\d+ ld\.global\.v4\.b32", k["ptx"]), k["name"]
+        if k["name"].startswith("moe grouped down"):  # the release tickets, and the last one's L2 reads of partials
+            assert re.search(r"atom\.global\.gpu\.acq_rel\.add", k["ptx"]), k["name"]
+            assert "ld.global.cg" in k["ptx"], k["name"]

@@ -18,11 +18,17 @@ KERNELS = Path(__file__).resolve().parent.parent / "ftransformers" / "kernels"
 
 
 def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    # the file's @triton.jit / @gluon.jit functions, and those it imports by name from another kernels/ module (a
+    # launcher whose kernels live beside it, as gluon_moe_w4_mma.py's in gluon_moe_w4_kernels.py)
     out = {}
     for node in tree.body:
         decorators = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in getattr(node, "decorator_list", [])]
         if isinstance(node, ast.FunctionDef) and ("triton.jit" in decorators or "gluon.jit" in decorators):
             out[node.name] = node
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ftransformers.kernels."):
+            names = {a.name for a in node.names}
+            other = _jit_functions(ast.parse((KERNELS / f"{node.module.rsplit('.', 1)[1]}.py").read_text()))
+            out.update({n: fn for n, fn in other.items() if n in names})
     return out
 
 
