@@ -97,3 +97,23 @@ def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.Mo
     with pytest.raises(Grouped):
         mma.gate_up_grouped(hidden, w13, torch.zeros(16, 8, dtype=torch.int32, device=hidden.device), cfg)
     assert seen == [1]  # 8 / GROUPED_SPANS_NARROW pairs a group
+
+
+def test_the_grouped_down_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the down runs over the gate-up's groups where a chunk of I has spans inside the groups, D splits into the
+    # program's 4 x 32 rows and the pool holds a counter for each (token, row tile); GROUPED_DOWN read at call time
+    assert mma.GROUPED_DOWN and mma.GROUPED_DOWN_ROWS == 32 and mma.GROUPED_DOWN_WARPS == 4
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    w2 = random_qw("int4", 4, 2048, 768, gen, group=128, zeros=True)
+    hidden = torch.zeros(16, 2048, dtype=torch.bfloat16, device=w2.qweight.device)
+    cfg = mma.default_config(16, 2048)
+    assert cfg.gdown_rows == 32 and cfg.gdown_warps == 4
+    assert mma.grouped_down_takes(hidden, w2, cfg, 2) and mma.grouped_down_takes(hidden, w2, cfg, 4)
+    g32 = random_qw("int4", 4, 2048, 768, gen, group=32, zeros=True)
+    assert not mma.grouped_down_takes(hidden, g32, cfg, 2)  # spans of 128 cross groups of 32
+    odd = random_qw("int4", 4, 2112, 768, gen, group=128)
+    assert not mma.grouped_down_takes(torch.zeros(16, 2112, dtype=torch.bfloat16, device=hidden.device), odd, cfg, 2)
+    many = torch.zeros(4097, 2048, dtype=torch.bfloat16, device=hidden.device)  # 4097 x 16 tiles > 65536 counters
+    assert not mma.grouped_down_takes(many, w2, cfg, 2)
+    monkeypatch.setattr(mma, "GROUPED_DOWN", 0)
+    assert not mma.grouped_down_takes(hidden, w2, cfg, 2)

@@ -39,7 +39,7 @@ from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, layouts, mma_capable
 from ftransformers.kernels.launch import maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
-from ftransformers.kernels.tickets import ticket_counters
+from ftransformers.kernels.tickets import POOL_SIZE, ticket_counters
 from ftransformers.kernels.triton_moe_groups import group_pairs
 
 
@@ -56,8 +56,9 @@ class MmaMoEConfig:
     down_kc: int = 256
     down_ahead: int = 1
     down_rows: int = 16
-    gdown_rows: int = 16  # the grouped down (`down_grouped`): A rows a warp, warps a program (each its own rows),
-    gdown_warps: int = 4  # chunks requested ahead
+    # the grouped down (`down_grouped`): A rows a warp, warps a program (each over its own rows), chunks ahead
+    gdown_rows: int = 32
+    gdown_warps: int = 4
     gdown_ahead: int = 1
 
 
@@ -294,10 +295,11 @@ def down(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: 
 
 def grouped_down_takes(hidden: torch.Tensor, w2: QuantizedWeight, cfg: MmaMoEConfig, spans: int) -> bool:
     """Whether `down_grouped` can run the down over the gate-up's groups of 8 / spans pairs: GROUPED_DOWN on, a
-    chunk of I whose spans lie in the quantization groups, and D a multiple of the program's rows."""
-    d, inter = hidden.shape[1], w2.in_features
-    return GROUPED_DOWN and chunk_k(inter, w2.group_size, cfg.down_kc, spans) > 0 and d % (
-        cfg.gdown_rows * cfg.gdown_warps) == 0
+    chunk of I whose spans lie in the quantization groups, D a multiple of the program's rows, and a ticket counter
+    for each (token, row tile) in the pool."""
+    (t, d), inter, tile = hidden.shape, w2.in_features, cfg.gdown_rows * cfg.gdown_warps
+    fits = d % tile == 0 and t * (d // tile) <= POOL_SIZE
+    return bool(GROUPED_DOWN) and fits and chunk_k(inter, w2.group_size, cfg.down_kc, spans) > 0
 
 
 def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
