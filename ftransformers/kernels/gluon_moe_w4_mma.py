@@ -332,7 +332,7 @@ def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, w
 def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, weights: torch.Tensor,
                topk_ids: torch.Tensor, cfg: MmaMoEConfig | None = None) -> torch.Tensor:  # fmt: skip
     """fused_moe_w4's pair path on this module's kernels; weights [T*K] float32, topk_ids [T, K]. The gate-up runs
-    over groups of pairs where `grouped_takes`."""
+    over groups of pairs where `grouped_takes`, and the down over the same groups where `grouped_down_takes`."""
     ids = topk_ids.contiguous()
     cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
     spans = grouped_spans(hidden.shape[1], w13)
