@@ -163,6 +163,17 @@ def _down_kernel(
     gl.store(out_ptr + t.to(gl.int64) * stride_om + n0 + rows, y)
 
 
+@gluon.jit
+def _group_columns(group, pair, x_mask, x_l: gl.constexpr, S: gl.constexpr):
+    # A group row's 8 B columns (column c: the group's pair c // S, kernels/triton_moe_groups.py's row layout): each
+    # column's pair [1, 8, 1] (the leading pair where the slot is past the group's end) and x's mask [W, 8, KC] with
+    # those slots off, so they load no x (their columns stay zero where MASK_X) and are not stored
+    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
+    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
+    live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)
+    return gl.expand_dims(gl.expand_dims(gl.where(col_pair >= 0, col_pair, pair), 0), 2), x_mask & live
+
+
 @cached_launch
 @gluon.jit
 def _grouped_gate_up_kernel(
@@ -192,14 +203,10 @@ def _grouped_gate_up_kernel(
     if expert < 0:
         return
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
-    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
-    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
-    live = gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # [1, 8, 1]: the slot holds a pair
-    x_mask = x_mask & live  # a slot past the group's end loads no x (its columns stay zero where MASK_X)
-    tok = gl.where(col_pair >= 0, col_pair, pair) // TOP_K
+    col_pair, x_mask = _group_columns(group, pair, x_mask, x_l, S)
     q_rows = n0 + wrow % HALF + (wrow // HALF) * N  # logical rows: gate, then the matching up rows
     q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + q_rows.to(gl.int64) * stride_qn + ww * (KS // 8) + word
-    x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(tok, 0), 2).to(gl.int64) * stride_xm + xw * KS + xk
+    x_ptrs = x_ptr + (col_pair // TOP_K).to(gl.int64) * stride_xm + xw * KS + xk  # each column's token
     s_rows = expert.to(gl.int64) * stride_se + (n0 + mrow % HALF + (mrow // HALF) * N).to(gl.int64) * stride_sn
     tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * KS + (mspan % S) * (KC // S),
                       magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, DT, W, ROWS, mma, a_l, b_l, MASK_X,
@@ -245,12 +252,9 @@ def _grouped_down_kernel(
     if expert < 0:
         return
     ww, wrow, word, xw, xk, x_mask, mw, mrow, mspan = _offsets(w_l, x_l, mma, W, ROWS, RW, S)
-    xcl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_l))  # [8] columns, as x's
-    col_pair = gl.load(group + 1 + gl.arange(0, 8, layout=xcl) // S)
-    x_mask = x_mask & gl.expand_dims(gl.expand_dims(col_pair >= 0, 0), 2)  # a slot past the group's end loads no x
-    x_row = gl.expand_dims(gl.expand_dims(gl.where(col_pair >= 0, col_pair, pair), 0), 2)  # [1, 8, 1] act rows
+    col_pair, x_mask = _group_columns(group, pair, x_mask, x_l, S)
     q_ptrs = q_ptr + expert.to(gl.int64) * stride_qe + (n0 + ww * ROWS + wrow).to(gl.int64) * stride_qn + word
-    x_ptrs = act_ptr + x_row.to(gl.int64) * K + xw * 0 + xk  # every warp the same act rows (L1 serves all but one)
+    x_ptrs = act_ptr + col_pair.to(gl.int64) * K + xw * 0 + xk  # every warp the same act rows (L1 serves all but one)
     s_rows = expert.to(gl.int64) * stride_se + (n0 + mw * ROWS + mrow).to(gl.int64) * stride_sn
     tot = _sum_chunks(q_ptrs, x_ptrs, x_mask, s_ptr + s_rows, z_ptr + s_rows, mw * 0 + (mspan % S) * (KC // S),
                       magic, offset, HAS_ZERO, GROUP, KC, CHUNKS, AHEAD, act_ptr.dtype.element_ty, W, ROWS, mma, a_l,
