@@ -30,7 +30,7 @@ pytest.importorskip("triton.experimental.gluon._runtime")
 
 PTR = {"x_ptr": "*bf16", "act_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "bias_ptr": "*bf16",
        "y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i32", "tw_ptr": "*fp32", "part_ptr": "*fp32",
-       "cnt_ptr": "*i32", "groups_ptr": "*i32"}  # fmt: skip
+       "cnt_ptr": "*i32", "groups_ptr": "*i32", "leaders_ptr": "*i32"}  # fmt: skip
 
 
 def _sig(fn, consts: dict, types: dict | None = None) -> tuple[dict, dict]:  # every parameter: its type or constexpr
@@ -96,6 +96,10 @@ def _compile() -> list[dict]:  # in this process: per kernel, its name, shared b
                       MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
             jobs.append((f"moe grouped down S={spans} T={t} D={d}", moe._grouped_down_kernel, gd, cfg.gdown_warps,
                          cfg.gdown_rows * cfg.gdown_warps * 8, 0))  # fmt: skip
+            jobs.append((f"moe grouped down compact S={spans} T={t} D={d}", moe._grouped_down_kernel,
+                         {**gd, "COMPACT": True}, cfg.gdown_warps, cfg.gdown_rows * cfg.gdown_warps * 8, 0))
+        jobs.append((f"moe grouped gate-up compact T={t} D={d}", moe._grouped_gate_up_kernel, {**grouped, "COMPACT": True},
+                     cfg.up_warps, cfg.up_rows * 8, 0))  # fmt: skip
         kc = moe.chunk_k(inter, 128, cfg.down_kc)
         down = dict(HAS_ZERO=True, GROUP=128, KC=kc, CHUNKS=inter // kc, AHEAD=cfg.down_ahead, ROWS=cfg.down_rows, W=8,
                     **moe.layouts(8, cfg.down_rows, kc), MASK_X=moe.SPAN_MASKED_X)  # fmt: skip
@@ -152,7 +156,7 @@ def kernels() -> list[dict]:
 
 
 def test_mma_kernels_compile_for_hopper(kernels: list[dict]) -> None:
-    assert len(kernels) == 30
+    assert len(kernels) == 36
     for k in kernels:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k["ptx"], k["name"]
         assert re.search(r"lop3\.b32\s+%r\d+, %r\d+, 0x000F000F, %r\d+, 0xEA;", k["ptx"]), k["name"]

@@ -241,3 +241,14 @@ def test_moe_grouped_down_against_per_token_down(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(mma, "GROUPED_DOWN", grouped)
         assert run(32, 128, 8, 2048, 768, torch.bfloat16, seed=91, group=128, zeros=True) <= TOL
         assert run(24, 64, 8, 7168, 256, torch.bfloat16, seed=92, group=128) <= TOL
+
+
+def test_grouped_kernels_a_program_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GROUPED_COMPACT: the grouped gate-up and down over group_leaders' list, up to group_bound programs a row tile
+    monkeypatch.setattr(mma, "GROUPED_COMPACT", 1)
+    assert mma.compact_takes(64 * 8, 128, 4)
+    assert run(64, 128, 8, 2048, 768, torch.bfloat16, seed=101, group=128, zeros=True) <= TOL
+    assert run(48, 128, 8, 2048, 768, torch.float16, seed=102, group=128) <= TOL  # spans 4: 2 pairs a group
+    assert run(64, 32, 8, 7168, 256, torch.bfloat16, seed=103, group=128, zeros=True) <= TOL  # many groups an expert
+    assert run(24, 16, 8, 512, 256, torch.bfloat16, seed=104, group=128) <= TOL
+    assert not ticket_counters(torch.device(DEV), "moe_w4_grouped_down", POOL_SIZE).any()

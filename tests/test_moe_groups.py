@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftransformers.kernels.triton_moe_groups import group_pairs, group_pairs_ref
+from ftransformers.kernels.triton_moe_groups import group_leaders, group_pairs, group_pairs_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU, conftest.py runs Triton's interpreter
 
@@ -47,3 +47,13 @@ def test_one_expert_for_every_token() -> None:
 
 def test_int32_ids() -> None:
     check(routing(16, 64, 4, seed=9).to(torch.int32), 2)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize(("t", "e", "k"), [(16, 128, 8), (64, 128, 8), (5, 16, 8), (33, 8, 2)])
+def test_leaders_list_the_groups_in_pair_order(t: int, e: int, k: int, p: int) -> None:
+    ids = routing(t, e, k, seed=13 * t + e + p)
+    groups = group_pairs(ids, p)
+    got = group_leaders(groups).cpu()
+    lead = torch.nonzero(group_pairs_ref(ids, p)[:, 0] >= 0).flatten().to(torch.int32)
+    assert int(got[0]) == lead.numel() and torch.equal(got[1 : 1 + lead.numel()], lead)

@@ -117,3 +117,17 @@ def test_the_grouped_down_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPat
     assert not mma.grouped_down_takes(many, w2, cfg, 2)
     monkeypatch.setattr(mma, "GROUPED_DOWN", 0)
     assert not mma.grouped_down_takes(hidden, w2, cfg, 2)
+
+
+def test_a_program_per_group_where_fewer_groups_than_pairs_can_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ceil(n_e / p) <= floor(n_e / p) + 1 groups an expert: at most E + pairs // p, and never more than the pairs
+    assert mma.group_bound(512, 128, 4) == 256 and mma.group_bound(256, 128, 4) == 192
+    assert mma.group_bound(128, 128, 4) == 128 and mma.group_bound(512, 256, 4) == 384
+    gen = torch.Generator().manual_seed(3)
+    for pairs, e, p in [(512, 128, 4), (256, 128, 2), (40, 8, 4), (64, 4, 8)]:
+        ids = torch.randint(0, e, (pairs,), generator=gen)
+        groups = sum(-(-int(c) // p) for c in torch.bincount(ids, minlength=e))
+        assert groups <= mma.group_bound(pairs, e, p)
+    assert not mma.GROUPED_COMPACT and not mma.compact_takes(512, 128, 4)  # not measured yet
+    monkeypatch.setattr(mma, "GROUPED_COMPACT", 1)
+    assert mma.compact_takes(512, 128, 4) and not mma.compact_takes(128, 128, 4)

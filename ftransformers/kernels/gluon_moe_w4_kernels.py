@@ -177,12 +177,12 @@ def _group_columns(group, pair, x_mask, x_l: gl.constexpr, S: gl.constexpr):
 @cached_launch
 @gluon.jit
 def _grouped_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, groups_ptr, magic, offset, N, num_pairs,
+    x_ptr, q_ptr, s_ptr, z_ptr, act_ptr, groups_ptr, leaders_ptr, magic, offset, N, num_pairs, bound,
     stride_xm, stride_qe, stride_qn, stride_se, stride_sn,
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    USE_PDL: gl.constexpr = False,
+    COMPACT: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # _gate_up_kernel's act over groups of up to P = 8 / S pairs of one expert (kernels/triton_moe_groups.py's
     # groups [pairs, 1 + P]): program (pair, rows n0..n0+ROWS/2-1) runs the group its pair leads, and leaves where
@@ -196,8 +196,14 @@ def _grouped_gate_up_kernel(
     P: gl.constexpr = 8 // S
     DT: gl.constexpr = x_ptr.dtype.element_ty
     pid = gl.program_id(0)
-    pair = pid % num_pairs
-    n0 = (pid // num_pairs) * HALF
+    if COMPACT:  # program (g-th group, rows): leaders [1 + pairs] = count, then the leading pairs
+        n0 = (pid // bound) * HALF
+        if pid % bound >= gl.load(leaders_ptr):
+            return
+        pair = gl.load(leaders_ptr + 1 + pid % bound)
+    else:
+        pair = pid % num_pairs
+        n0 = (pid // num_pairs) * HALF
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
     if expert < 0:
@@ -225,12 +231,12 @@ def _grouped_gate_up_kernel(
 @cached_launch
 @gluon.jit
 def _grouped_down_kernel(
-    act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, groups_ptr, tw_ptr, magic, offset, D, num_pairs,
-    stride_qe, stride_qn, stride_se, stride_sn, stride_om,
+    act_ptr, q_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, groups_ptr, leaders_ptr, tw_ptr, magic, offset, D,
+    num_pairs, bound, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
     HAS_ZERO: gl.constexpr, GROUP: gl.constexpr, TOP_K: gl.constexpr, KC: gl.constexpr, CHUNKS: gl.constexpr,
     AHEAD: gl.constexpr, S: gl.constexpr, ROWS: gl.constexpr, W: gl.constexpr, mma: gl.constexpr,
     a_l: gl.constexpr, b_l: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr, MASK_X: gl.constexpr = False,
-    USE_PDL: gl.constexpr = False,
+    COMPACT: gl.constexpr = False, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     # _down_kernel's out over the gate-up's groups of up to P = 8 / S pairs of one expert: program (pair, rows
     # n0..n0+W ROWS-1) runs the group its pair leads (leaves where none), warp w rows n0 + w ROWS.., each over all of
@@ -244,8 +250,14 @@ def _grouped_down_kernel(
     P: gl.constexpr = 8 // S
     TILE: gl.constexpr = W * ROWS
     pid = gl.program_id(0)
-    pair = pid % num_pairs
-    tile = pid // num_pairs
+    if COMPACT:  # program (g-th group, row tile), as the grouped gate-up's
+        tile = pid // bound
+        if pid % bound >= gl.load(leaders_ptr):
+            return
+        pair = gl.load(leaders_ptr + 1 + pid % bound)
+    else:
+        pair = pid % num_pairs
+        tile = pid // num_pairs
     n0 = tile * TILE
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)

@@ -40,7 +40,7 @@ from ftransformers.kernels.launch import maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.tickets import POOL_SIZE, ticket_counters
-from ftransformers.kernels.triton_moe_groups import group_pairs
+from ftransformers.kernels.triton_moe_groups import group_leaders, group_pairs
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,11 @@ GROUPED_FROM_TOKENS = 16
 # 8: 100.5 / 146.9 / 225.2); 2 chunks ahead 168.9 against 140.6 at 32 tokens with 16 rows (185 registers;
 # moe_w4_gdown_knobs_s69_h200.*).
 GROUPED_DOWN = True
+# The grouped kernels over a list of the groups (`group_leaders`, one more launch) where fewer groups than pairs can
+# form (`compact_takes`): a program per group instead of one per pair, most of which leave at once (at 64 tokens on
+# Qwen3-30B-A3B's experts an empty grid of pair programs took 31.0 us of the gate-up's 128.4 and 21.1 of the down's
+# 85.0; moe_w4_empty_grid_s69_h200.log). Not measured yet: off.
+GROUPED_COMPACT = False
 GROUPED_DOWN_ROWS = 32
 GROUPED_DOWN_WARPS = 4
 GROUPED_DOWN_AHEAD = 1
@@ -258,19 +263,36 @@ def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig,
     return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and chunk > 0
 
 
+def group_bound(num_pairs: int, num_experts: int, p: int) -> int:
+    """The most groups of up to p pairs of one expert num_pairs pairs on num_experts experts can form: every
+    expert's count n_e gives ceil(n_e / p) <= floor(n_e / p) + 1 groups."""
+    return min(num_pairs, num_experts + num_pairs // p)
+
+
+def compact_takes(num_pairs: int, num_experts: int, p: int) -> bool:
+    """Whether the grouped kernels run a program per group (from group_leaders' list, one more launch) instead of
+    one per pair: GROUPED_COMPACT on, and fewer possible groups than pairs."""
+    return bool(GROUPED_COMPACT) and group_bound(num_pairs, num_experts, p) < num_pairs
+
+
 def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
-                    spans: int | None = None, groups: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    spans: int | None = None, groups: torch.Tensor | None = None,
+                    leaders: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
     default grouped_spans; groups of 8 / spans pairs from kernels/triton_moe_groups.py, one more launch where not
-    given)."""
+    given). With leaders (group_leaders(groups)) a program per group and rows, up to group_bound groups."""
     spans = spans or grouped_spans(hidden.shape[1], w13)
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     if groups is None:
         groups = group_pairs(ids, 8 // spans)
-    _grouped_gate_up_kernel[(act.numel() // (cfg.up_rows // 2),)](
-        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, *tail, TOP_K=ids.shape[1], S=spans, **kw,
+    n = ids.numel()
+    bound = group_bound(n, w13.qweight.shape[0], 8 // spans) if leaders is not None else n
+    magic, offset, inter, num_pairs, *strides = tail
+    _grouped_gate_up_kernel[(bound * (inter // (cfg.up_rows // 2)),)](
+        hidden, w13.qweight, w13.scales, _zeros(w13), act, groups, groups if leaders is None else leaders, magic,
+        offset, inter, num_pairs, bound, *strides, TOP_K=ids.shape[1], S=spans, COMPACT=leaders is not None, **kw,
         **pdl_launch(hidden.device),
-    )
+    )  # fmt: skip
     return act
 
 
@@ -303,10 +325,12 @@ def grouped_down_takes(hidden: torch.Tensor, w2: QuantizedWeight, cfg: MmaMoECon
 
 
 def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, weights: torch.Tensor, ids: torch.Tensor,
-                 groups: torch.Tensor, spans: int, cfg: MmaMoEConfig = MmaMoEConfig()) -> torch.Tensor:  # fmt: skip
+                 groups: torch.Tensor, spans: int, cfg: MmaMoEConfig = MmaMoEConfig(),
+                 leaders: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`down`'s out [T, D] over groups of 8 / spans pairs of one expert (groups from group_pairs(ids, 8 / spans), as
     the grouped gate-up's): each group's rows decoded once, the pairs' weighted partials added per token by the last
-    of its pairs in (ticket counters). Runs `down` instead while a CUDA graph is captured before the counters exist."""
+    of its pairs in (ticket counters); with leaders, a program per group and row tile. Runs `down` instead while a
+    CUDA graph is captured before the counters exist."""
     t, d = hidden.shape
     top_k, inter = ids.shape[1], w2.in_features
     tile = cfg.gdown_rows * cfg.gdown_warps
@@ -318,11 +342,12 @@ def down_grouped(act: torch.Tensor, hidden: torch.Tensor, w2: QuantizedWeight, w
     magic, offset = MAGIC[hidden.dtype]
     kc = chunk_k(inter, w2.group_size, cfg.down_kc, spans)
     q, s = w2.qweight, w2.scales
-    _grouped_down_kernel[(t * top_k * (d // tile),)](
-        act, q, s, _zeros(w2), out, part, counters, groups, weights, magic, offset, d, t * top_k,
-        q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
+    bound = group_bound(t * top_k, q.shape[0], 8 // spans) if leaders is not None else t * top_k
+    _grouped_down_kernel[(bound * (d // tile),)](
+        act, q, s, _zeros(w2), out, part, counters, groups, groups if leaders is None else leaders, weights, magic,
+        offset, d, t * top_k, bound, q.stride(0), q.stride(1), s.stride(0), s.stride(1), out.stride(0),
         HAS_ZERO=w2.zeros is not None, GROUP=w2.group_size, TOP_K=top_k, KC=kc, CHUNKS=inter // kc,
-        AHEAD=cfg.gdown_ahead, S=spans, ROWS=cfg.gdown_rows, W=cfg.gdown_warps,
+        AHEAD=cfg.gdown_ahead, S=spans, ROWS=cfg.gdown_rows, W=cfg.gdown_warps, COMPACT=leaders is not None,
         **layouts(cfg.gdown_warps, cfg.gdown_rows, kc), MASK_X=SPAN_MASKED_X, num_warps=cfg.gdown_warps,
         **pdl_launch(hidden.device),
     )  # fmt: skip
@@ -339,7 +364,8 @@ def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     if not grouped_takes(hidden, w13, cfg, spans):
         return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
     groups = group_pairs(ids, 8 // spans)
-    act = gate_up_grouped(hidden, w13, ids, cfg, spans, groups)
+    leaders = group_leaders(groups) if compact_takes(ids.numel(), w13.qweight.shape[0], 8 // spans) else None
+    act = gate_up_grouped(hidden, w13, ids, cfg, spans, groups, leaders)
     if grouped_down_takes(hidden, w2, cfg, spans):
-        return down_grouped(act, hidden, w2, weights, ids, groups, spans, cfg)
+        return down_grouped(act, hidden, w2, weights, ids, groups, spans, cfg, leaders)
     return down(act, hidden, w2, weights, ids, cfg)

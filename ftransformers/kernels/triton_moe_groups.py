@@ -65,6 +65,28 @@ def group_pairs(ids: torch.Tensor, p: int) -> torch.Tensor:
     return out
 
 
+@cached_launch
+@triton.jit
+def _leaders_kernel(groups_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
+    j = tl.arange(0, BLOCK)
+    lead = (tl.load(groups_ptr + j.to(tl.int64) * (1 + P), mask=j < num_pairs, other=-1) >= 0).to(tl.int32)
+    pos = tl.cumsum(lead, axis=0) - 1
+    tl.store(out_ptr + 1 + pos, j, mask=lead > 0)
+    tl.store(out_ptr, tl.sum(lead, axis=0))
+
+
+def group_leaders(groups: torch.Tensor) -> torch.Tensor:
+    """[1 + pairs] int32 from group_pairs' groups [pairs, 1 + P]: the number of groups, then the pairs that lead one,
+    in pair order (the rest unwritten). One launch of one program, so a consumer can run a program per group instead
+    of one per pair."""
+    n, width = groups.shape
+    out = torch.empty(1 + n, dtype=torch.int32, device=groups.device)
+    _leaders_kernel[(1,)](groups, out, n, P=width - 1, BLOCK=max(16, next_pow2(n)), num_warps=4,
+                          **pdl_launch(groups.device))  # fmt: skip
+    return out
+
+
 def group_pairs_ref(ids: torch.Tensor, p: int) -> torch.Tensor:
     """group_pairs in plain PyTorch (the leaders' rows in full; other rows (-1, j, then -1))."""
     flat = ids.reshape(-1).tolist()
