@@ -55,5 +55,5 @@ def test_leaders_list_the_groups_in_pair_order(t: int, e: int, k: int, p: int) -
     ids = routing(t, e, k, seed=13 * t + e + p)
     groups = group_pairs(ids, p)
     got = group_leaders(groups).cpu()
-    lead = torch.nonzero(group_pairs_ref(ids, p)[:, 0] >= 0).flatten().to(torch.int32)
+    lead = torch.nonzero(group_pairs_ref(ids, p)[:, 0] >= 0).flatten().to(torch.int32).cpu()
     assert int(got[0]) == lead.numel() and torch.equal(got[1 : 1 + lead.numel()], lead)

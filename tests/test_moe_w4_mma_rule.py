@@ -12,6 +12,7 @@ from test_triton_moe_w4 import DEV, random_qw
 
 from ftransformers.kernels import gluon_moe_w4_mma as mma
 from ftransformers.kernels import triton_moe_w4_gemv as token
+from ftransformers.kernels.quant_formats import QuantizedWeight
 
 
 def _takes(t: int, d: int, top_k: int = 8, zeros: bool = True) -> tuple[bool, bool]:
@@ -57,9 +58,15 @@ def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width_and_symmetry() -
     assert mma.GROUPED_SPANS_NARROW == 2 and mma.GROUPED_SPANS_NARROW_SYM == 4
     gen = torch.Generator(device=DEV).manual_seed(5)
     asym, sym = (random_qw("int4", 4, 512, 2048, gen, group=128, zeros=z) for z in (True, False))
-    assert mma.grouped_spans(2048, asym) == 2 and mma.grouped_spans(4096, asym) == 2
-    assert mma.grouped_spans(2048, sym) == 4  # narrow symmetric experts
-    assert mma.grouped_spans(7168, sym) == 2 and mma.grouped_spans(7168, asym) == 2
+
+    def spans(t: int, d: int, w13: QuantizedWeight) -> int:
+        return mma.grouped_spans(torch.zeros(t, d, dtype=torch.bfloat16, device=w13.qweight.device), w13)
+
+    assert spans(16, 2048, asym) == 2 and spans(16, 4096, asym) == 2 and spans(64, 2048, asym) == 2
+    # narrow symmetric experts: 4 spans, but 2 from 48 tokens (where the compact grid then takes)
+    assert mma.GROUPED_SPANS_NARROW_SYM_MANY_FROM == 48
+    assert spans(16, 2048, sym) == 4 and spans(47, 2048, sym) == 4 and spans(48, 2048, sym) == 2
+    assert spans(16, 7168, sym) == 2 and spans(16, 7168, asym) == 2
     for d, t, want in [(7168, 16, True), (7168, 32, True), (7168, 15, False), (7168, 8, False), (2048, 16, True),
                        (2048, 32, True), (2048, 15, False), (2048, 2, False)]:  # fmt: skip
         w13 = random_qw("int4", 4, 512, d, gen, group=128, zeros=True)
@@ -79,7 +86,7 @@ def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.Mo
     hidden = torch.zeros(16, 2048, dtype=torch.bfloat16, device=w13.qweight.device)
     cfg = mma.default_config(16, 2048)
     monkeypatch.setattr(mma, "GROUPED_SPANS_NARROW", 8)
-    assert mma.grouped_spans(2048, w13) == 8
+    assert mma.grouped_spans(hidden, w13) == 8
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 0)
     assert not mma.grouped_takes(hidden, w13, cfg)
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 17)
@@ -128,6 +135,11 @@ def test_a_program_per_group_where_fewer_groups_than_pairs_can_form(monkeypatch:
         ids = torch.randint(0, e, (pairs,), generator=gen)
         groups = sum(-(-int(c) // p) for c in torch.bincount(ids, minlength=e))
         assert groups <= mma.group_bound(pairs, e, p)
-    assert not mma.GROUPED_COMPACT and not mma.compact_takes(512, 128, 4)  # not measured yet
-    monkeypatch.setattr(mma, "GROUPED_COMPACT", 1)
-    assert mma.compact_takes(512, 128, 4) and not mma.compact_takes(128, 128, 4)
+    # measured faster where at most 0.6 of the pairs can lead a group (48-64 tokens at 4 pairs a group), level or
+    # slower at 0.75-0.83
+    assert mma.GROUPED_COMPACT and mma.COMPACT_MAX_SHARE == 0.6
+    assert mma.compact_takes(512, 128, 4) and mma.compact_takes(384, 128, 4)  # 64, 48 tokens: 0.5, 0.58
+    assert not mma.compact_takes(256, 128, 4) and not mma.compact_takes(384, 128, 2)  # 0.75, 0.83
+    assert not mma.compact_takes(512, 256, 4) and not mma.compact_takes(128, 128, 4)  # DeepSeek-V3 at 64: 0.75
+    monkeypatch.setattr(mma, "GROUPED_COMPACT", 0)
+    assert not mma.compact_takes(512, 128, 4)

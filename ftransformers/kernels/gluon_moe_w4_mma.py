@@ -165,17 +165,27 @@ GROUPED_FROM_TOKENS = 16
 # 8: 100.5 / 146.9 / 225.2); 2 chunks ahead 168.9 against 140.6 at 32 tokens with 16 rows (185 registers;
 # moe_w4_gdown_knobs_s69_h200.*).
 GROUPED_DOWN = True
-# The grouped kernels over a list of the groups (`group_leaders`, one more launch) where fewer groups than pairs can
-# form (`compact_takes`): a program per group instead of one per pair, most of which leave at once (at 64 tokens on
-# Qwen3-30B-A3B's experts an empty grid of pair programs took 31.0 us of the gate-up's 128.4 and 21.1 of the down's
-# 85.0; moe_w4_empty_grid_s69_h200.log). Not measured yet: off.
-GROUPED_COMPACT = False
+# The grouped kernels over a list of the groups (`group_leaders`, one more launch) where at most COMPACT_MAX_SHARE of
+# the pairs can lead a group (`compact_takes`): a program per possible group instead of one per pair, most of which
+# leave at once (at 64 tokens on Qwen3-30B-A3B's experts an empty grid of pair programs took 31.0 us of the gate-up's
+# 128.4 and 21.1 of the down's 85.0; moe_w4_empty_grid_s69_h200.log). H200, session 70, the whole MoE alone, us,
+# compact against pair programs (moe_w4_compact_s70_h200.*; bound / pairs in brackets): Qwen3-30B-A3B asymmetric,
+# 2 spans, 130.8 against 130.3 at 32 tokens (0.75), 159.9 against 164.7 at 48 (0.58), 189.1 against 198.6 at 64
+# (0.5); symmetric, 4 spans, 196.6 against 194.0 at 48 (0.83); with 2 spans 175.9 against 184.2 at 48 (0.58), 207.9
+# against 223.8 at 64 (0.5); DeepSeek-V3 1745.7 against 1743.5 at 64 (0.75).
+GROUPED_COMPACT = True
+COMPACT_MAX_SHARE = 0.6
 GROUPED_DOWN_ROWS = 32
 GROUPED_DOWN_WARPS = 4
 GROUPED_DOWN_AHEAD = 1
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
+# From this many tokens narrow symmetric experts group by GROUPED_SPANS_NARROW spans too (4 pairs a group, so the
+# compact grid takes): Qwen3-30B-A3B's symmetric MoE, us, 2 spans against 4 (moe_w4_compact_s70_h200.*): 99.9
+# against 87.2 at 16 tokens, 142.7 against 141.2 at 32 (pair programs both), 175.9 against 194.0 at 48 (compact
+# against pair programs, the rule above).
+GROUPED_SPANS_NARROW_SYM_MANY_FROM = 48
 
 
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
@@ -246,19 +256,22 @@ def gate_up(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor,
     return act
 
 
-def grouped_spans(hidden_size: int, w13: QuantizedWeight) -> int:
-    """Spans a chunk for the grouped gate-up at this D and symmetry (the knobs read at call time, so the benches'
-    A/B settings take)."""
-    if hidden_size > NARROW_MAX_HIDDEN:
+def grouped_spans(hidden: torch.Tensor, w13: QuantizedWeight) -> int:
+    """Spans a chunk for the grouped gate-up at hidden's tokens and D and the weights' symmetry (the knobs read at
+    call time, so the benches' A/B settings take)."""
+    t, d = hidden.shape
+    if d > NARROW_MAX_HIDDEN:
         return GROUPED_SPANS_WIDE
-    return GROUPED_SPANS_NARROW if w13.zeros is not None else GROUPED_SPANS_NARROW_SYM
+    if w13.zeros is not None or t >= GROUPED_SPANS_NARROW_SYM_MANY_FROM:
+        return GROUPED_SPANS_NARROW
+    return GROUPED_SPANS_NARROW_SYM
 
 
 def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int | None = None) -> bool:
     """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a chunk
     whose spans (default grouped_spans) lie inside the quantization groups."""
     d = hidden.shape[1]
-    spans = spans or grouped_spans(d, w13)
+    spans = spans or grouped_spans(hidden, w13)
     chunk = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans)
     return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and chunk > 0
 
@@ -271,8 +284,8 @@ def group_bound(num_pairs: int, num_experts: int, p: int) -> int:
 
 def compact_takes(num_pairs: int, num_experts: int, p: int) -> bool:
     """Whether the grouped kernels run a program per group (from group_leaders' list, one more launch) instead of
-    one per pair: GROUPED_COMPACT on, and fewer possible groups than pairs."""
-    return bool(GROUPED_COMPACT) and group_bound(num_pairs, num_experts, p) < num_pairs
+    one per pair: GROUPED_COMPACT on, and at most COMPACT_MAX_SHARE of the pairs can lead a group."""
+    return bool(GROUPED_COMPACT) and group_bound(num_pairs, num_experts, p) <= COMPACT_MAX_SHARE * num_pairs
 
 
 def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tensor, cfg: MmaMoEConfig = MmaMoEConfig(),
@@ -281,7 +294,7 @@ def gate_up_grouped(hidden: torch.Tensor, w13: QuantizedWeight, ids: torch.Tenso
     """gate_up's act [T*K, I] over groups of up to 8 / spans pairs of one expert (ids [T, K] contiguous; spans
     default grouped_spans; groups of 8 / spans pairs from kernels/triton_moe_groups.py, one more launch where not
     given). With leaders (group_leaders(groups)) a program per group and rows, up to group_bound groups."""
-    spans = spans or grouped_spans(hidden.shape[1], w13)
+    spans = spans or grouped_spans(hidden, w13)
     act, tail, kw = _up_launch(hidden, w13, ids.numel(), cfg, spans)
     if groups is None:
         groups = group_pairs(ids, 8 // spans)
@@ -360,7 +373,7 @@ def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     over groups of pairs where `grouped_takes`, and the down over the same groups where `grouped_down_takes`."""
     ids = topk_ids.contiguous()
     cfg = cfg or default_config(hidden.shape[0], hidden.shape[1])
-    spans = grouped_spans(hidden.shape[1], w13)
+    spans = grouped_spans(hidden, w13)
     if not grouped_takes(hidden, w13, cfg, spans):
         return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
     groups = group_pairs(ids, 8 // spans)
