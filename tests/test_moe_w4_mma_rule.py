@@ -32,16 +32,16 @@ def _capable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_narrow_experts_one_token_on_the_token_kernels_then_mma_up_to_64_tokens() -> None:
     # Qwen3-30B-A3B's width: one token on the GEMV-form kernels, 2 to 64 at top-8 (512 pairs) here with zero points,
-    # 48 (384 pairs) without, then the aligned path
+    # 56 (448 pairs) without, then the aligned path
     assert token.INT4_MAX_TOKENS == 1 and mma.MIN_TOKENS == 2
-    assert mma.NARROW_MAX_PAIRS == 512 and mma.NARROW_MAX_PAIRS_SYM == 384
+    assert mma.NARROW_MAX_PAIRS == 512 and mma.NARROW_MAX_PAIRS_SYM == 448
     assert _takes(1, 2048) == (True, False)
     for t in (2, 8, 24, 32, 40, 48, 56, 64):
         assert _takes(t, 2048) == (False, True), t
     assert _takes(65, 2048) == (False, False)
     assert _takes(128, 2048, top_k=4) == (False, True) and _takes(129, 2048, top_k=4) == (False, False)
-    assert _takes(16, 2048, zeros=False) == (False, True) and _takes(48, 2048, zeros=False) == (False, True)
-    assert _takes(49, 2048, zeros=False) == (False, False)  # symmetric weights: 384 pairs
+    assert _takes(16, 2048, zeros=False) == (False, True) and _takes(56, 2048, zeros=False) == (False, True)
+    assert _takes(57, 2048, zeros=False) == (False, False)  # symmetric weights: 448 pairs
 
 
 def test_wide_experts_on_mma_from_one_token_to_512_pairs() -> None:
@@ -63,9 +63,9 @@ def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width_and_symmetry() -
         return mma.grouped_spans(torch.zeros(t, d, dtype=torch.bfloat16, device=w13.qweight.device), w13)
 
     assert spans(16, 2048, asym) == 2 and spans(16, 4096, asym) == 2 and spans(64, 2048, asym) == 2
-    # narrow symmetric experts: 4 spans, but 2 from 48 tokens (where the compact grid then takes)
-    assert mma.GROUPED_SPANS_NARROW_SYM_MANY_FROM == 48
-    assert spans(16, 2048, sym) == 4 and spans(47, 2048, sym) == 4 and spans(48, 2048, sym) == 2
+    # narrow symmetric experts: 4 spans, but 2 from 40 tokens (from 48 the compact grid then takes)
+    assert mma.GROUPED_SPANS_NARROW_SYM_MANY_FROM == 40
+    assert spans(16, 2048, sym) == 4 and spans(39, 2048, sym) == 4 and spans(40, 2048, sym) == 2
     assert spans(16, 7168, sym) == 2 and spans(16, 7168, asym) == 2
     for d, t, want in [(7168, 16, True), (7168, 32, True), (7168, 15, False), (7168, 8, False), (2048, 16, True),
                        (2048, 32, True), (2048, 15, False), (2048, 2, False)]:  # fmt: skip

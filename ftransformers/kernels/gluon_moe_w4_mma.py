@@ -108,12 +108,14 @@ def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
 # 7.560 ms, so wide ones up to 512 (64 tokens at top-8; past it not measured). With the grouped down (session 69,
 # moe_w4_gdown_shape_s69_h200.*, ab_pairs512_30b_w4a16_s69_h200.*) Qwen3-30B-A3B's asymmetric experts at 48 / 64
 # tokens took 166.4 / 198.8 us here against the aligned path's 202.7 / 210.2, the W4A16 step at B=56 / 64 12.065 /
-# 12.970 against 13.341 / 13.586 ms, so asymmetric narrow experts up to 512 pairs; symmetric ones stay at 384 (194.0
-# against 193.6 us at 48 tokens, 243.4 against 199.4 at 64).
+# 12.970 against 13.341 / 13.586 ms, so asymmetric narrow experts up to 512 pairs; symmetric ones stayed at 384 (194.0
+# against 193.6 us at 48 tokens, 243.4 against 199.4 at 64). With the compact grid and 2 spans from 40 tokens
+# (session 70, moe_w4_symrule_s70_h200.*, moe_w4_compact_s70_h200.*) symmetric ones took 165.5 / 175.1 / 191.0 /
+# 207.9 us against the aligned path's 185.6 / 196.0 / 198.7 / 200.4 at 40 / 48 / 56 / 64 tokens: up to 448 pairs.
 MIN_TOKENS = 2
 NARROW_MAX_HIDDEN = 4096  # experts up to this D are narrow (Qwen3-30B-A3B), wider ones wide (DeepSeek-V3, Kimi-K2)
 NARROW_MAX_PAIRS = 512  # with zero points; without, NARROW_MAX_PAIRS_SYM
-NARROW_MAX_PAIRS_SYM = 384
+NARROW_MAX_PAIRS_SYM = 448
 WIDE_MAX_PAIRS = 512
 # A lane loads x only on its column's span (masked 16-byte loads; kernels/gluon_w4a16_mma.py's form at one row),
 # not the whole of its quarter of the chunk: False loads it all (an A/B toggle for the benches). On the H200,
@@ -181,11 +183,12 @@ GROUPED_DOWN_AHEAD = 1
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_SYM = 4
 GROUPED_SPANS_WIDE = 2
-# From this many tokens narrow symmetric experts group by GROUPED_SPANS_NARROW spans too (4 pairs a group, so the
-# compact grid takes): Qwen3-30B-A3B's symmetric MoE, us, 2 spans against 4 (moe_w4_compact_s70_h200.*): 99.9
-# against 87.2 at 16 tokens, 142.7 against 141.2 at 32 (pair programs both), 175.9 against 194.0 at 48 (compact
-# against pair programs, the rule above).
-GROUPED_SPANS_NARROW_SYM_MANY_FROM = 48
+# From this many tokens narrow symmetric experts group by GROUPED_SPANS_NARROW spans too (4 pairs a group, so from
+# 48 tokens the compact grid takes): Qwen3-30B-A3B's symmetric MoE, us, 2 spans against 4 (moe_w4_compact_s70_h200.*,
+# moe_w4_symrule_s70_h200.*): 99.9 against 87.2 at 16 tokens, 142.7 against 141.2 at 32, 165.5 against 168.9 at 40
+# (pair programs both), 175.1-175.9 against 193.3-194.0 at 48 and 191.0 against 217.7 at 56 (compact against pair
+# programs, the rule above).
+GROUPED_SPANS_NARROW_SYM_MANY_FROM = 40
 
 
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
