@@ -163,8 +163,9 @@ def test_grouped_gate_up_matches_reference_act(t: int, e: int, k: int, d: int, i
 
 def test_moe_with_the_grouped_gate_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 2)
+    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS_NARROW", 2)
     for spans in (2, 4):
-        for knob in ("GROUPED_SPANS_NARROW", "GROUPED_SPANS_NARROW_SYM", "GROUPED_SPANS_WIDE"):
+        for knob in ("GROUPED_SPANS_NARROW", "GROUPED_SPANS_NARROW_FEW", "GROUPED_SPANS_WIDE"):
             monkeypatch.setattr(mma, knob, spans)
         assert run(16, 128, 8, 2048, 768, torch.bfloat16, seed=77, group=128, zeros=True) <= TOL
         assert run(5, 16, 8, 512, 256, torch.float16, seed=78, group=128) <= TOL

@@ -54,21 +54,22 @@ def test_wide_experts_on_mma_from_one_token_to_512_pairs() -> None:
 
 def test_the_grouped_gate_up_from_16_tokens_with_spans_by_width_and_symmetry() -> None:
     # measured faster from 16 tokens in the W4A16 step on both widths, slower at 8 on DeepSeek-V3's experts
-    assert mma.GROUPED_FROM_TOKENS == 16 and mma.GROUPED_SPANS_WIDE == 2
-    assert mma.GROUPED_SPANS_NARROW == 2 and mma.GROUPED_SPANS_NARROW_SYM == 4
+    assert mma.GROUPED_FROM_TOKENS == 16 and mma.GROUPED_SPANS_WIDE == 2 and mma.GROUPED_FROM_TOKENS_NARROW == 8
+    assert mma.GROUPED_SPANS_NARROW == 2 and mma.GROUPED_SPANS_NARROW_FEW == 4
     gen = torch.Generator(device=DEV).manual_seed(5)
     asym, sym = (random_qw("int4", 4, 512, 2048, gen, group=128, zeros=z) for z in (True, False))
 
     def spans(t: int, d: int, w13: QuantizedWeight) -> int:
         return mma.grouped_spans(torch.zeros(t, d, dtype=torch.bfloat16, device=w13.qweight.device), w13)
 
+    # narrow experts: 4 spans below 16 tokens with zero points, below 40 without (from 48 the compact grid takes)
+    assert mma.GROUPED_NARROW_FEW_BELOW == 16 and mma.GROUPED_NARROW_FEW_BELOW_SYM == 40
+    assert spans(8, 2048, asym) == 4 and spans(15, 4096, asym) == 4
     assert spans(16, 2048, asym) == 2 and spans(16, 4096, asym) == 2 and spans(64, 2048, asym) == 2
-    # narrow symmetric experts: 4 spans, but 2 from 40 tokens (from 48 the compact grid then takes)
-    assert mma.GROUPED_SPANS_NARROW_SYM_MANY_FROM == 40
     assert spans(16, 2048, sym) == 4 and spans(39, 2048, sym) == 4 and spans(40, 2048, sym) == 2
-    assert spans(16, 7168, sym) == 2 and spans(16, 7168, asym) == 2
+    assert spans(16, 7168, sym) == 2 and spans(16, 7168, asym) == 2 and spans(8, 7168, sym) == 2
     for d, t, want in [(7168, 16, True), (7168, 32, True), (7168, 15, False), (7168, 8, False), (2048, 16, True),
-                       (2048, 32, True), (2048, 15, False), (2048, 2, False)]:  # fmt: skip
+                       (2048, 32, True), (2048, 8, True), (2048, 7, False), (2048, 2, False)]:  # fmt: skip
         w13 = random_qw("int4", 4, 512, d, gen, group=128, zeros=True)
         hidden = torch.zeros(t, d, dtype=torch.bfloat16, device=w13.qweight.device)
         assert mma.grouped_takes(hidden, w13, mma.default_config(t, d)) == want, (d, t)
@@ -87,10 +88,11 @@ def test_the_grouped_gate_up_reads_its_knobs_at_call_time(monkeypatch: pytest.Mo
     cfg = mma.default_config(16, 2048)
     monkeypatch.setattr(mma, "GROUPED_SPANS_NARROW", 8)
     assert mma.grouped_spans(hidden, w13) == 8
-    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 0)
+    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS_NARROW", 0)
     assert not mma.grouped_takes(hidden, w13, cfg)
-    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS", 17)
+    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS_NARROW", 17)
     assert not mma.grouped_takes(hidden, w13, cfg)
+    monkeypatch.setattr(mma, "GROUPED_FROM_TOKENS_NARROW", 16)
     seen: list[int] = []
 
     class Grouped(Exception):

@@ -150,9 +150,15 @@ UP_MAXNREG = 0
 #   6.830 against 6.455 / 6.422 ms, B=24 9.360 against 8.291 / 8.484, B=32 11.607 against 9.681 / 10.139, and
 #   grouped from 8 tokens level at B=8 (4.047 against 4.080); DeepSeek-V3, 3 layers, spans 2, B=16 2.529 against
 #   2.574, B=32 3.909 against 4.250, and from 8 tokens slower at B=8 (1.677 against 1.654, ab_grouped8_dsv3_*).
-#   So 16 tokens on both widths; spans 2 but on narrow symmetric experts, 4 there. Before the span-first sums
-#   (session 64) the grouped form lost on narrow experts.
+#   So 16 tokens on both widths (narrow experts from 8 since session 70, below); spans 2 but on narrow symmetric
+#   experts, 4 there. Before the span-first sums (session 64) the grouped form lost on narrow experts.
 GROUPED_FROM_TOKENS = 16
+# Narrow experts (D <= NARROW_MAX_HIDDEN) group from this many tokens, with GROUPED_SPANS_NARROW_FEW spans below
+# GROUPED_NARROW_FEW_BELOW tokens (GROUPED_NARROW_FEW_BELOW_SYM without zero points). H200, session 70, Qwen3-30B-A3B's
+# MoE alone, us, grouped with 4 spans against pairs (moe_w4_small_grouped_s70_h200.*, moe_w4_rule_s70_h200.*):
+# asymmetric 34.4 / 46.1 / 53.5 / 73.9 against 32.3 / 44.2 / 55.0 / 77.8 at 4 / 6 / 8 / 12 tokens (2 spans: 38.1 /
+# 48.9 / 55.3 / 77.3); symmetric 34.5 / 43.7 / 51.1-51.3 / 71.2-73.4 against 32.0 / 44.5 / 54.6-55.0 / 77.8-77.9.
+GROUPED_FROM_TOKENS_NARROW = 8
 # Where the gate-up runs over groups, the down runs over the same groups too (`down_grouped`); False: the per-token
 # down kernel, every pair decoding its expert's rows (an A/B knob). H200, session 69, int4 g128 asymmetric, the whole
 # MoE alone, us, grouped against per-token down (moe_w4_gdown_shape_s69_h200.*, moe_w4_gdown_dsv3_s69_h200.*):
@@ -181,14 +187,15 @@ GROUPED_DOWN_ROWS = 32
 GROUPED_DOWN_WARPS = 4
 GROUPED_DOWN_AHEAD = 1
 GROUPED_SPANS_NARROW = 2
-GROUPED_SPANS_NARROW_SYM = 4
+GROUPED_SPANS_NARROW_FEW = 4
 GROUPED_SPANS_WIDE = 2
-# From this many tokens narrow symmetric experts group by GROUPED_SPANS_NARROW spans too (4 pairs a group, so from
-# 48 tokens the compact grid takes): Qwen3-30B-A3B's symmetric MoE, us, 2 spans against 4 (moe_w4_compact_s70_h200.*,
+# Narrow symmetric experts group by GROUPED_SPANS_NARROW spans from this many tokens (4 pairs a group, so from 48
+# tokens the compact grid takes): Qwen3-30B-A3B's symmetric MoE, us, 2 spans against 4 (moe_w4_compact_s70_h200.*,
 # moe_w4_symrule_s70_h200.*): 99.9 against 87.2 at 16 tokens, 142.7 against 141.2 at 32, 165.5 against 168.9 at 40
 # (pair programs both), 175.1-175.9 against 193.3-194.0 at 48 and 191.0 against 217.7 at 56 (compact against pair
-# programs, the rule above).
-GROUPED_SPANS_NARROW_SYM_MANY_FROM = 40
+# programs, the rule above). Asymmetric ones from 16 (session 65's rule).
+GROUPED_NARROW_FEW_BELOW = 16
+GROUPED_NARROW_FEW_BELOW_SYM = 40
 
 
 def takes(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, top_k: int) -> bool:
@@ -265,18 +272,19 @@ def grouped_spans(hidden: torch.Tensor, w13: QuantizedWeight) -> int:
     t, d = hidden.shape
     if d > NARROW_MAX_HIDDEN:
         return GROUPED_SPANS_WIDE
-    if w13.zeros is not None or t >= GROUPED_SPANS_NARROW_SYM_MANY_FROM:
-        return GROUPED_SPANS_NARROW
-    return GROUPED_SPANS_NARROW_SYM
+    few = GROUPED_NARROW_FEW_BELOW if w13.zeros is not None else GROUPED_NARROW_FEW_BELOW_SYM
+    return GROUPED_SPANS_NARROW_FEW if t < few else GROUPED_SPANS_NARROW
 
 
 def grouped_takes(hidden: torch.Tensor, w13: QuantizedWeight, cfg: MmaMoEConfig, spans: int | None = None) -> bool:
-    """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more, and a chunk
-    whose spans (default grouped_spans) lie inside the quantization groups."""
+    """Whether moe_w4_mma runs this call's gate-up over groups: GROUPED_FROM_TOKENS tokens or more
+    (GROUPED_FROM_TOKENS_NARROW on narrow experts), and a chunk whose spans (default grouped_spans) lie inside the
+    quantization groups."""
     d = hidden.shape[1]
     spans = spans or grouped_spans(hidden, w13)
     chunk = chunk_k(d // cfg.up_warps, w13.group_size, cfg.up_kc, spans)
-    return 0 < GROUPED_FROM_TOKENS <= hidden.shape[0] and chunk > 0
+    least = GROUPED_FROM_TOKENS if d > NARROW_MAX_HIDDEN else GROUPED_FROM_TOKENS_NARROW
+    return 0 < least <= hidden.shape[0] and chunk > 0
 
 
 def group_bound(num_pairs: int, num_experts: int, p: int) -> int:
