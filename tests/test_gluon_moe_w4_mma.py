@@ -112,8 +112,8 @@ def test_takes_where_measured_faster() -> None:
     one, two = (torch.randn(t, 2048, device=DEV, dtype=torch.bfloat16) for t in (1, 2))
     assert not mma.takes(one, *qwen, 8)  # one token, small experts: the GEMV-form token kernels
     assert mma.takes(two, *qwen, 8)
-    assert mma.takes(torch.randn(48, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)
-    assert not mma.takes(torch.randn(49, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)  # symmetric: aligned path
+    assert mma.takes(torch.randn(56, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)
+    assert not mma.takes(torch.randn(57, 2048, device=DEV, dtype=torch.bfloat16), *qwen, 8)  # symmetric: aligned path
     awq = (random_qw("int4", 4, 2 * 768, 2048, gen, zeros=True), random_qw("int4", 4, 2048, 768, gen, zeros=True))
     assert mma.takes(torch.randn(64, 2048, device=DEV, dtype=torch.bfloat16), *awq, 8)
     assert not mma.takes(torch.randn(65, 2048, device=DEV, dtype=torch.bfloat16), *awq, 8)
