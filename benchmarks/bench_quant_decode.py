@@ -45,6 +45,12 @@ FORMATS: dict[str, dict[str, Any] | None] = {
                       "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                                     "weights": {"num_bits": 4, "type": "int", "symmetric": True,
                                                                 "strategy": "group", "group_size": 32}}}},
+    # the same at group 128: the kernels' layout of a symmetric GPTQ checkpoint (GPTQ's default; its dummy weights
+    # here would draw random zero points, so asymmetric ones)
+    "w4a16-g128-sym": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": IGNORE,
+                       "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                                     "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                 "strategy": "group", "group_size": 128}}}},
     "w8a8": {"quant_method": "w8a8_int8", "ignore": IGNORE},
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "ignored_layers": IGNORE},
