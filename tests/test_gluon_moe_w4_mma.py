@@ -212,10 +212,12 @@ def test_grouped_down_matches_reference(t: int, e: int, k: int, d: int, inter: i
     assert not ticket_counters(hidden.device, "moe_w4_grouped_down", POOL_SIZE).any()  # every counter back to 0
 
 
-def test_grouped_down_in_graph_replays() -> None:
-    # the whole MoE captured once (grouped gate-up and down at 16 tokens), replayed over six routings and hiddens
+@pytest.mark.parametrize("t", [16, 64])
+def test_grouped_down_in_graph_replays(t: int) -> None:
+    # the whole MoE captured once (grouped gate-up and down at 16 tokens; at 64 on the compact grid), replayed over
+    # six routings and hiddens
     gen = torch.Generator(DEV).manual_seed(31)
-    t, e, k, d, inter = 16, 128, 8, 2048, 768
+    e, k, d, inter = 128, 8, 2048, 768
     w13 = random_qw("int4", e, 2 * inter, d, gen, group=128, zeros=True)
     w2 = random_qw("int4", e, d, inter, gen, group=128, zeros=True)
     hidden = torch.randn(t, d, generator=gen, device=DEV).to(torch.bfloat16)
@@ -234,6 +236,7 @@ def test_grouped_down_in_graph_replays() -> None:
         graph.replay()
         assert rel_err(out, quant_moe_ref(hidden, w13, w2, new_w, new_ids)) <= TOL
     assert not ticket_counters(hidden.device, "moe_w4_grouped_down", POOL_SIZE).any()
+    assert mma.compact_takes(t * k, e, 4) == (t == 64)
 
 
 def test_moe_grouped_down_against_per_token_down(monkeypatch: pytest.MonkeyPatch) -> None:
