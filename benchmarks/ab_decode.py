@@ -13,8 +13,8 @@ Variants (comma-separated `--variants`):
   no-prefetch           PDL on, but no L2 prefetch ahead of the wait (kernels/pdl.py, l2_prefetch)
   prefetch=F/G          L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES); the families
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
-  set=MOD.NAME=V        the module-level toggle ftransformers.kernels.MOD.NAME set to int(V), e.g.
-                        set=triton_w4a16.PRELOAD_FIRST_TILE=0; a dotted MOD names a module under
+  set=MOD.NAME=V        the module-level toggle ftransformers.kernels.MOD.NAME set to V (an integer; a decimal
+                        for a float value), e.g. set=triton_w4a16.PRELOAD_FIRST_TILE=0; a dotted MOD names a module under
                         ftransformers instead (set=attention.triton_backend.GQA_BLOCK_N=32)
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
 
@@ -55,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd
 import bench_quant_decode as bq
+from ceilings import setting_value
 
 
 def _router_from(path: str) -> Callable[[], Callable[[], None]]:
@@ -112,7 +113,10 @@ def _set(spec: str) -> Callable[[], Callable[[], None]]:
         if not hasattr(mod, attr):
             raise SystemExit(f"ab_decode: {path} has no {attr}")
         was = getattr(mod, attr)
-        setattr(mod, attr, type(was)(int(value)))
+        try:
+            setattr(mod, attr, type(was)(setting_value(value, was)))
+        except ValueError as e:
+            raise SystemExit(f"ab_decode: set={spec}: {e}") from None
         return lambda: setattr(mod, attr, was)
 
     return apply

@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="tokens for a per-kernel config sweep, e.g. 1,8 (then no table)")
     ap.add_argument("--routing", choices=("uniform", "distinct", "shared"), default="uniform")
     ap.add_argument("--ab", default="", help="NAME=V[+NAME=V][,...]: also time the mma path with gluon_moe_w4_mma.NAME "
-                    "= V (integers), each comma-separated variant in turn, e.g. "
+                    "= V (integers; decimals for float values), each comma-separated variant in turn, e.g. "
                     "GROUPED_FROM_TOKENS=0,GROUPED_SPANS_NARROW=4+GROUPED_SPANS_WIDE=4")  # fmt: skip
     ap.add_argument("--grouped-spans", default="", help="with --parts: also time the gate-up over groups of pairs "
                     "(gate_up_grouped, with its grouping launch) and the down over them (down_grouped, without) at "

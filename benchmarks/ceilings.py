@@ -120,19 +120,29 @@ class Report:
         Path(path).with_suffix(".log").write_text("\n".join(self.lines) + "\n")
 
 
-def module_settings(text: str, module: Any) -> list[tuple[str, int]]:
-    """'NAME=V[+NAME=V]' -> [(NAME, V)], each NAME a module-level value of module and V an integer (a bench's --ab or
-    --set); ValueError saying which item is wrong otherwise."""
+def setting_value(value: str, was: Any) -> int | float:
+    """V of a NAME=V setting for a module value that holds `was`: an integer, or a decimal where it holds a float;
+    ValueError otherwise."""
+    return (float if isinstance(was, float) else int)(value)
+
+
+def module_settings(text: str, module: Any) -> list[tuple[str, int | float]]:
+    """'NAME=V[+NAME=V]' -> [(NAME, V)], each NAME a module-level value of module and V an integer (a decimal for a
+    float value; a bench's --ab or --set); ValueError saying which item is wrong otherwise."""
     out = []
     for item in filter(None, text.split("+")):
         name, _, value = item.partition("=")
-        if not hasattr(module, name) or not value.lstrip("-").isdigit():
-            raise ValueError(f"NAME=V with NAME a module-level name of {module.__name__} and V an integer, got {item!r}")
-        out.append((name, int(value)))
+        try:
+            if not hasattr(module, name):
+                raise ValueError(f"no {name!r}")
+            out.append((name, setting_value(value, getattr(module, name))))
+        except ValueError as e:
+            raise ValueError(f"NAME=V with NAME a module-level name of {module.__name__} and V an integer (a decimal "
+                             f"for a float), got {item!r}: {e}") from None  # fmt: skip
     return out
 
 
-def set_module_values(module: Any, settings: list[tuple[str, int]]) -> dict[str, Any]:
+def set_module_values(module: Any, settings: list[tuple[str, int | float]]) -> dict[str, Any]:
     """module.NAME = V (in the type the module holds) for each setting; the values they replaced."""
     kept = {name: getattr(module, name) for name, _ in settings}
     for name, value in settings:
@@ -141,7 +151,7 @@ def set_module_values(module: Any, settings: list[tuple[str, int]]) -> dict[str,
 
 
 @contextlib.contextmanager
-def module_values(module: Any, settings: list[tuple[str, int]]) -> Iterator[None]:
+def module_values(module: Any, settings: list[tuple[str, int | float]]) -> Iterator[None]:
     """`set_module_values` inside the block, the old values restored after it."""
     kept = set_module_values(module, settings)
     try:

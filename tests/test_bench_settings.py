@@ -1,0 +1,36 @@
+"""benchmarks/ceilings.py's NAME=V settings (bench_moe_w4_mma --ab, bench_w4a16_mma --set / --ab; ab_decode's set=
+shares setting_value): integers for integer and boolean knobs, decimals for float ones, a clear error otherwise."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ceilings import module_settings, module_values
+
+
+def _module() -> types.ModuleType:
+    mod = types.ModuleType("knobs")
+    mod.ROWS, mod.ON, mod.SHARE = 16, True, 0.6  # type: ignore[attr-defined]
+    return mod
+
+
+def test_integer_boolean_and_float_knobs() -> None:
+    mod = _module()
+    settings = module_settings("ROWS=32+ON=0+SHARE=0.75", mod)
+    assert settings == [("ROWS", 32), ("ON", 0), ("SHARE", 0.75)]
+    with module_values(mod, settings):
+        assert (mod.ROWS, mod.ON, mod.SHARE) == (32, False, 0.75)
+        assert type(mod.ON) is bool and type(mod.SHARE) is float
+    assert (mod.ROWS, mod.ON, mod.SHARE) == (16, True, 0.6)
+    assert module_settings("SHARE=1", mod) == [("SHARE", 1.0)]
+
+
+@pytest.mark.parametrize("text", ["ROWS=0.5", "ON=yes", "SHARE=x", "NOPE=1", "ROWS="])
+def test_bad_settings_say_which(text: str) -> None:
+    with pytest.raises(ValueError, match=text.split("=")[0]):
+        module_settings(text, _module())
