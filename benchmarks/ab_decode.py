@@ -14,8 +14,8 @@ Variants (comma-separated `--variants`):
   prefetch=F/G          L2 prefetch for the kernel families F, G only (pdl.PREFETCH_FAMILIES); the families
                         measured and dropped in session 9 (gemv, moe_down, ...) are in commit 119bf58
   set=MOD.NAME=V        the module-level toggle ftransformers.kernels.MOD.NAME set to V (an integer; a decimal
-                        for a float value), e.g. set=triton_w4a16.PRELOAD_FIRST_TILE=0; a dotted MOD names a module under
-                        ftransformers instead (set=attention.triton_backend.GQA_BLOCK_N=32)
+                        for a float value), e.g. set=triton_w4a16.PRELOAD_FIRST_TILE=0; a dotted MOD names a
+                        module under ftransformers instead (set=attention.triton_backend.GQA_BLOCK_N=32)
   A+B                   both, e.g. separate-rope+router=PATH (the previous commit's decode step)
 
 `--timeline` adds, per variant and batch, a CUPTI trace of a few replays (torch.profiler) read as the

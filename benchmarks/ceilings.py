@@ -13,7 +13,8 @@ wall-clock medians stand in.
 
 Also shared here: `Report` (a result file's header and log lines) and `graph_ms` (a kernel's time per call from one
 CUDA graph of calls), so that scripts comparing each other's figures time them the same way; `module_settings`,
-`set_module_values` and `module_values`, the benches' `NAME=V[+NAME=V]` settings of a kernel module's knobs, parsed and applied.
+`set_module_values` and `module_values`, the benches' `NAME=V[+NAME=V]` settings of a kernel module's knobs, parsed
+and applied (`setting_value`, which ab_decode.py's `set=` shares, reads V as an integer, or a decimal for a float).
 
     PYTHONPATH=$PWD python benchmarks/ceilings.py   # every former method beside this one
 """
