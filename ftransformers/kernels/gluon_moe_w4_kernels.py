@@ -164,6 +164,23 @@ def _down_kernel(
 
 
 @gluon.jit
+def _group_program(pid, num_pairs, bound, leaders_ptr, COMPACT: gl.constexpr):
+    # A grouped kernel's program -> (pair, row tile): program (pair, tile) over pairs, or with COMPACT (g-th group,
+    # tile) over group_leaders' list [1 + pairs] (the count, then the leading pairs), up to bound groups a tile; pair
+    # -1 past the list's count
+    if COMPACT:
+        g = pid % bound
+        tile = pid // bound
+        pair = gl.to_tensor(-1)
+        if g < gl.load(leaders_ptr):
+            pair = gl.load(leaders_ptr + 1 + g)
+    else:
+        pair = gl.to_tensor(pid % num_pairs)
+        tile = pid // num_pairs
+    return pair, tile
+
+
+@gluon.jit
 def _group_columns(group, pair, x_mask, x_l: gl.constexpr, S: gl.constexpr):
     # A group row's 8 B columns (column c: the group's pair c // S, kernels/triton_moe_groups.py's row layout): each
     # column's pair [1, 8, 1] (the leading pair where the slot is past the group's end) and x's mask [W, 8, KC] with
@@ -195,15 +212,10 @@ def _grouped_gate_up_kernel(
     HALF: gl.constexpr = ROWS // 2
     P: gl.constexpr = 8 // S
     DT: gl.constexpr = x_ptr.dtype.element_ty
-    pid = gl.program_id(0)
-    if COMPACT:  # program (g-th group, rows): leaders [1 + pairs] = count, then the leading pairs
-        n0 = (pid // bound) * HALF
-        if pid % bound >= gl.load(leaders_ptr):
-            return
-        pair = gl.load(leaders_ptr + 1 + pid % bound)
-    else:
-        pair = pid % num_pairs
-        n0 = (pid // num_pairs) * HALF
+    pair, tile = _group_program(gl.program_id(0), num_pairs, bound, leaders_ptr, COMPACT)
+    if pair < 0:
+        return
+    n0 = tile * HALF
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
     if expert < 0:
@@ -249,15 +261,9 @@ def _grouped_down_kernel(
     K: gl.constexpr = CHUNKS * KC
     P: gl.constexpr = 8 // S
     TILE: gl.constexpr = W * ROWS
-    pid = gl.program_id(0)
-    if COMPACT:  # program (g-th group, row tile), as the grouped gate-up's
-        tile = pid // bound
-        if pid % bound >= gl.load(leaders_ptr):
-            return
-        pair = gl.load(leaders_ptr + 1 + pid % bound)
-    else:
-        pair = pid % num_pairs
-        tile = pid // num_pairs
+    pair, tile = _group_program(gl.program_id(0), num_pairs, bound, leaders_ptr, COMPACT)
+    if pair < 0:
+        return
     n0 = tile * TILE
     group = groups_ptr + pair * (1 + P)
     expert = gl.load(group)
