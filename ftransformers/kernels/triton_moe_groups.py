@@ -54,7 +54,7 @@ def _group_pairs_kernel(ids_ptr, out_ptr, leaders_ptr, cnt_ptr, num_pairs, P: tl
         tl.debug_barrier()  # this program's rows are stored before its release ticket
         if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.store(cnt_ptr, 0)
-            _list_leaders(out_ptr, leaders_ptr, num_pairs, P, BLOCK_I, ".cg")
+            _list_leaders(out_ptr, leaders_ptr, num_pairs, P, BLOCK_I, True)
 
 
 def group_pairs(ids: torch.Tensor, p: int) -> torch.Tensor:
@@ -86,11 +86,17 @@ def _group_pairs(ids: torch.Tensor, p: int, with_leaders: bool) -> tuple[torch.T
 
 
 @triton.jit
-def _list_leaders(groups_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK: tl.constexpr, CACHE: tl.constexpr = ""):
-    # out [1 + pairs]: the number of groups, then the pairs that lead one, in pair order
+def _list_leaders(groups_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK: tl.constexpr, FROM_L2: tl.constexpr):
+    # out [1 + pairs]: the number of groups, then the pairs that lead one, in pair order. FROM_L2: read past L1, for
+    # rows other programs of this grid stored (a constexpr bool, not a cache-modifier string: Triton 3.6 passes a
+    # defaulted string constexpr on to tl.load as a plain str)
     j = tl.arange(0, BLOCK)
     row = groups_ptr + j.to(tl.int64) * (1 + P)
-    lead = (tl.load(row, mask=j < num_pairs, other=-1, cache_modifier=CACHE) >= 0).to(tl.int32)
+    if FROM_L2:
+        first = tl.load(row, mask=j < num_pairs, other=-1, cache_modifier=".cg")
+    else:
+        first = tl.load(row, mask=j < num_pairs, other=-1)
+    lead = (first >= 0).to(tl.int32)
     pos = tl.cumsum(lead, axis=0) - 1
     tl.store(out_ptr + 1 + pos, j, mask=lead > 0)
     tl.store(out_ptr, tl.sum(lead, axis=0))
@@ -102,7 +108,7 @@ def _leaders_kernel(
     groups_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
 ):
     pdl_enter(USE_PDL)
-    _list_leaders(groups_ptr, out_ptr, num_pairs, P, BLOCK)
+    _list_leaders(groups_ptr, out_ptr, num_pairs, P, BLOCK, False)
 
 
 def group_leaders(groups: torch.Tensor) -> torch.Tensor:
