@@ -214,8 +214,8 @@ def test_grouped_down_matches_reference(t: int, e: int, k: int, d: int, inter: i
 
 @pytest.mark.parametrize("t", [16, 64])
 def test_grouped_down_in_graph_replays(t: int) -> None:
-    # the whole MoE captured once (grouped gate-up and down at 16 tokens; at 64 on the compact grid, its leaders
-    # listed by the grouping launch), replayed over six routings and hiddens
+    # the whole MoE captured once (grouped gate-up and down at 16 tokens; at 64 on the compact grid), replayed over
+    # six routings and hiddens
     gen = torch.Generator(DEV).manual_seed(31)
     e, k, d, inter = 128, 8, 2048, 768
     w13 = random_qw("int4", e, 2 * inter, d, gen, group=128, zeros=True)
@@ -237,7 +237,6 @@ def test_grouped_down_in_graph_replays(t: int) -> None:
         assert rel_err(out, quant_moe_ref(hidden, w13, w2, new_w, new_ids)) <= TOL
     assert not ticket_counters(hidden.device, "moe_w4_grouped_down", POOL_SIZE).any()
     assert mma.compact_takes(t * k, e, 4) == (t == 64)
-    assert not ticket_counters(hidden.device, "moe_groups_leaders", 1).any()
 
 
 def test_moe_grouped_down_against_per_token_down(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,12 +247,9 @@ def test_moe_grouped_down_against_per_token_down(monkeypatch: pytest.MonkeyPatch
         assert run(24, 64, 8, 7168, 256, torch.bfloat16, seed=92, group=128) <= TOL
 
 
-@pytest.mark.parametrize("in_grouping", [True, False])
-def test_grouped_kernels_a_program_per_group(monkeypatch: pytest.MonkeyPatch, in_grouping: bool) -> None:
-    # GROUPED_COMPACT: the grouped gate-up and down over the leaders' list (made by the grouping launch's last program
-    # out, or by a launch of its own), up to group_bound programs a row tile
+def test_grouped_kernels_a_program_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GROUPED_COMPACT: the grouped gate-up and down over group_leaders' list, up to group_bound programs a row tile
     monkeypatch.setattr(mma, "GROUPED_COMPACT", 1)
-    monkeypatch.setattr(mma, "LEADERS_IN_GROUPING", in_grouping)
     assert mma.compact_takes(64 * 8, 128, 4)
     assert run(64, 128, 8, 2048, 768, torch.bfloat16, seed=101, group=128, zeros=True) <= TOL
     assert mma.compact_takes(40 * 8, 32, 2)
@@ -261,4 +257,3 @@ def test_grouped_kernels_a_program_per_group(monkeypatch: pytest.MonkeyPatch, in
     assert run(64, 32, 8, 7168, 256, torch.bfloat16, seed=103, group=128, zeros=True) <= TOL  # many groups an expert
     assert run(24, 16, 8, 512, 256, torch.bfloat16, seed=104, group=128) <= TOL
     assert not ticket_counters(torch.device(DEV), "moe_w4_grouped_down", POOL_SIZE).any()
-    assert not ticket_counters(torch.device(DEV), "moe_groups_leaders", 1).any()

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftransformers.kernels.tickets import ticket_counters
-from ftransformers.kernels.triton_moe_groups import group_leaders, group_pairs, group_pairs_and_leaders, group_pairs_ref
+from ftransformers.kernels.triton_moe_groups import group_leaders, group_pairs, group_pairs_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on the CPU, conftest.py runs Triton's interpreter
 
@@ -58,17 +57,3 @@ def test_leaders_list_the_groups_in_pair_order(t: int, e: int, k: int, p: int) -
     got = group_leaders(groups).cpu()
     lead = torch.nonzero(group_pairs_ref(ids, p)[:, 0] >= 0).flatten().to(torch.int32).cpu()
     assert int(got[0]) == lead.numel() and torch.equal(got[1 : 1 + lead.numel()], lead)
-
-
-@pytest.mark.parametrize(("t", "e", "k", "p"), [(64, 128, 8, 4), (48, 128, 8, 2), (5, 16, 8, 4), (33, 8, 2, 2)])
-def test_groups_and_leaders_from_one_launch(t: int, e: int, k: int, p: int) -> None:
-    # the grouping launch's last program out lists the leaders: the same groups and list as the two launches, and the
-    # ticket counter back at 0 after each call (three routings in turn)
-    for seed in range(3):
-        ids = routing(t, e, k, seed=31 * t + e + p + seed)
-        groups, leaders = group_pairs_and_leaders(ids, p)
-        assert torch.equal(groups.cpu(), group_pairs(ids, p).cpu())
-        want = group_leaders(group_pairs(ids, p)).cpu()
-        n = int(want[0])
-        assert int(leaders[0]) == n and torch.equal(leaders.cpu()[1 : 1 + n], want[1 : 1 + n])
-        assert int(ticket_counters(ids.device, "moe_groups_leaders", 1)[0]) == 0

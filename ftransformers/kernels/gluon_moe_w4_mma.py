@@ -40,7 +40,7 @@ from ftransformers.kernels.launch import maxnreg_option
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.tickets import POOL_SIZE, ticket_counters
-from ftransformers.kernels.triton_moe_groups import group_leaders, group_pairs, group_pairs_and_leaders
+from ftransformers.kernels.triton_moe_groups import group_leaders, group_pairs
 
 
 @dataclass(frozen=True)
@@ -183,9 +183,6 @@ GROUPED_DOWN = True
 # against 223.8 at 64 (0.5); DeepSeek-V3 1745.7 against 1743.5 at 64 (0.75).
 GROUPED_COMPACT = True
 COMPACT_MAX_SHARE = 0.6
-# The compact grid's list made by the grouping launch's last program out (`group_pairs_and_leaders`) instead of one more
-# launch of its own (`group_leaders`). Not measured yet.
-LEADERS_IN_GROUPING = True
 GROUPED_DOWN_ROWS = 32
 GROUPED_DOWN_WARPS = 4
 GROUPED_DOWN_AHEAD = 1
@@ -390,14 +387,8 @@ def moe_w4_mma(hidden: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, 
     spans = grouped_spans(hidden, w13)
     if not grouped_takes(hidden, w13, cfg, spans):
         return down(gate_up(hidden, w13, ids, cfg), hidden, w2, weights, ids, cfg)
-    p = 8 // spans
-    if not compact_takes(ids.numel(), w13.qweight.shape[0], p):
-        groups, leaders = group_pairs(ids, p), None
-    elif LEADERS_IN_GROUPING:
-        groups, leaders = group_pairs_and_leaders(ids, p)
-    else:
-        groups = group_pairs(ids, p)
-        leaders = group_leaders(groups)
+    groups = group_pairs(ids, 8 // spans)
+    leaders = group_leaders(groups) if compact_takes(ids.numel(), w13.qweight.shape[0], 8 // spans) else None
     act = gate_up_grouped(hidden, w13, ids, cfg, spans, groups, leaders)
     if grouped_down_takes(hidden, w2, cfg, spans):
         return down_grouped(act, hidden, w2, weights, ids, groups, spans, cfg, leaders)

@@ -21,7 +21,6 @@ import triton.language as tl
 
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
-from ftransformers.kernels.tickets import ticket_counters
 
 # Pairs j a program, and its warps. H200 (benchmarks/results/group_pairs_shapes_s64_h200.log, a graph of 8 launches,
 # uniform routings at top-8): 16 / 24 / 32 tokens 3.3 / 4.1 / 4.2 us at 8 pairs on 2 warps, against 5.7 / 8.3 / 8.1
@@ -33,8 +32,8 @@ MAX_PAIRS = 1024  # one [BLOCK_J, next_pow2(pairs)] tile a program; a decode ste
 
 @cached_launch
 @triton.jit
-def _group_pairs_kernel(ids_ptr, out_ptr, leaders_ptr, cnt_ptr, num_pairs, P: tl.constexpr, BLOCK_J: tl.constexpr,
-                        BLOCK_I: tl.constexpr, LEADERS: tl.constexpr = False, USE_PDL: tl.constexpr = False):  # fmt: skip
+def _group_pairs_kernel(ids_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_I: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):  # fmt: skip
     pdl_enter(USE_PDL)
     j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
     i = tl.arange(0, BLOCK_I)
@@ -50,65 +49,31 @@ def _group_pairs_kernel(ids_ptr, out_ptr, leaders_ptr, cnt_ptr, num_pairs, P: tl
     tl.store(row + 1, j, mask=jv)
     for s in tl.static_range(1, P):
         tl.store(row + 1 + s, tl.max(tl.where(after & (seen == s), i[None, :], -1), axis=1), mask=jv)
-    if LEADERS:  # the last program out lists the leaders (group_leaders' list) and puts the counter back to 0
-        tl.debug_barrier()  # this program's rows are stored before its release ticket
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.store(cnt_ptr, 0)
-            _list_leaders(out_ptr, leaders_ptr, num_pairs, P, BLOCK_I, True)
 
 
 def group_pairs(ids: torch.Tensor, p: int) -> torch.Tensor:
     """[T * top_k, 1 + p] int32 groups of up to p pairs of one expert (module docstring) from ids [T, top_k]."""
-    return _group_pairs(ids, p, with_leaders=False)[0]
-
-
-def group_pairs_and_leaders(ids: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """group_pairs' groups and group_leaders' list from one launch: the last of its programs out (a ticket counter)
-    lists the leaders. Two launches instead while a CUDA graph is captured before the counter exists."""
-    groups, leaders = _group_pairs(ids, p, with_leaders=True)
-    return groups, leaders if leaders is not None else group_leaders(groups)
-
-
-def _group_pairs(ids: torch.Tensor, p: int, with_leaders: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     n = flat.numel()
     assert 0 < n <= MAX_PAIRS and p >= 1, (n, p)
     out = torch.empty(n, 1 + p, dtype=torch.int32, device=ids.device)
-    counter = ticket_counters(ids.device, "moe_groups_leaders", 1) if with_leaders else None
-    leaders = torch.empty(1 + n, dtype=torch.int32, device=ids.device) if counter is not None else None
     _group_pairs_kernel[(cdiv(n, BLOCK_J),)](
-        flat, out, out if leaders is None else leaders, out if counter is None else counter, n, P=p, BLOCK_J=BLOCK_J,
-        BLOCK_I=max(16, next_pow2(n)), LEADERS=leaders is not None, num_warps=WARPS, **pdl_launch(ids.device),
-    )  # fmt: skip
-    return out, leaders
-
-
-@triton.jit
-def _list_leaders(groups_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK: tl.constexpr, FROM_L2: tl.constexpr):
-    # out [1 + pairs]: the number of groups, then the pairs that lead one, in pair order. FROM_L2: read past L1, for
-    # rows other programs of this grid stored (a constexpr bool, not a cache-modifier string: Triton 3.6 passes a
-    # defaulted string constexpr on to tl.load as a plain str)
-    j = tl.arange(0, BLOCK)
-    row = groups_ptr + j.to(tl.int64) * (1 + P)
-    if FROM_L2:
-        first = tl.load(row, mask=j < num_pairs, other=-1, cache_modifier=".cg")
-    else:
-        first = tl.load(row, mask=j < num_pairs, other=-1)
-    lead = (first >= 0).to(tl.int32)
-    pos = tl.cumsum(lead, axis=0) - 1
-    tl.store(out_ptr + 1 + pos, j, mask=lead > 0)
-    tl.store(out_ptr, tl.sum(lead, axis=0))
+        flat, out, n, P=p, BLOCK_J=BLOCK_J, BLOCK_I=max(16, next_pow2(n)), num_warps=WARPS, **pdl_launch(ids.device)
+    )
+    return out
 
 
 @cached_launch
 @triton.jit
-def _leaders_kernel(
-    groups_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False
-):
+def _leaders_kernel(groups_ptr, out_ptr, num_pairs, P: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_enter(USE_PDL)
-    _list_leaders(groups_ptr, out_ptr, num_pairs, P, BLOCK, False)
+    j = tl.arange(0, BLOCK)
+    lead = (tl.load(groups_ptr + j.to(tl.int64) * (1 + P), mask=j < num_pairs, other=-1) >= 0).to(tl.int32)
+    pos = tl.cumsum(lead, axis=0) - 1
+    tl.store(out_ptr + 1 + pos, j, mask=lead > 0)
+    tl.store(out_ptr, tl.sum(lead, axis=0))
 
 
 def group_leaders(groups: torch.Tensor) -> torch.Tensor:
