@@ -82,6 +82,8 @@ GEMV_WORDS = 2
 FP4_GEMV_WORDS = 2
 GEMV_BLOCK_K = 0
 GEMV_WARPS = 4
+# Rows a GEMV program (0: 8 on large weights, N x K >= 2^25, 4 on the others; a module name for ab_decode's `set=`)
+GEMV_BLOCK_N = 0
 # With the words' preload, the GEMV also loads its first tile of the scale_zero copy before the PDL wait. On two
 # words (qkv's whole K in that tile): Qwen3-30B-A3B W4A16 B=1 1.854 / 1.836 ms against 1.880 / 1.864 without,
 # B=2 2.601 against 2.617, Qwen3-8B B=1 2.696 / 2.705 against 2.686 / 2.712 (H100, ab_szpre{,2}_*_h100.*).
@@ -414,7 +416,7 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     if M <= 2 or (M <= GEMV_MAX_M and not large):
         words = GEMV_WORDS if fmt == "int4" else FP4_GEMV_WORDS
         bk = min(GEMV_BLOCK_K, next_pow2(K)) if GEMV_BLOCK_K and fmt == "int4" else 1024 * words
-        return {"GEMV": 1, "BLOCK_M": next_pow2(M), "BLOCK_N": 8 if large else 4, "BLOCK_K": bk,
+        return {"GEMV": 1, "BLOCK_M": next_pow2(M), "BLOCK_N": GEMV_BLOCK_N or (8 if large else 4), "BLOCK_K": bk,
                 "SPLIT_K": 1, "WORDS": words, "num_warps": GEMV_WARPS, "num_stages": 2}  # fmt: skip
     if M <= DECODE_MAX_M:
         bn, bk = (64, 128) if large or M > 32 else (16, 256)
