@@ -108,6 +108,9 @@ class TokenGemvConfig:
 # tried (17.0-22.9 us alone against 16.1), so it keeps one; with its first K tile read before the PDL wait
 # (DOWN_PRELOAD), 8 rows a program (117 registers, 256 programs in one wave) step 1.840 / 1.842 ms against
 # 1.853 / 1.874 at 4 rows (ab_dpre{,2}_30b_w4a16_h100.*).
+# On the H200 these tiles held (session 71, the W4A16 step at B=1, replay ms, ab_gemv_tiles_30b_w4a16_s71_h200.*):
+# 1.567 against 1.614 / 1.603 with gate-up rows 8 / 2, 1.644 on 1 warp of 512-wide tiles, 1.581 with down rows 4,
+# 1.600 with the down on 4 warps of two words a lane.
 UP_N, UP_K, UP_WARPS, UP_WORDS = (
     TokenGemvConfig.up_n,
     TokenGemvConfig.up_k,

@@ -82,7 +82,9 @@ GEMV_WORDS = 2
 FP4_GEMV_WORDS = 2
 GEMV_BLOCK_K = 0
 GEMV_WARPS = 4
-# Rows a GEMV program (0: 8 on large weights, N x K >= 2^25, 4 on the others; a module name for ab_decode's `set=`)
+# Rows a GEMV program (0: 8 on large weights, N x K >= 2^25, 4 on the others; a module name for ab_decode's `set=`).
+# The H100's choices held on the H200 (session 71, Qwen3-30B-A3B W4A16 step at B=1, replay ms): 1.567 against 1.615
+# with 8 rows, 1.640 with 2, 1.711 on 2 warps of 1024-wide tiles (ab_gemv_tiles_30b_w4a16_s71_h200.*).
 GEMV_BLOCK_N = 0
 # With the words' preload, the GEMV also loads its first tile of the scale_zero copy before the PDL wait. On two
 # words (qkv's whole K in that tile): Qwen3-30B-A3B W4A16 B=1 1.854 / 1.836 ms against 1.880 / 1.864 without,
