@@ -112,6 +112,8 @@ def chunk_k(k: int, group: int, most: int, spans: int = 8) -> int:
 # against 193.6 us at 48 tokens, 243.4 against 199.4 at 64). With the compact grid and 2 spans from 40 tokens
 # (session 70, moe_w4_symrule_s70_h200.*, moe_w4_compact_s70_h200.*) symmetric ones took 165.5 / 175.1 / 191.0 /
 # 207.9 us against the aligned path's 185.6 / 196.0 / 198.7 / 200.4 at 40 / 48 / 56 / 64 tokens: up to 448 pairs.
+# In the step (session 71, ab_symrules_30b_s71_h200.*, compressed-tensors int4 symmetric g128) B=56 12.599 against
+# 12.950 ms at 384.
 MIN_TOKENS = 2
 NARROW_MAX_HIDDEN = 4096  # experts up to this D are narrow (Qwen3-30B-A3B), wider ones wide (DeepSeek-V3, Kimi-K2)
 NARROW_MAX_PAIRS = 512  # with zero points; without, NARROW_MAX_PAIRS_SYM
@@ -158,6 +160,9 @@ GROUPED_FROM_TOKENS = 16
 # MoE alone, us, grouped with 4 spans against pairs (moe_w4_small_grouped_s70_h200.*, moe_w4_rule_s70_h200.*):
 # asymmetric 34.4 / 46.1 / 53.5 / 73.9 against 32.3 / 44.2 / 55.0 / 77.8 at 4 / 6 / 8 / 12 tokens (2 spans: 38.1 /
 # 48.9 / 55.3 / 77.3); symmetric 34.5 / 43.7 / 51.1-51.3 / 71.2-73.4 against 32.0 / 44.5 / 54.6-55.0 / 77.8-77.9.
+# Symmetric W4A16 step at B=8 (session 71, ab_symrules_30b_s71_h200.*): 4.012 against 4.083 ms from 16. Wide experts
+# from 8 tokens were slower again with the down over the groups too: DeepSeek-V3 (3 layers) B=8 1.713 against 1.679
+# ms (ab_wide8_dsv3_w4a16_s71_h200.*), so they keep 16.
 GROUPED_FROM_TOKENS_NARROW = 8
 # Where the gate-up runs over groups, the down runs over the same groups too (`down_grouped`); False: the per-token
 # down kernel, every pair decoding its expert's rows (an A/B knob). H200, session 69, int4 g128 asymmetric, the whole
@@ -180,12 +185,18 @@ GROUPED_DOWN = True
 # compact against pair programs (moe_w4_compact_s70_h200.*; bound / pairs in brackets): Qwen3-30B-A3B asymmetric,
 # 2 spans, 130.8 against 130.3 at 32 tokens (0.75), 159.9 against 164.7 at 48 (0.58), 189.1 against 198.6 at 64
 # (0.5); symmetric, 4 spans, 196.6 against 194.0 at 48 (0.83); with 2 spans 175.9 against 184.2 at 48 (0.58), 207.9
-# against 223.8 at 64 (0.5); DeepSeek-V3 1745.7 against 1743.5 at 64 (0.75).
+# against 223.8 at 64 (0.5); DeepSeek-V3 1745.7 against 1743.5 at 64 (0.75). In the W4A16 step (session 71,
+# ab_leaders_30b_w4a16_s71_h200.*) a share of 0.75 was slower at B=32 (8.780 against 8.710 ms) and level at 40-64.
+# The leaders listed by the grouping launch's last program out instead of group_leaders' launch (session 69's
+# 480fddb) measured level there (B=48 / 64 10.868 / 12.410 against 10.863 / 12.402 ms) and was taken out.
 GROUPED_COMPACT = True
 COMPACT_MAX_SHARE = 0.6
 GROUPED_DOWN_ROWS = 32
 GROUPED_DOWN_WARPS = 4
 GROUPED_DOWN_AHEAD = 1
+# Spans a chunk of the grouped kernels (8 / spans pairs a group). One span (8 pairs) was slower at 32-64 tokens
+# (session 71, moe_w4_onespan_s71_h200.*, us): Qwen3-30B-A3B asymmetric 186.3 / 205.9 / 218.1 against 128.9 / 160.6 /
+# 188.2 at 32 / 48 / 64, DeepSeek-V3 1576 / 1937 / 2203 against 1219 / 1554 / 1835.
 GROUPED_SPANS_NARROW = 2
 GROUPED_SPANS_NARROW_FEW = 4
 GROUPED_SPANS_WIDE = 2
