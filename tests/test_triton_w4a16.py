@@ -216,6 +216,20 @@ def test_gemv_words_where_the_layout_allows(monkeypatch: pytest.MonkeyPatch) -> 
     assert rel_err(w4a16_linear(x, w8), quant_linear_ref(x, w8)) < 1e-5
 
 
+def test_gemv_rows_a_program_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GEMV_BLOCK_N 0 keeps the rule (8 rows a program on large weights, 4 on the others); set, it gives every GEMV
+    # that many rows, and rows a program that split a scale_zero block of 4 (2) or cover two (8) still read it right
+    assert (w4a16_config(1, 5120, 2048, "int4")["BLOCK_N"], w4a16_config(1, 8192, 16384, "int4")["BLOCK_N"]) == (4, 8)
+    gen = torch.Generator().manual_seed(23)
+    qw = random_weight("int4", 37, 256, gen, 64, zeros=True, scale_dtype=torch.bfloat16)
+    qw = replace(qw, scale_zero=scale_zero_copy(qw))
+    x = torch.randn(1, 256, generator=gen).to(DEV)
+    for rows in (2, 8):
+        monkeypatch.setattr(triton_w4a16, "GEMV_BLOCK_N", rows)
+        assert w4a16_config(1, 5120, 2048, "int4")["BLOCK_N"] == rows
+        assert rel_err(w4a16_linear(x, qw), quant_linear_ref(x, qw)) < 1e-5, rows
+
+
 def test_gemv_scale_zero_only_where_the_gemv_runs() -> None:
     gen = torch.Generator().manual_seed(2)
     small = random_weight("int4", 64, 256, gen, 64, zeros=True)
