@@ -55,7 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd
 import bench_quant_decode as bq
-from ceilings import setting_value
+from ceilings import module_settings, set_module_values
 
 
 def _router_from(path: str) -> Callable[[], Callable[[], None]]:
@@ -110,14 +110,11 @@ def _set(spec: str) -> Callable[[], Callable[[], None]]:
 
     def apply() -> Callable[[], None]:
         mod = importlib.import_module(path)
-        if not hasattr(mod, attr):
-            raise SystemExit(f"ab_decode: {path} has no {attr}")
-        was = getattr(mod, attr)
         try:
-            setattr(mod, attr, type(was)(setting_value(value, was)))
+            kept = set_module_values(mod, module_settings(f"{attr}={value}", mod))
         except ValueError as e:
             raise SystemExit(f"ab_decode: set={spec}: {e}") from None
-        return lambda: setattr(mod, attr, was)
+        return lambda: setattr(mod, attr, kept[attr])
 
     return apply
 

@@ -14,7 +14,7 @@ wall-clock medians stand in.
 Also shared here: `Report` (a result file's header and log lines) and `graph_ms` (a kernel's time per call from one
 CUDA graph of calls), so that scripts comparing each other's figures time them the same way; `module_settings`,
 `set_module_values` and `module_values`, the benches' `NAME=V[+NAME=V]` settings of a kernel module's knobs, parsed
-and applied (`setting_value`, which ab_decode.py's `set=` shares, reads V as an integer, or a decimal for a float).
+and applied (V an integer, or a decimal for a float value; ab_decode.py's `set=` goes through them too).
 
     PYTHONPATH=$PWD python benchmarks/ceilings.py   # every former method beside this one
 """
@@ -121,7 +121,7 @@ class Report:
         Path(path).with_suffix(".log").write_text("\n".join(self.lines) + "\n")
 
 
-def setting_value(value: str, was: Any) -> int | float:
+def _setting_value(value: str, was: Any) -> int | float:
     """V of a NAME=V setting for a module value that holds `was`: an integer, or a decimal where it holds a float;
     ValueError otherwise."""
     return (float if isinstance(was, float) else int)(value)
@@ -136,7 +136,7 @@ def module_settings(text: str, module: Any) -> list[tuple[str, int | float]]:
         try:
             if not hasattr(module, name):
                 raise ValueError(f"no {name!r}")
-            out.append((name, setting_value(value, getattr(module, name))))
+            out.append((name, _setting_value(value, getattr(module, name))))
         except ValueError as e:
             raise ValueError(f"NAME=V with NAME a module-level name of {module.__name__} and V an integer (a decimal "
                              f"for a float), got {item!r}: {e}") from None  # fmt: skip
