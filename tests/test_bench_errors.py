@@ -50,7 +50,9 @@ def test_unreachable_server(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     line = one_error_line(bench(tmp_path, "--base-url", url, "--input-length", "16", "--output-length", "4"))
     assert "cannot reach the server" in line and url in line
-    assert written(tmp_path)["points"] == []
+    s = written(tmp_path)
+    assert s["points"] == [] and s["notes"] == [line]
+    assert line in (tmp_path / "report.md").read_text()  # its "No point completed (see Notes)" names the reason
 
 
 def test_server_failing_every_request(fake: FakeServer, tmp_path: Path) -> None:
@@ -59,6 +61,7 @@ def test_server_failing_every_request(fake: FakeServer, tmp_path: Path) -> None:
                                 "--parallel", "1", "2", "--number", "2", "4"))
     assert "nothing was measured" in line and "6 requests failed" in line and "HTTP 500: injected failure" in line
     s = written(tmp_path)
+    assert line in s["notes"]
     assert [(p["successes"], p["failures"]) for p in s["points"]] == [(0, 2), (0, 4)]
     assert all(p["ttft_s"]["mean"] is None and p["output_throughput"] == 0 for p in s["points"])
     assert len((tmp_path / "requests.jsonl").read_text().splitlines()) == 6

@@ -257,8 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         fatal = str(exc)
     except KeyboardInterrupt:
         fatal = "interrupted; the folder holds what completed"
-    session.write()
     fatal = fatal or session.failure()
+    if fatal:  # the report's notes say why the run stopped or measured nothing, as the error line does
+        session.summary["notes"].append(f"error: {fatal}")
+    session.write()
     from ftransformers.bench.report import ReportError, render_report
 
     try:
