@@ -235,6 +235,24 @@ def test_client_disconnect_frees_request(server: dict[str, Any], http: httpx.Cli
     assert sinfo["num_in_flight"] == 0 and sinfo["num_aborted"] >= 1
 
 
+def test_non_streaming_client_disconnect_aborts(server: dict[str, Any], http: httpx.Client) -> None:
+    # a client that gives up on a non-streaming request while its tokens keep coming: the request is aborted (not run
+    # to its max_tokens, which would count as finished, not aborted) and its KV freed
+    before = http.get("/server_info").json()["frontend_stats"]["num_aborted"]
+    body = {"model": SERVED, "prompt": "Hello world", "max_tokens": CONTEXT - 16, "ignore_eos": True}
+    with httpx.Client(base_url=server["base"], headers=AUTH, timeout=1.0) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=body)
+    deadline = time.monotonic() + 30
+    while True:
+        stats = _stats(http)
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_used_tokens"] == 0:
+            break
+        assert time.monotonic() < deadline, f"request not freed: {stats}"
+        time.sleep(0.1)
+    sinfo = http.get("/server_info").json()["frontend_stats"]
+    assert sinfo["num_in_flight"] == 0 and sinfo["num_aborted"] == before + 1
+
+
 def test_bad_model_path_one_line_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ftransformers.entrypoints.launch_server", "--model-path",
                            str(tmp_path / "missing"), "--device", "cpu"], capture_output=True, text=True, timeout=120)

@@ -167,13 +167,20 @@ class TokenizerManager:
         self._push.send_nowait(GenerateReq(rid=rid, input_ids=list(input_ids), sampling_params=sp,
                                            return_logprob=sp.logprobs is not None))
         try:
+            # the client is asked every _DISCONNECT_POLL_S whether outputs arrive or not: a non-streaming response
+            # writes nothing until the end, so only this notices a client that went away
+            check_at = time.monotonic() + _DISCONNECT_POLL_S
             while not state.finished:
                 try:
-                    out = await asyncio.wait_for(req.queue.get(), _DISCONNECT_POLL_S)
+                    out = await asyncio.wait_for(req.queue.get(), max(0.01, check_at - time.monotonic()))
                 except asyncio.TimeoutError:
+                    out = None
+                if time.monotonic() >= check_at:
+                    check_at = time.monotonic() + _DISCONNECT_POLL_S
                     if is_disconnected is not None and await is_disconnected():
                         logger.info("client gone; aborting %s", rid)
                         return
+                if out is None:
                     continue
                 delta = state.apply(out)
                 while not state.finished and not req.queue.empty():  # coalesce what is already here
