@@ -1,5 +1,5 @@
 """benchmarks/bench_cpu_decode.py runs as documented (at a tiny size) and writes a row per context and variant, each
-beside a positive floor; the knob it flips is restored. Not a timing test: no figure is compared."""
+beside a positive floor. Not a timing test: no figure is compared."""
 
 from __future__ import annotations
 
