@@ -27,6 +27,12 @@ def test_offline_llm_completes_capital_of_france() -> None:
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0]
     assert "Paris" in out.text, out.text
     assert out.token_ids and out.finish_reason in ("length", "stop")
+    paris = llm.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    away = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8,
+                                                                     logit_bias={paris: -100}))[0]
+    assert paris not in away.token_ids and "Paris" not in away.text, away.text
+    with pytest.raises(ValueError, match="logit_bias token ids must lie in"):
+        llm.generate(["x"], SamplingParams(logit_bias={len(llm.tokenizer) + 10**6: 1.0}))
 
 
 def test_chat_through_server(demo_server: str) -> None:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from ftransformers.config.sampling_params import SamplingParams
-from ftransformers.runtime.sampler import Sampler, apply_penalties, top_k_top_p_min_p_mask
+from ftransformers.config.sampling_params import SamplingParams, SamplingParamsError
+from ftransformers.runtime.sampler import Sampler, apply_penalties, argmax_suffices, top_k_top_p_min_p_mask
 from ftransformers.runtime.step_io import SeqStep, future_placeholder
 
 
@@ -131,6 +131,44 @@ def test_greedy_is_argmax_after_penalties_and_bans() -> None:
     masked[2, top[2]] = x / 50.0 if x > 0 else x * 50.0
     assert out == masked.argmax(-1).tolist()
     assert out[1] != top[1]
+
+
+def test_logit_bias_adds_to_the_logits_after_penalties() -> None:
+    gen = torch.Generator().manual_seed(10)
+    S, V = 6, 80
+    logits = torch.randn(S, V, generator=gen)
+    before = logits.clone()
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    top = logits.argmax(-1).tolist()
+    biases = [{second[0]: 100.0}, {top[1]: -100.0}, {top[2]: -0.5, second[2]: 0.25}, {}, {second[4]: 100.0}]
+    seqs = [seq(SamplingParams(temperature=0.0, logit_bias=b or None)) for b in biases]
+    seqs.append(seq(SamplingParams(temperature=0.0, logit_bias={top[5]: -100.0, second[5]: 5.0}), banned=[second[5]]))
+    seqs[4] = seq(SamplingParams(temperature=0.0, repetition_penalty=3.0, logit_bias=biases[4]), output=[second[4]])
+    assert not argmax_suffices(seqs) and argmax_suffices([seqs[3]])
+    out = [r.token_id for r in Sampler("cpu")(logits, seqs)]
+    ref = logits.clone()
+    x = ref[4, second[4]]
+    ref[4, second[4]] = x / 3.0 if x > 0 else x * 3.0  # the penalty first, then the bias
+    for i, b in enumerate(biases + [{top[5]: -100.0, second[5]: 5.0}]):
+        for t, v in b.items():
+            ref[i, t] += v
+    ref[5, second[5]] = float("-inf")  # a ban wins over a bias
+    assert out == ref.argmax(-1).tolist()
+    assert out[0] == second[0] and out[1] != top[1] and out[4] == second[4] and out[5] not in (top[5], second[5])
+    assert torch.equal(logits, before)
+    # sampled rows: +100 all but forces a token, whatever the temperature
+    hot = SamplingParams(temperature=1.5, logit_bias={7: 100.0})
+    forced = Sampler("cpu", seed=3)(logits[:1].repeat(50, 1), [seq(hot)] * 50)
+    assert {r.token_id for r in forced} == {7}
+
+
+@pytest.mark.parametrize(("bias", "message"), [({"x": 1.0}, "token ids to numbers"), ({3: 101.0}, "[-100, 100]"),
+                                               ({-1: 1.0}, "ids >= 0"), ({3: "big"}, "token ids to numbers")])
+def test_logit_bias_validation(bias: dict, message: str) -> None:
+    with pytest.raises(SamplingParamsError, match="logit_bias") as err:
+        SamplingParams(logit_bias=bias)
+    assert message in str(err.value)
+    assert SamplingParams(logit_bias={"12": 3}).logit_bias == {12: 3.0}  # JSON's string keys
 
 
 @pytest.mark.parametrize("case", ["greedy", "banned", "penalty", "banned+penalty", "sampled+banned"])

@@ -187,11 +187,72 @@ def test_api_key_required(server: dict[str, Any]) -> None:
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "logit_bias": {"1": -101}}, "logit_bias"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
 ])
 def test_bad_completion_requests(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     err = _assert_error(http.post("/v1/completions", json=body), 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"logit_bias": {"tok": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
+])
+def test_unsupported_chat_fields_are_refused(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    # what the server does not do is refused by name, never silently dropped
+    err = _assert_error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **body}), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_supported_forms_of_those_fields(http: httpx.Client) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    for extra in ({"response_format": {"type": "text"}}, {"tools": tools, "tool_choice": "none"},
+                  {"messages": [{"role": "user", "content": parts}]}):
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    one = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}], "max_tokens": 1,
+                                                  "temperature": 0})
+    assert one.json()["usage"]["prompt_tokens"] == http.post("/v1/chat/completions", json={
+        "messages": MESSAGES, "max_tokens": 1, "temperature": 0}).json()["usage"]["prompt_tokens"]
+
+
+def test_tools_reach_the_chat_template_with_tool_choice_none() -> None:
+    from ftransformers.entrypoints.openai_protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    body = ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="none",
+                                 chat_template_kwargs={"enable_thinking": False})
+    body.sampling_params()
+    assert body.template_kwargs() == {"tools": tools, "enable_thinking": False}
+    assert ChatCompletionRequest(messages=MESSAGES).template_kwargs() == {}
+
+
+def test_logit_bias_steers_decoding(http: httpx.Client) -> None:
+    # +100 on one token makes greedy decoding pick it at every step; -100 on the unbiased greedy choice removes it
+    free = http.post("/generate", json={"text": "Hello world", "sampling_params": {"max_new_tokens": 4,
+                                                                                  "temperature": 0}}).json()
+    first = free["output_ids"][0]
+    target = (first + 7) % 300 + 3
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {str(target): 100}}
+    assert http.post("/generate", json={"text": "Hello world", "sampling_params": sp}).json()["output_ids"] == [
+        target] * 4
+    banned = http.post("/generate", json={"text": "Hello world", "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0, "logit_bias": {str(first): -100}}}).json()
+    assert banned["output_ids"][0] != first
+    r = http.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": 3, "temperature": 0.8,
+                                           "ignore_eos": True, "logit_bias": {str(target): 100}, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    ids = http.post("/generate", json={"text": "Hello world", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0.8, "ignore_eos": True, "logit_bias": {str(target): 100}}}).json()
+    assert ids["output_ids"] == [target] * 3
 
 
 def test_bad_requests_then_still_serving(http: httpx.Client, client: openai.OpenAI) -> None:

@@ -26,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100), after penalties
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -35,6 +36,15 @@ class SamplingParams:
             self.stop_strings = list(self.stop or [])
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.logit_bias is not None:  # JSON gives the ids as strings
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    bias[int(key)] = float(value)
+                except (TypeError, ValueError):
+                    raise SamplingParamsError(
+                        f"logit_bias maps token ids to numbers; got {key!r}: {value!r}") from None
+            self.logit_bias = bias or None
         self.validate()
 
     @property
@@ -68,5 +78,9 @@ class SamplingParams:
             raise SamplingParamsError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if self.repetition_penalty <= 0.0:
             raise SamplingParamsError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError(f"logit_bias must map token ids >= 0 to values in [-100, 100]; got "
+                                          f"{token}: {bias}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError(f"logprobs must be in [0, 20], got {self.logprobs}")

@@ -126,7 +126,7 @@ def create_app(server_args: ServerArgs, tm: TokenizerManager, metrics: ServerMet
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         check_model(body.model)
         sp = body.sampling_params()
-        ids = tm.apply_chat_template(body.template_messages(), body.chat_template_kwargs)
+        ids = tm.apply_chat_template(body.template_messages(), body.template_kwargs())
         tm.validate(ids, sp, param="messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         use_parser = reasoning_kind != "none" and body.separate_reasoning

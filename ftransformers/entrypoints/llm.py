@@ -146,6 +146,9 @@ class LLM:
     def _check_params(self, params: list[SamplingParams]) -> None:
         if isinstance(self.tokenizer, _NoTextTokenizer) and any(sp.stop_strings for sp in params):
             raise ValueError("skip_tokenizer_init=True: stop strings need a tokenizer; use stop_token_ids")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for sp in params for t in sp.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
 
     @staticmethod
     def _to_output(state: RequestState) -> RequestOutput:

@@ -1,7 +1,10 @@
 """OpenAI (and SGLang native) request/response models with OpenAI's field names.
 
 Unknown fields are ignored, as the OpenAI API does; SGLang/vLLM sampling extras (`top_k`, `min_p`,
-`ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, ...) are accepted.
+`ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, ...) are accepted. OpenAI fields asking for what
+this server does not do get HTTP 400 naming the field, never a silent default: `n` or `best_of` above 1, a
+`response_format` other than text (no constrained decoding), `tools` unless `tool_choice` is "none" (no tool-call
+parser; with "none" the tools reach the chat template), and content parts other than text (text-only models).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
@@ -76,6 +80,7 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
             logprobs=logprobs, frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
         )
 
     @property
@@ -106,19 +111,37 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(f"response_format type {kind!r} is not supported: this server has no constrained "
+                           "decoding; only 'text'", param="response_format")
+        if self.tools and self.tool_choice != "none":
+            raise APIError("tool calls are not supported: this server has no tool-call parser. Send tool_choice "
+                           "'none' to show the model the tools without calling them", param="tool_choice")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         lp = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, lp)
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """apply_chat_template's extra arguments: chat_template_kwargs, and the tools (tool_choice 'none')."""
+        return {**({"tools": self.tools} if self.tools else {}), **(self.chat_template_kwargs or {})}
+
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for apply_chat_template; text parts of a content list are joined."""
+        """Messages as plain dicts for apply_chat_template; the text parts of a content list are joined."""
         out = []
         for m in self.messages:
             d = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
-                d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type", "text") == "text")
+                for part in m.content:
+                    if part.get("type", "text") != "text":
+                        raise APIError(f"content part type {part.get('type')!r} is not supported: the model takes "
+                                       "text only", param="messages")
+                d["content"] = "".join(str(p.get("text", "")) for p in m.content)
             elif m.content is None:
                 d["content"] = ""
             out.append(d)
@@ -130,8 +153,11 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.best_of not in (None, 1):
+            raise APIError(f"best_of={self.best_of} is not supported; only 1", param="best_of")
         return self._sampling(self.max_tokens, self.logprobs)
 
 

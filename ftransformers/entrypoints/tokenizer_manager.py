@@ -132,6 +132,8 @@ class TokenizerManager:
         vocab = self.model_info.get("vocab_size") or (1 << 62)
         if any(not 0 <= t < vocab for t in input_ids):
             raise APIError(f"prompt token ids must lie in [0, {vocab})", param=param)
+        if any(t >= vocab for t in sp.logit_bias or ()):
+            raise APIError(f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias")
         if n >= ctx:
             raise APIError(f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} "
                            "tokens, which leaves no room for output. Please shorten the prompt.", param=param,

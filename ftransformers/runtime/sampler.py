@@ -12,6 +12,8 @@ Semantics (vLLM / OpenAI):
 - repetition_penalty (HF): every token seen in prompt + output has its logit divided by the
   penalty when positive, multiplied when negative. Then frequency_penalty subtracts
   penalty * count(token in output) and presence_penalty subtracts penalty once if it occurs.
+- logit_bias then adds each listed token's bias to its logit (OpenAI's; -100 all but bans a token, +100 all but
+  forces it).
 - banned_token_ids get -inf (the scheduler bans EOS below min_tokens).
 - temperature 0 (or top_k 1) is greedy argmax over the penalised logits.
 - otherwise probs = softmax(logits / T); top-k keeps the k largest; top-p keeps the smallest
@@ -106,6 +108,23 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep], future: torch
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
+    """Each row's logit_bias added at its token ids, on a copy (logits itself is returned when no row has one)."""
+    rows: list[int] = []
+    toks: list[int] = []
+    biases: list[float] = []
+    for i, s in enumerate(seqs):
+        for token, bias in (s.sampling.logit_bias or {}).items():
+            rows.append(i)
+            toks.append(token)
+            biases.append(bias)
+    if not rows:
+        return logits
+    dev = logits.device
+    idx = (to_device(rows, torch.int64, dev), to_device(toks, torch.int64, dev))
+    return logits.index_put(idx, to_device(biases, torch.float32, dev).to(logits.dtype), accumulate=True)
+
+
 def apply_bans(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
     """-inf at each row's banned ids, on a copy (logits itself is returned when no row bans any)."""
     rows: list[int] = []
@@ -125,7 +144,8 @@ def argmax_suffices(seqs: Sequence[SeqStep]) -> bool:
     """True when `Sampler.sample` would return each row's first argmax of the raw logits and nothing
     else (greedy, no penalty, no ban, no logprobs), so a token picked on the device stands for it."""
     return all(
-        s.sampling.greedy and not s.sampling.has_penalties and not s.banned_token_ids and s.sampling.logprobs is None
+        s.sampling.greedy and not s.sampling.has_penalties and not s.sampling.logit_bias and not s.banned_token_ids
+        and s.sampling.logprobs is None
         for s in seqs
     )
 
@@ -252,9 +272,9 @@ class Sampler:
 
         # both copy before changing anything: the CUDA graph's logits buffer stays as it is, and a plain
         # greedy step (or the triton backend, which reads bfloat16) reads it without a [S, V] copy
-        edited = any(p.has_penalties for p in params) or any(s.banned_token_ids for s in seqs)
+        edited = any(p.has_penalties or p.logit_bias for p in params) or any(s.banned_token_ids for s in seqs)
         if edited or self.backend == "torch_native":
-            logits = apply_bans(apply_penalties(logits.float(), seqs, self.future), seqs)
+            logits = apply_bans(apply_logit_bias(apply_penalties(logits.float(), seqs, self.future), seqs), seqs)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)  # [S]
