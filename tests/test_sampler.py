@@ -133,10 +133,13 @@ def test_greedy_is_argmax_after_penalties_and_bans() -> None:
     assert out[1] != top[1]
 
 
-def test_logit_bias_adds_to_the_logits_after_penalties() -> None:
+@pytest.mark.parametrize("backend", ["torch_native", pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_logit_bias_adds_to_the_logits_after_penalties(backend: str) -> None:
     gen = torch.Generator().manual_seed(10)
     S, V = 6, 80
-    logits = torch.randn(S, V, generator=gen)
+    dev = "cuda" if backend == "triton" else "cpu"
+    logits = torch.randn(S, V, generator=gen).to(dev)
     before = logits.clone()
     second = logits.topk(2, dim=-1).indices[:, 1].tolist()
     top = logits.argmax(-1).tolist()
@@ -145,8 +148,8 @@ def test_logit_bias_adds_to_the_logits_after_penalties() -> None:
     seqs.append(seq(SamplingParams(temperature=0.0, logit_bias={top[5]: -100.0, second[5]: 5.0}), banned=[second[5]]))
     seqs[4] = seq(SamplingParams(temperature=0.0, repetition_penalty=3.0, logit_bias=biases[4]), output=[second[4]])
     assert not argmax_suffices(seqs) and argmax_suffices([seqs[3]])
-    out = [r.token_id for r in Sampler("cpu")(logits, seqs)]
-    ref = logits.clone()
+    out = [r.token_id for r in Sampler(dev, backend=backend)(logits, seqs)]
+    ref = logits.cpu().clone()
     x = ref[4, second[4]]
     ref[4, second[4]] = x / 3.0 if x > 0 else x * 3.0  # the penalty first, then the bias
     for i, b in enumerate(biases + [{top[5]: -100.0, second[5]: 5.0}]):
@@ -158,7 +161,7 @@ def test_logit_bias_adds_to_the_logits_after_penalties() -> None:
     assert torch.equal(logits, before)
     # sampled rows: +100 all but forces a token, whatever the temperature
     hot = SamplingParams(temperature=1.5, logit_bias={7: 100.0})
-    forced = Sampler("cpu", seed=3)(logits[:1].repeat(50, 1), [seq(hot)] * 50)
+    forced = Sampler(dev, seed=3, backend=backend)(logits[:1].repeat(50, 1), [seq(hot)] * 50)
     assert {r.token_id for r in forced} == {7}
 
 
