@@ -142,7 +142,7 @@ def apply_bans(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
 
 def argmax_suffices(seqs: Sequence[SeqStep]) -> bool:
     """True when `Sampler.sample` would return each row's first argmax of the raw logits and nothing
-    else (greedy, no penalty, no ban, no logprobs), so a token picked on the device stands for it."""
+    else (greedy, no penalty, no logit_bias, no ban, no logprobs), so a token picked on the device stands for it."""
     return all(
         s.sampling.greedy and not s.sampling.has_penalties and not s.sampling.logit_bias and not s.banned_token_ids
         and s.sampling.logprobs is None
