@@ -188,6 +188,7 @@ def test_api_key_required(server: dict[str, Any]) -> None:
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "suffix": " end"}, "suffix"),
     ({"prompt": "hi", "logit_bias": {"1": -101}}, "logit_bias"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
 ])
@@ -203,6 +204,7 @@ def test_bad_completion_requests(http: httpx.Client, body: dict[str, Any], param
     ({"logit_bias": {"tok": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 200}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
 ])
 def test_unsupported_chat_fields_are_refused(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     # what the server does not do is refused by name, never silently dropped

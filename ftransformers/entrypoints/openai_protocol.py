@@ -4,7 +4,8 @@ Unknown fields are ignored, as the OpenAI API does; SGLang/vLLM sampling extras 
 `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, ...) are accepted. OpenAI fields asking for what
 this server does not do get HTTP 400 naming the field, never a silent default: `n` or `best_of` above 1, a
 `response_format` other than text (no constrained decoding), `tools` unless `tool_choice` is "none" (no tool-call
-parser; with "none" the tools reach the chat template), and content parts other than text (text-only models).
+parser; with "none" the tools reach the chat template) and `functions`, content parts other than text (text-only
+models), and a completion's `suffix`.
 """
 
 from __future__ import annotations
@@ -114,12 +115,15 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # tools' deprecated form
 
     def sampling_params(self) -> SamplingParams:
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise APIError(f"response_format type {kind!r} is not supported: this server has no constrained "
                            "decoding; only 'text'", param="response_format")
+        if self.functions:
+            raise APIError("function calls are not supported: this server has no tool-call parser", param="functions")
         if self.tools and self.tool_choice != "none":
             raise APIError("tool calls are not supported: this server has no tool-call parser. Send tool_choice "
                            "'none' to show the model the tools without calling them", param="tool_choice")
@@ -154,10 +158,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.best_of not in (None, 1):
             raise APIError(f"best_of={self.best_of} is not supported; only 1", param="best_of")
+        if self.suffix:
+            raise APIError("suffix (insertion) is not supported", param="suffix")
         return self._sampling(self.max_tokens, self.logprobs)
 
 
