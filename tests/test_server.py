@@ -276,6 +276,17 @@ def test_bad_requests_then_still_serving(http: httpx.Client, client: openai.Open
     assert ok.usage.completion_tokens == 3
 
 
+def _wait_until_freed(http: httpx.Client, seconds: float) -> dict[str, Any]:
+    """The frontend's stats once the scheduler runs and queues nothing and holds no KV (within `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = _stats(http)
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_used_tokens"] == 0:
+            return http.get("/server_info").json()["frontend_stats"]
+        assert time.monotonic() < deadline, f"request not freed: {stats}"
+        time.sleep(0.1)
+
+
 def test_client_disconnect_frees_request(server: dict[str, Any], http: httpx.Client) -> None:
     body = {"model": SERVED, "prompt": "Hello world", "max_tokens": 230, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server["base"], headers=AUTH, timeout=30) as c:
@@ -287,14 +298,7 @@ def test_client_disconnect_frees_request(server: dict[str, Any], http: httpx.Cli
                     got += 1
                     if got >= 3:
                         break
-    deadline = time.monotonic() + 10
-    while True:
-        stats = _stats(http)
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_used_tokens"] == 0:
-            break
-        assert time.monotonic() < deadline, f"request not freed: {stats}"
-        time.sleep(0.1)
-    sinfo = http.get("/server_info").json()["frontend_stats"]
+    sinfo = _wait_until_freed(http, 10)
     assert sinfo["num_in_flight"] == 0 and sinfo["num_aborted"] >= 1
 
 
@@ -305,14 +309,7 @@ def test_non_streaming_client_disconnect_aborts(server: dict[str, Any], http: ht
     body = {"model": SERVED, "prompt": "Hello world", "max_tokens": CONTEXT - 16, "ignore_eos": True}
     with httpx.Client(base_url=server["base"], headers=AUTH, timeout=1.0) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json=body)
-    deadline = time.monotonic() + 30
-    while True:
-        stats = _stats(http)
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_used_tokens"] == 0:
-            break
-        assert time.monotonic() < deadline, f"request not freed: {stats}"
-        time.sleep(0.1)
-    sinfo = http.get("/server_info").json()["frontend_stats"]
+    sinfo = _wait_until_freed(http, 30)
     assert sinfo["num_in_flight"] == 0 and sinfo["num_aborted"] == before + 1
 
 
