@@ -27,6 +27,7 @@ from ftransformers.attention import torch_native
 from ftransformers.config.sampling_params import SamplingParams
 from ftransformers.entrypoints.demo_model import ensure_demo_model
 from ftransformers.entrypoints.llm import LLM
+from ftransformers.models.llama import head_dim_of
 
 VARIANTS = {"one_query": True, "sdpa": False}
 
@@ -67,14 +68,13 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
     kv_token_bytes = sum(k[0].numel() * k.element_size() * 2 for k in pool.k_buffers)  # K and V, every layer
     cfg = llm.model_config.hf_config
-    head_flops = 4 * cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    head_flops = 4 * cfg.num_attention_heads * head_dim_of(cfg)
     weight_flops = 2 * weight_bytes / next(model.parameters()).element_size()
     report.log(f"demo model, {llm.runner.dtype}, {torch.get_num_threads()} threads: weights {weight_bytes / 1e6:.1f} MB,"
                f" KV {kv_token_bytes / 1e3:.1f} KB a token")
     gen = torch.Generator().manual_seed(0)
-    vocab = cfg.vocab_size
     for context in map(int, args.contexts.split(",")):
-        ids = torch.randint(100, vocab, (context,), generator=gen).tolist()
+        ids = torch.randint(100, cfg.vocab_size, (context,), generator=gen).tolist()
         keys = context + args.tokens // 2  # the timed tokens' mean context
         bytes_ms = (weight_bytes + keys * kv_token_bytes) / (dram_gbs * 1e6)
         flops_ms = (weight_flops + keys * head_flops * cfg.num_hidden_layers) / (tflops * 1e9)
