@@ -47,8 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_decode  # noqa: E402
-from model_shapes import model_spec, write_config  # noqa: E402
+import bench_decode
+from model_shapes import model_spec, write_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")  # fmt: skip
@@ -63,7 +63,7 @@ def free_port() -> int:
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> dict[str, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - a local server
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read() or b"{}")
 
 
@@ -94,7 +94,7 @@ def start_server(args: argparse.Namespace, root: Path, port: int, log: Path, pro
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy (see {log})")
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)  # noqa: S310
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc, time.perf_counter() - t0
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(1.0)
@@ -160,8 +160,13 @@ def engine_peer(args: argparse.Namespace, root: Path, cfg: dict[str, Any], ctx: 
 
 def table(res: dict[str, Any]) -> list[str]:
     eng = {r["batch"]: r for r in res.get("engine", {}).get("rows", [])}
-    lines = ["| concurrency | server TPOT ms (median) | ITL ms (median) | TTFT s (median) | output tok/s | "
-             "engine step ms | floor ms | TPOT / engine step | TPOT / floor |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| concurrency | server TPOT ms (median) | ITL ms (median) | TTFT s (median) | output tok/s | "
+            "engine step ms | floor ms | TPOT / engine step | TPOT / floor |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in res.get("bench", {}).get("summary", {}).get("points", []):
         e = eng.get(p["concurrency"], {})
         tpot, step, floor = p["tpot_ms"].get("p50"), e.get("engine_overlap_ms"), e.get("floor_ms")
