@@ -232,7 +232,8 @@ def main() -> None:
         res["step_lines"] = [ln for ln in log.read_text().splitlines() if "Step stats" in ln]
     args.out.write_text(json.dumps(res, indent=1))
     if not args.no_engine and "bench" in res:
-        ctx = args.input_length + args.output_length // 2 - bench_decode.ENGINE_NEW_TOKENS // 2
+        # the engine's steps are centred on the points' middle context, never below the prompt
+        ctx = max(args.input_length, args.input_length + args.output_length // 2 - bench_decode.ENGINE_NEW_TOKENS // 2)
         res["engine"] = engine_peer(args, root, cfg, ctx)
     res["table"] = table(res)
     args.out.write_text(json.dumps(res, indent=1))
