@@ -18,11 +18,14 @@ At concurrency 1 the server's TPOT and the engine's step time measure the same d
 serving costs per token. At higher concurrency the closed loop's new requests prefill between decodes, so TPOT is
 above the step time by that prefill share; the inter-token latency's median is the step the decodes saw.
 
+    python benchmarks/make_qwen3_tokenizer.py --out .tok/qwen3   # here; carry .tok
     PYTHONPATH=$PWD python benchmarks/bench_serve.py --out $OUT/serve_30b.json --model qwen3-30b-a3b:48 \
-        --tokenizer .tok/smollm2 --parallel 1,8,32
+        --tokenizer .tok/qwen3 --parallel 1,8,32 [--format w4a16]
 
-The tokenizer only has to cover the prompts: dummy weights sample ids up to the config's vocabulary, and ids the
-tokenizer lacks detokenize to nothing (the bench counts output tokens by the server's usage).
+The tokenizer must have an id for every id the config's vocabulary holds: dummy weights sample any of them, and an
+id a tokenizer lacks detokenizes to nothing, so a stream goes tokens without content and its TTFT and inter-token
+latency stop meaning anything (make_qwen3_tokenizer.py says what that did). Output tokens are counted from the
+server's usage either way.
 `--dry-run`: a CPU smoke test (widths shrunk 16x, vocabulary set to the tokenizer's).
 """
 
@@ -48,7 +51,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode
-from model_shapes import model_spec, write_config
+import bench_quant_decode
+from model_shapes import model_spec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")  # fmt: skip
@@ -70,7 +74,7 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -
 def checkpoint(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """bench_decode's config of --model at its depth, with --tokenizer's files beside it."""
     name, layers = model_spec(args.model)
-    cfg = write_config(name, layers, root, args.dry_run)
+    cfg = bench_quant_decode.write_config(name, layers, root, args.format, args.dry_run)
     found = [f for f in TOKENIZER_FILES if (Path(args.tokenizer) / f).exists()]
     if "tokenizer.json" not in found:
         raise SystemExit(f"bench_serve: no tokenizer.json in {args.tokenizer}")
@@ -145,12 +149,14 @@ def engine_peer(args: argparse.Namespace, root: Path, cfg: dict[str, Any], ctx: 
     ns = argparse.Namespace(mem_fraction=0.9)
     runner = bench_decode.make_runner(root, max(args.parallel), ns, ctx + args.output_length + 1024)
     _, layers = model_spec(args.model)
-    acc = bench_decode.accounting(runner.model, cfg, layers)
+    # bf16: bench_decode's floor (issue 4's tables); a quantized format: bench_quant_decode's, from the bytes held
+    acct = bench_decode if args.format == "bf16" else bench_quant_decode
+    acc = acct.accounting(runner.model, cfg, layers)
     mid = ctx + bench_decode.ENGINE_NEW_TOKENS // 2
     rows = []
     for b in args.parallel:
         steps = bench_decode.engine_steps_ms(runner, cfg["vocab_size"], b, ctx, overlap=True)
-        floor = bench_decode.decode_bytes(acc, b, mid) / (ceil["copy_GBps"] * 1e9) * 1e3
+        floor = acct.decode_bytes(acc, b, mid) / (ceil["copy_GBps"] * 1e9) * 1e3
         ms = statistics.median(steps) if steps else None
         rows.append({"batch": b, "context": ctx, "engine_overlap_ms": ms, "floor_ms": floor,
                      "ratio": ms / floor if ms else None})  # fmt: skip
@@ -185,6 +191,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="qwen3-30b-a3b:48", help="NAME[:LAYERS] of model_shapes.py")
+    p.add_argument(
+        "--format",
+        default="bf16",
+        choices=tuple(bench_quant_decode.FORMATS),
+        help="weight format: bench_quant_decode's quantization_config of that name",
+    )
     p.add_argument("--tokenizer", required=True, help="folder with tokenizer.json (and its config, chat template)")
     p.add_argument("--parallel", default="1,8,32")
     p.add_argument("--number", default="", help="requests per concurrency (default max(8, 2 x concurrency))")
