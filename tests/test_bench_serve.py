@@ -22,17 +22,21 @@ def test_bench_serve_dry_run(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--out", str(out),
                            "--model", "qwen3-30b-a3b:2", "--tokenizer", str(tokenizer), "--parallel", "1,2",
                            "--number", "2,2", "--input-length", "24", "--output-length", "8", "--profile-steps", "2",
-                           "--log-interval", "0.5", "--dry-run"],
+                           "--log-interval", "0.5", "--passes", "2", "--dry-run"],
                           check=False, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert "error" not in res and res["server_start_s"] > 0 and res["server_exit"] is not None
     assert res["config"]["model_type"] == "qwen3_moe" and res["config"]["num_hidden_layers"] == 2
     assert res["profile"]["start_answer"]["success"] and res["profile"]["traces"][0]["bytes"] > 0
-    points = res["bench"]["summary"]["points"]
-    assert [(p["concurrency"], p["successes"], p["failures"]) for p in points] == [(1, 2, 0), (2, 2, 0)]
-    assert all(p["total_output_tokens"] == 2 * 8 for p in points)  # ignore_eos: every request its 8 tokens
+    assert len(res["bench_passes"]) == 2
+    for run in res["bench_passes"]:
+        points = run["summary"]["points"]
+        assert [(p["concurrency"], p["successes"], p["failures"]) for p in points] == [(1, 2, 0), (2, 2, 0)]
+        assert all(p["total_output_tokens"] == 2 * 8 for p in points)  # ignore_eos: every request its 8 tokens
     rows = res["engine"]["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["engine_overlap_ms"] > 0 < r["floor_ms"] for r in rows)
-    assert len(res["table"]) == 2 + len(points) and res["table"][2].startswith("| 1 (2/2 ok) |")
+    assert len(res["table"]) == 2 + 2 * 2 and res["table"][2].startswith("| 1 | 1 (2/2 ok) |")
+    assert res["table"][5].startswith("| 2 | 2 (2/2 ok) |")
+    assert res["compile_lines"] == []  # no Triton compiles on the CPU
     assert out.with_suffix(".server.log").exists()

@@ -214,6 +214,9 @@ def run_scheduler_process(server_args: ServerArgs, model_config_or_path: Any, in
         "vocab_size": int(model_config.vocab_size),
     })
     ready_conn.close()
+    from ftransformers.kernels import compile_log
+
+    compile_log.mark_ready()
     logger.info("ready: %s on %s", model_config.architecture, runner.device)
     while True:
         loop.run_once(recv, push.send, _IDLE_POLL_MS)
