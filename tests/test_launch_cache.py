@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftransformers.kernels import launch
+from ftransformers.kernels import compile_log, launch
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 
 PACKAGE = Path(launch.__file__).resolve().parents[1]
@@ -118,6 +118,8 @@ def test_cached_launches_match_triton_for_every_specialization() -> None:
             case = f"{dtype} n={n} offset={offset} stride={stride}"
             torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{case}: {m}")  # noqa: B023
     assert len(run.kernels) >= 8, list(run.kernels)  # distinct specializations were told apart
+    # each miss, and only a miss, was timed as a first launch (compile_log: a compile while serving is logged)
+    assert sum(r.kernel == "_axpy_kernel" for r in compile_log.records()) == len(run.kernels)
     dev = torch.cuda.current_device()
     compiled = list(_axpy_kernel.device_caches[dev][0].values())
     assert all(any(k is c for c in compiled) for k in run.kernels.values())

@@ -92,6 +92,10 @@ class ServerArgs:
         default=False,
         metadata=_opt("Wait for each step's tokens before scheduling the next (CUDA overlaps the two by default)"),
     )
+    skip_warmup: bool = field(
+        default=False,
+        metadata=_opt("Skip the start-up warmup requests (CUDA), whose kernels then compile under the first requests"),
+    )
     reasoning_parser: str = field(
         default="none", metadata=_opt("Split <think>...</think> into reasoning_content", REASONING_PARSER_CHOICES)
     )

@@ -181,6 +181,10 @@ def run_scheduler_process(server_args: ServerArgs, model_config_or_path: Any, in
         _leave_a_core_for_the_front_end(server_args)
         runner = ModelRunner(server_args, model_config)
         eos = list(model_config.eos_token_ids)
+        if runner.device.type == "cuda" and not server_args.skip_warmup:  # Triton compiles now, not under requests
+            from ftransformers.scheduler.warmup import run_warmup
+
+            run_warmup(runner, server_args, eos, int(model_config.vocab_size), server_args.random_seed)
         from ftransformers.runtime.profiler import StepProfiler
         from ftransformers.scheduler.stats_log import StatsLogger
 

@@ -17,12 +17,14 @@ one after its final DSMEM read, so that no CTA exits while a peer still reads it
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels import compile_log
 from ftransformers.kernels.launch import launch_cache_enabled
 
 MAX_PORTABLE_CLUSTER = 8
@@ -115,7 +117,9 @@ def cluster_launch(fn: Any, grid: tuple[int, ...], size: int, scratch_bytes: int
     key = (device, tuple(specialization), tuple(options.items()), size, scratch_bytes)
     found = run.cluster_kernels.get(key)
     if found is None:
+        t0 = time.perf_counter()
         kernel = run.triton_run(*args, grid=grid, warmup=True, **kwargs)  # compiles, or finds, without launching
+        compile_log.record(getattr(fn, "__name__", "kernel"), time.perf_counter() - t0)
         kernel._init_handles()
         off = _align16(kernel.metadata.shared)
         shared = off + scratch_bytes

@@ -1,37 +1,38 @@
-"""Triton's JIT compiles, timed and named, through its `jit_cache_hook` / `jit_post_compile_hook` knobs.
+"""First launches of a kernel specialization, timed and named: where Triton compiles (or loads from its disk cache)
+while a server is already answering requests.
 
-A kernel compiles the first time it meets a new specialization (its constexprs, and Triton's own: an integer
-argument equal to 1 or divisible by 16, a pointer's alignment). Before the server says ready, compiles are the
-start's cost and are only counted. After it, a compile holds up the step that needed it, and every request in that
-step waits: on an H200, first requests of a fresh Qwen3-30B-A3B server waited up to 2.6 s. So `mark_ready` switches
-to one WARNING line a compile, naming the kernel and its seconds, which says what the start's warmup missed.
+A Triton kernel compiles the first time it meets a new specialization: its constexprs, and Triton's own (an integer
+argument equal to 1 or divisible by 16, a pointer's alignment). `launch.cached_launch` sees each one as a miss of its
+table and times it here (`record`). Before the server says ready these are the start's cost and are only counted.
+After `mark_ready` a first launch holds up the step that needed it, and every request in that step waits: on an
+H200, first requests of a fresh Qwen3-30B-A3B server waited up to 2.6 s, one compile after another. So each one
+of `MIN_LOGGED_S` or more is then a WARNING line naming the kernel, which says what the start's warmup missed.
 
-The hooks chain to any set before `install` and never stop a compile (they return None to Triton's cache hook).
+Not through Triton's `jit_cache_hook` / `jit_post_compile_hook`: with a hook set, Triton 3.6 serializes every
+compile's constexprs to JSON, and a Gluon kernel's layout constexprs are not serializable (its compile raised).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
 logger = logging.getLogger(__name__)
+
+MIN_LOGGED_S = 0.01  # a first launch Triton answers from its in-memory cache takes microseconds; a compile, seconds
 
 
 @dataclass
 class CompileRecord:
     kernel: str
-    seconds: float
+    seconds: float  # the first launch's host time: compile (or disk-cache load), module load, launch
     after_ready: bool
 
 
 @dataclass
 class _State:
-    installed: bool = False
     ready: bool = False
-    pending: dict[Any, float] = field(default_factory=dict)  # Triton's compile key -> perf_counter at its start
     records: list[CompileRecord] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -39,52 +40,24 @@ class _State:
 _STATE = _State()
 
 
-def _kernel_name(kwargs: dict[str, Any]) -> str:
-    fn = kwargs.get("fn")
-    return str(getattr(fn, "name", None) or getattr(fn, "__name__", None) or kwargs.get("repr", "?")).split("[")[0]
-
-
-def install() -> bool:
-    """Hook Triton's compiles (once a process); False where Triton or its knobs are missing."""
-    if _STATE.installed:
-        return True
-    try:
-        from triton import knobs
-
-        runtime = knobs.runtime
-        prev_pre, prev_post = runtime.jit_cache_hook, runtime.jit_post_compile_hook
-    except (ImportError, AttributeError):
-        return False
-
-    def pre(**kwargs: Any) -> Any:
-        if prev_pre is not None and (answer := prev_pre(**kwargs)):
-            return answer
-        with _STATE.lock:
-            _STATE.pending[kwargs.get("key")] = time.perf_counter()
-        return None
-
-    def post(**kwargs: Any) -> Any:
-        with _STATE.lock:
-            start = _STATE.pending.pop(kwargs.get("key"), None)
-            rec = CompileRecord(_kernel_name(kwargs), time.perf_counter() - start if start else 0.0, _STATE.ready)
-            _STATE.records.append(rec)
-        if rec.after_ready:
-            logger.warning("Triton compiled %s in %.2f s while serving: the step that needed it waited",
-                           rec.kernel, rec.seconds)  # fmt: skip
-        return prev_post(**kwargs) if prev_post is not None else None
-
-    runtime.jit_cache_hook, runtime.jit_post_compile_hook = pre, post
-    _STATE.installed = True
-    return True
+def record(kernel: str, seconds: float) -> None:
+    """One first launch of a specialization of `kernel`, which took `seconds` on the host."""
+    with _STATE.lock:
+        rec = CompileRecord(kernel, seconds, _STATE.ready)
+        _STATE.records.append(rec)
+    if rec.after_ready and seconds >= MIN_LOGGED_S:
+        logger.warning("first launch of a new %s specialization took %.2f s while serving (a Triton compile): "
+                       "the step that needed it waited", kernel, seconds)  # fmt: skip
 
 
 def mark_ready() -> None:
-    """From here on a compile is logged as a stall; logs how many the start made."""
+    """From here on a slow first launch is logged as a stall; logs what the start compiled."""
     with _STATE.lock:
         _STATE.ready = True
-        n, secs = len(_STATE.records), sum(r.seconds for r in _STATE.records)
-    if _STATE.installed:
-        logger.info("Triton kernels compiled before ready: %d (%.1f s)", n, secs)
+        slow = [r for r in _STATE.records if r.seconds >= MIN_LOGGED_S]
+    if slow:
+        logger.info("kernel specializations compiled or loaded before ready: %d (%.1f s)", len(slow),
+                    sum(r.seconds for r in slow))  # fmt: skip
 
 
 def records() -> list[CompileRecord]:
@@ -93,8 +66,7 @@ def records() -> list[CompileRecord]:
 
 
 def reset() -> None:
-    """Forget the records and the ready mark (tests); the hooks stay installed."""
+    """Forget the records and the ready mark (tests)."""
     with _STATE.lock:
         _STATE.ready = False
-        _STATE.pending.clear()
         _STATE.records.clear()

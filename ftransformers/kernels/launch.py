@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any, TypeVar
 
 import torch
+
+from ftransformers.kernels import compile_log
 
 try:
     from triton import knobs as _knobs
@@ -105,7 +108,9 @@ class _CachedRun:
         key = (device, tuple(specialization), tuple(options.items()))
         kernel = self.kernels.get(key)
         if kernel is None:  # compile (or find) and launch through Triton, then remember what it ran
+            t0 = time.perf_counter()
             kernel = self.triton_run(*args, grid=grid, warmup=False, **kwargs)
+            compile_log.record(getattr(fn, "__name__", "kernel"), time.perf_counter() - t0)
             if kernel is not None:
                 self.kernels[key] = kernel
             return kernel

@@ -66,11 +66,9 @@ class ModelRunner:
         self.dtype = model_config.dtype  # --dtype, or the checkpoint's for 'auto' (see ModelConfig)
         torch.manual_seed(server_args.random_seed)
         if self.device.type == "cuda":  # before any kernel is launched or captured
-            from ftransformers.kernels import compile_log
             from ftransformers.kernels.pdl import set_pdl_enabled
 
             set_pdl_enabled(not server_args.disable_pdl)
-            compile_log.install()  # a compile after the server is ready is logged as the stall it is
 
         self.model = load_model(
             model_config, self.device, self.dtype, server_args.load_format, seed=server_args.random_seed,

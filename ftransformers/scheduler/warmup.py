@@ -1,0 +1,99 @@
+"""The server's start-up warmup: requests of the shapes serving meets, run through a throwaway `Scheduler` before the
+server says ready, so that Triton compiles their kernels' specializations then, not under a user's request.
+
+Why: a fresh Qwen3-30B-A3B server on an H200 compiled 23 kernel specializations under its first requests (extend
+attention, rope + KV store, MoE alignment and GEMMs at new token counts, the sampler), and those requests waited up to
+2.6 s (docs/performance.md, session 73). A Triton kernel specializes on constexprs that follow the token count (a
+MoE tile chosen by bucket, the alignment's block count rounded to a power of two) and on Triton's own integer rules
+(equal to 1, divisible by 16), so the warmup prefills a ladder of prompt lengths, each alone and all together (mixed
+prefill and decode steps), greedy and sampled, then again behind a cached prefix, and decodes sampled batches of
+several sizes. Whatever it misses is logged when it compiles (kernels/compile_log.py).
+
+The throwaway scheduler owns its KV slots and radix tree; discarding it frees them all, so serving starts with an
+empty cache and zeroed counters. The KV pool's contents are overwritten by real requests before they are read.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ftransformers.config.sampling_params import SamplingParams
+from ftransformers.config.server_args import ServerArgs
+from ftransformers.scheduler.io_struct import GenerateReq
+from ftransformers.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# prompt lengths around the buckets and divisibility boundaries of the prefill kernels, capped by the context
+LADDER = (1, 2, 7, 16, 17, 31, 64, 100, 128, 255, 256, 513, 1000, 1024, 2047, 2048, 4096, 4097)
+DECODE_BATCHES = (1, 2, 3, 5, 8, 16, 32, 64)
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+
+
+@dataclass
+class WarmupReport:
+    requests: int
+    prompt_tokens: int
+    seconds: float
+    finished: int  # requests that ran to their max_tokens
+    errors: list[str]  # what the others said (a warmup request the scheduler refused or failed)
+
+
+def warmup_lengths(server_args: ServerArgs, max_context_len: int, kv_capacity: int) -> list[int]:
+    """The ladder plus one prompt of a whole prefill chunk and one past it (a second chunk), within the context and
+    with all of them together in at most half the KV pool."""
+    chunk = max(0, server_args.chunked_prefill_size)
+    longest = max_context_len - 8  # room for the decoded tokens
+    lengths = sorted({n for n in (*LADDER, chunk, chunk + 17) if 0 < n <= longest})
+    while lengths and sum(lengths) > kv_capacity // 2:
+        lengths.pop()
+    return lengths
+
+
+def _run(sched: Scheduler, reqs: list[GenerateReq]) -> list[Any]:
+    """The requests' final outputs."""
+    for r in reqs:
+        sched.add_request(r)
+    done = []
+    while sched.has_work():
+        done += [o for o in sched.step() if o.finish_reason is not None]
+    return done
+
+
+def run_warmup(worker: Any, server_args: ServerArgs, eos_token_ids: list[int], vocab_size: int,
+               seed: int = 0) -> WarmupReport:  # fmt: skip
+    """Run the warmup requests to completion on `worker` (a ModelRunner) through a scheduler of their own."""
+    t0 = time.perf_counter()
+    sched = Scheduler(worker, server_args, eos_token_ids)
+    lengths = warmup_lengths(server_args, sched.max_context_len, sched.kv_capacity)
+    rng = random.Random(seed)
+    prompts = {n: [rng.randrange(vocab_size) for _ in range(n)] for n in lengths}
+    count = iter(range(1 << 30))
+
+    def req(ids: list[int], sampled: bool, new_tokens: int) -> GenerateReq:
+        params = {**SAMPLED, "seed": next(count)} if sampled else {"temperature": 0.0}
+        sp = SamplingParams(**params, max_tokens=new_tokens, ignore_eos=True)
+        return GenerateReq(rid=f"warmup-{next(count)}", input_ids=ids, sampling_params=sp)
+
+    rounds: list[list[GenerateReq]] = [[req(prompts[n], False, 2)] for n in lengths]  # each alone
+    rounds.append([req(prompts[n], i % 2 == 1, 4) for i, n in enumerate(lengths)])  # together: mixed steps
+    # behind a cached prefix (the radix tree holds each prompt now): extend attention over a prefix
+    rounds.append([req(prompts[n] + [rng.randrange(vocab_size) for _ in range(5)], True, 2) for n in lengths])
+    short = min(16, sched.max_context_len - 8)
+    for b in (b for b in DECODE_BATCHES if b <= sched.max_running_requests):  # sampled decode batches
+        rounds.append([req([rng.randrange(vocab_size) for _ in range(short)], True, 3) for _ in range(b)])
+    n_reqs = sum(len(r) for r in rounds)
+    tokens = sum(len(g.input_ids) for r in rounds for g in r)
+    done = [o for r in rounds for o in _run(sched, r)]
+    errors = [f"{o.rid}: {o.finish_reason} {o.error or ''}".strip()
+              for o in done if o.finish_reason != "length"]  # fmt: skip
+    report = WarmupReport(n_reqs, tokens, time.perf_counter() - t0, len(done) - len(errors), errors)
+    logger.info("warmup: %d requests, %d prompt tokens in %.1f s", report.requests, report.prompt_tokens,
+                report.seconds)  # fmt: skip
+    if errors or report.finished != n_reqs:
+        logger.warning("warmup: %d of %d requests finished; %s", report.finished, n_reqs, "; ".join(errors[:3]))
+    return report

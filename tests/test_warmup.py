@@ -1,0 +1,39 @@
+"""scheduler/warmup.py: the start-up warmup's prompt lengths follow the context, the prefill chunk and the KV pool,
+and its requests (each length alone, all together, behind a cached prefix, sampled decode batches) all run to their
+max_tokens on a real tiny model through a real Scheduler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftransformers.config.model_config import ModelConfig
+from ftransformers.config.server_args import ServerArgs
+from ftransformers.runtime.model_runner import ModelRunner
+from ftransformers.scheduler import warmup
+from tests.model_harness import make_tiny_checkpoint
+
+
+def test_lengths_follow_context_chunk_and_pool() -> None:
+    args = ServerArgs(model_path="unused", chunked_prefill_size=64)
+    assert warmup.warmup_lengths(args, 200, 10**6) == [1, 2, 7, 16, 17, 31, 64, 81, 100, 128]  # <= 200 - 8
+    assert warmup.warmup_lengths(args, 10**6, 100) == [1, 2, 7, 16, 17]  # together in half the pool: 43 <= 50
+    big = warmup.warmup_lengths(ServerArgs(model_path="unused"), 40960, 10**6)
+    assert big[-2:] == [8192, 8209] and 4097 in big  # a whole chunk and one into a second
+    assert warmup.warmup_lengths(ServerArgs(model_path="unused", chunked_prefill_size=-1), 40960, 10**6)[-1] == 4097
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_every_warmup_request_runs_to_its_end(kind: str, tmp_path: Path) -> None:
+    path = make_tiny_checkpoint(kind, tmp_path / kind)
+    args = ServerArgs(model_path=str(path), dtype="float32", device="cpu", max_total_tokens=2048,
+                      max_running_requests=8, chunked_prefill_size=96, context_length=320)  # fmt: skip
+    runner = ModelRunner(args, ModelConfig.from_server_args(args))
+    report = warmup.run_warmup(runner, args, [], runner.model_config.vocab_size)
+    lengths = warmup.warmup_lengths(args, 320, runner.kv_capacity)
+    assert lengths == [1, 2, 7, 16, 17, 31, 64, 96, 100, 113, 128, 255]
+    # each alone, together, behind a prefix; then sampled decode batches of 1, 2, 3, 5 and 8
+    assert report.requests == 3 * len(lengths) + 1 + 2 + 3 + 5 + 8
+    assert report.errors == [] and report.finished == report.requests
+    assert report.prompt_tokens == 3 * sum(lengths) + 5 * len(lengths) + 16 * 19
