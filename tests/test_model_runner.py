@@ -192,3 +192,16 @@ def test_kv_pool_sizing_rules() -> None:
     huge = MHAKVSpec(num_layers=1 << 20, num_kv_heads=1 << 10, head_dim=1 << 10, v_head_dim=0)  # 4 TiB/token
     with pytest.raises(KVCacheSizeError, match="does not fit"):
         kv_pool_tokens(args, huge, torch.float32, cpu, 8, 128)
+
+
+def test_packed_segments_are_exact_views_each_16_byte_aligned() -> None:
+    """The step's int64 metadata travels in one copy; each segment, odd lengths and empty ones included, comes back
+    as itself at a 16-byte boundary (Triton specializes kernels on pointer alignment)."""
+    from ftransformers.runtime.model_runner import packed_on_device
+
+    segments = [[3, 1, 4], [1], [], [5, 9], [2, 6, 5], [-3], [5, 8, 9, 7]]
+    views = packed_on_device(segments, torch.device("cpu"))
+    assert [v.tolist() for v in views] == segments
+    base = views[0].data_ptr()
+    assert all((v.data_ptr() - base) % 16 == 0 for v in views)
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one tensor: one host->device copy

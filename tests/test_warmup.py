@@ -17,11 +17,14 @@ from tests.model_harness import make_tiny_checkpoint
 
 def test_lengths_follow_context_chunk_and_pool() -> None:
     args = ServerArgs(model_path="unused", chunked_prefill_size=64)
-    assert warmup.warmup_lengths(args, 200, 10**6) == [1, 2, 7, 16, 17, 31, 64, 81, 100, 128]  # <= 200 - 8
-    assert warmup.warmup_lengths(args, 10**6, 100) == [1, 2, 7, 16, 17]  # together in half the pool: 43 <= 50
+    # both sides of every power of two up to the chunk and one past it (64 + 17), under the context (200 - 8)
+    assert warmup.warmup_lengths(args, 200, 10**6) == [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 81]
+    assert warmup.warmup_lengths(args, 90, 10**6)[-1] == 81
+    assert warmup.warmup_lengths(args, 10**6, 100) == [1, 2, 3, 4, 5, 7, 8, 9]  # together in half the pool: 39 <= 50
     big = warmup.warmup_lengths(ServerArgs(model_path="unused"), 40960, 10**6)
-    assert big[-2:] == [8192, 8209] and 4097 in big  # a whole chunk and one into a second
-    assert warmup.warmup_lengths(ServerArgs(model_path="unused", chunked_prefill_size=-1), 40960, 10**6)[-1] == 4097
+    assert big[-4:] == [8191, 8192, 8193, 8209] and {4095, 4096, 4097, 100, 1000} <= set(big)
+    unchunked = warmup.warmup_lengths(ServerArgs(model_path="unused", chunked_prefill_size=-1), 40960, 10**6)
+    assert unchunked[-1] == 16385
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
@@ -32,7 +35,7 @@ def test_every_warmup_request_runs_to_its_end(kind: str, tmp_path: Path) -> None
     runner = ModelRunner(args, ModelConfig.from_server_args(args))
     report = warmup.run_warmup(runner, args, [], runner.model_config.vocab_size)
     lengths = warmup.warmup_lengths(args, 320, runner.kv_capacity)
-    assert lengths == [1, 2, 7, 16, 17, 31, 64, 96, 100, 113, 128, 255]
+    assert lengths[-4:] == [65, 96, 100, 113] and sum(lengths) <= runner.kv_capacity // 2
     # each alone, together, behind a prefix; then sampled decode batches of 1, 2, 3, 5 and 8
     assert report.requests == 3 * len(lengths) + 1 + 2 + 3 + 5 + 8
     assert report.errors == [] and report.finished == report.requests

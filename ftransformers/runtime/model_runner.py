@@ -58,6 +58,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def packed_on_device(segments: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """The int64 segments in one host->device copy, each a view starting 16 bytes aligned: Triton specializes a
+    kernel on its pointers' 16-byte alignment, so views at offsets that follow the batch's token and sequence counts
+    made the extend attention compile again under new batch shapes, in the middle of serving (session 73)."""
+    flat: list[int] = []
+    for seg in segments:
+        flat += seg
+        flat += [0] * (len(seg) % 2)  # int64: an even count keeps the next segment at a 16-byte boundary
+    packed = to_device(flat, torch.int64, device)
+    views, start = [], 0
+    for seg in segments:
+        views.append(packed[start : start + len(seg)])
+        start += len(seg) + len(seg) % 2
+    return views
+
+
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
         self.server_args = server_args
@@ -263,15 +279,11 @@ class ModelRunner:
                     fut_slots.append(s.future_slot)
                 logits_idx.append(num_tokens - 1)
                 sample_rows.append(i)
-        B, T, W, F = len(batch.seqs), num_tokens, len(w_vals), len(fut_slots)
-        packed = to_device(
-            input_ids + positions + out_cache_loc + w_rows + w_cols + w_vals
-            + pool_idx + seq_lens + prefix_lens + extend_lens + logits_idx + fut_rows + fut_slots,
-            torch.int64, self.device,
-        )  # fmt: skip
+        B, T, F = len(batch.seqs), num_tokens, len(fut_slots)
         (ids_t, pos_t, loc_t, rows_t, cols_t, vals_t, pool_t, seq_t, pre_t, ext_t, logit_t, frows_t, fslots_t) = (
-            packed.split([T, T, T, W, W, W, B, B, B, B, len(logits_idx), F, F])
-        )
+            packed_on_device([input_ids, positions, out_cache_loc, w_rows, w_cols, w_vals, pool_idx, seq_lens,
+                              prefix_lens, extend_lens, logits_idx, fut_rows, fut_slots], self.device)
+        )  # fmt: skip
         if has_placeholder:
             ids_t = resolve_future(ids_t, self.future_tokens)
         self.req_to_token[rows_t, cols_t] = vals_t

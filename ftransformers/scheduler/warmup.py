@@ -28,8 +28,9 @@ from ftransformers.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-# prompt lengths around the buckets and divisibility boundaries of the prefill kernels, capped by the context
-LADDER = (1, 2, 7, 16, 17, 31, 64, 100, 128, 255, 256, 513, 1000, 1024, 2047, 2048, 4096, 4097)
+# prompt lengths at every power-of-two bucket boundary of the prefill kernels' tiles (n - 1, n, n + 1: both sides
+# of it, odd and even, divisible by 16 and not), capped by the prefill chunk and the context
+LADDER = tuple(sorted({m for n in (1 << i for i in range(15)) for m in (n - 1, n, n + 1) if m > 0} | {100, 1000}))
 DECODE_BATCHES = (1, 2, 3, 5, 8, 16, 32, 64)
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
 
@@ -48,7 +49,7 @@ def warmup_lengths(server_args: ServerArgs, max_context_len: int, kv_capacity: i
     with all of them together in at most half the KV pool."""
     chunk = max(0, server_args.chunked_prefill_size)
     longest = max_context_len - 8  # room for the decoded tokens
-    lengths = sorted({n for n in (*LADDER, chunk, chunk + 17) if 0 < n <= longest})
+    lengths = sorted({n for n in (*LADDER, chunk, chunk + 17) if 0 < n <= longest and (not chunk or n <= chunk + 17)})
     while lengths and sum(lengths) > kv_capacity // 2:
         lengths.pop()
     return lengths
