@@ -134,6 +134,8 @@ def run_bench(args: argparse.Namespace, base: str, out_dir: Path) -> dict[str, A
            "--input-length", str(args.input_length), "--output-length", str(args.output_length),
            "--parallel", *map(str, args.parallel), "--number", *map(str, args.number), "--warmup", "2",
            "--output", str(out_dir), "--no-progress"]  # fmt: skip
+    if args.temperature:
+        cmd += ["--extra-request-body", json.dumps({"temperature": args.temperature})]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout, check=False)
     print(done.stdout[-4000:], done.stderr[-2000:], sep="\n", flush=True)
     summary = out_dir / "summary.json"
@@ -145,6 +147,8 @@ def run_bench(args: argparse.Namespace, base: str, out_dir: Path) -> dict[str, A
 def engine_peer(args: argparse.Namespace, root: Path, cfg: dict[str, Any], ctx: int) -> dict[str, Any]:
     """bench_decode's engine rows (overlap on) at B = each concurrency, decoding from `ctx`, and their floors."""
     bench_decode.DEV = "cpu" if args.dry_run else "cuda"
+    if args.temperature:  # the engine rows sample as the server's requests did
+        bench_decode.ENGINE_SAMPLING["temperature"] = args.temperature
     ceil = bench_decode.ceilings()
     ns = argparse.Namespace(mem_fraction=0.9)
     runner = bench_decode.make_runner(root, max(args.parallel), ns, ctx + args.output_length + 1024)
@@ -205,6 +209,13 @@ def main() -> None:
     p.add_argument("--output-length", type=int, default=256)
     p.add_argument("--api", default="openai-chat", choices=("openai-chat", "openai-completions", "generate"))
     p.add_argument("--server-args", default="", help="more `ftransformers serve` options, one string")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample the requests (and the engine rows) at this temperature (default 0: greedy, the "
+        "bench's default; greedy tokens of dummy weights can converge across sequences)",
+    )
     p.add_argument("--passes", type=int, default=1, help="run the bench this many times on the same server")
     p.add_argument("--log-interval", type=float, default=5.0)
     p.add_argument("--profile-steps", type=int, default=8, help="0: no /start_profile")

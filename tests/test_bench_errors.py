@@ -89,6 +89,10 @@ def test_bad_flags_are_one_line(tmp_path: Path) -> None:
     assert "--number has 1 values for 2 --parallel values" in result.stderr
     result = bench(tmp_path, "--api", "grpc")
     assert result.returncode == 2 and "openai-chat" in result.stderr and "Traceback" not in result.stderr
+    for bad, says in (("{temperature: 1}", "not JSON"), ("[1]", "must be a JSON object, not list")):
+        result = bench(tmp_path, "--extra-request-body", bad)
+        assert result.returncode == 2 and "--extra-request-body" in result.stderr and says in result.stderr
+        assert "Traceback" not in result.stderr
 
 
 def test_request_timeout_is_a_failure(fake: FakeServer, tmp_path: Path) -> None:

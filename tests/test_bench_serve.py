@@ -22,7 +22,7 @@ def test_bench_serve_dry_run(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--out", str(out),
                            "--model", "qwen3-30b-a3b:2", "--tokenizer", str(tokenizer), "--parallel", "1,2",
                            "--number", "2,2", "--input-length", "24", "--output-length", "8", "--profile-steps", "2",
-                           "--log-interval", "0.5", "--passes", "2", "--dry-run"],
+                           "--log-interval", "0.5", "--passes", "2", "--temperature", "1.0", "--dry-run"],
                           check=False, capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -30,6 +30,7 @@ def test_bench_serve_dry_run(tmp_path: Path) -> None:
     assert res["config"]["model_type"] == "qwen3_moe" and res["config"]["num_hidden_layers"] == 2
     assert res["profile"]["start_answer"]["success"] and res["profile"]["traces"][0]["bytes"] > 0
     assert len(res["bench_passes"]) == 2
+    assert res["bench_passes"][0]["command"][-2:] == ["--extra-request-body", '{"temperature": 1.0}']
     for run in res["bench_passes"]:
         points = run["summary"]["points"]
         assert [(p["concurrency"], p["successes"], p["failures"]) for p in points] == [(1, 2, 0), (2, 2, 0)]

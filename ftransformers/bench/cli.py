@@ -64,9 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
     a("--baseline", help="summary.json of another run, or a CSV/JSON table of a competitor, to compare against")
     a("--output", help="output folder (default ./bench-results/<timestamp>)")
     a("--request-timeout", type=float, default=600.0, help="seconds per request (default %(default)s)")
+    a("--extra-request-body", type=_json_object, default={}, metavar="JSON",
+      help='a JSON object merged into every request body, over the defaults (for --api generate into its '
+           'sampling_params), e.g. \'{"temperature": 1.0}\' (default: greedy)')
     a("--progress", action=argparse.BooleanOptionalAction, default=None,
       help="live progress bar (default: when stderr is a terminal)")
     return p
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {type(value).__name__}")
+    return value
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -136,7 +149,7 @@ class Session:
         factory = PromptFactory(load_tokenizer(tok_path), args.api, args.seed)
         dataset = load_jsonl(args.dataset_path) if args.dataset == "jsonl" else None
         client = BenchClient(args.base_url, model, args.api, args.api_key, args.request_timeout, args.fixed_output,
-                             factory.count_output)
+                             factory.count_output, extra_body=args.extra_request_body)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
         sink = RecordSink(self.out / "requests.jsonl")
         self.runner = runner = Runner(client, factory, sink, dataset, args.prefix_length, args.warmup, progress,

@@ -56,11 +56,13 @@ def describe_http_error(exc: Exception, timeout: float) -> str:
 class BenchClient:
     def __init__(self, base_url: str, model: str | None, api: str, api_key: str | None = None,
                  timeout: float = 600.0, fixed_output: bool = True,
-                 count_tokens: Callable[[str], int] | None = None, max_connections: int = 1024) -> None:
+                 count_tokens: Callable[[str], int] | None = None, max_connections: int = 1024,
+                 extra_body: dict[str, Any] | None = None) -> None:
         if api not in API_KINDS:
             raise ValueError(f"unknown api {api!r}; valid: {', '.join(API_KINDS)}")
         self.base_url, self.model, self.api = base_url.rstrip("/"), model, api
         self.timeout, self.fixed_output, self.count_tokens = timeout, fixed_output, count_tokens
+        self.extra_body = dict(extra_body or {})  # merged last: it overrides the defaults (e.g. temperature 0)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.http = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
@@ -75,14 +77,14 @@ class BenchClient:
             sp: dict[str, Any] = {"max_new_tokens": output_len, "temperature": 0.0}
             if self.fixed_output:
                 sp.update(ignore_eos=True, min_new_tokens=output_len)
-            return {"text": prompt.text, "sampling_params": sp, "stream": True}
+            return {"text": prompt.text, "sampling_params": {**sp, **self.extra_body}, "stream": True}
         body: dict[str, Any] = {"model": self.model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
                                 "stream_options": {"include_usage": True}, **fixed}
         if self.api == "openai-chat":
             body["messages"] = [{"role": "user", "content": prompt.text}]
         else:
             body["prompt"] = prompt.text
-        return body
+        return {**body, **self.extra_body}
 
     async def send(self, prompt: Prompt, output_len: int, point: str, index: int) -> RequestRecord:
         rec = RequestRecord(point=point, index=index, send_time=time.time(), expected_output_tokens=output_len,
