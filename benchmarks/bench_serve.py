@@ -8,7 +8,8 @@ In one process, in order:
    graph capture) is timed to its first healthy /health.
 2. `/start_profile` for a few steps around one request, and the trace it writes (issue 4's profiling).
 3. `ftransformers bench` (its own process, the client a user runs) at `--parallel` concurrencies, `--input-length`
-   prompt tokens, `--output-length` output tokens (ignore_eos), through `--api`.
+   prompt tokens, `--output-length` output tokens (ignore_eos), through `--api` (completions by default: see its
+   help), `--passes` times, each pass with its own prompt seed (no pass hits another's prompts in the prefix cache).
 4. The server stops; its periodic step lines (`--log-interval-s`) are kept.
 5. The engine alone in this process on the same config: bench_decode's engine rows (the `Scheduler` loop with
    overlap, steady decode steps of B sequences at the points' middle context) and their floor (bytes / the copy
@@ -129,11 +130,12 @@ def profile_once(base: str, prof: Path, steps: int) -> dict[str, Any]:
     return {"start_answer": started, "traces": [{"name": t.name, "bytes": t.stat().st_size} for t in traces]}
 
 
-def run_bench(args: argparse.Namespace, base: str, out_dir: Path) -> dict[str, Any]:
+def run_bench(args: argparse.Namespace, base: str, out_dir: Path, seed: int) -> dict[str, Any]:
+    """One `ftransformers bench` run; each pass its own prompt seed, so no pass finds another's prompts cached."""
     cmd = [sys.executable, "-m", "ftransformers.bench", "--base-url", base, "--api", args.api,
            "--input-length", str(args.input_length), "--output-length", str(args.output_length),
            "--parallel", *map(str, args.parallel), "--number", *map(str, args.number), "--warmup", "2",
-           "--output", str(out_dir), "--no-progress"]  # fmt: skip
+           "--seed", str(seed), "--output", str(out_dir), "--no-progress"]  # fmt: skip
     if args.temperature:
         cmd += ["--extra-request-body", json.dumps({"temperature": args.temperature})]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout, check=False)
@@ -207,7 +209,10 @@ def main() -> None:
     p.add_argument("--number", default="", help="requests per concurrency (default max(8, 2 x concurrency))")
     p.add_argument("--input-length", type=int, default=512)
     p.add_argument("--output-length", type=int, default=256)
-    p.add_argument("--api", default="openai-chat", choices=("openai-chat", "openai-completions", "generate"))
+    # completions by default: under a chat template every prompt ends in the same tokens, and a dummy model's greedy
+    # tokens then agree across sequences at every step (a 4-layer shrunk Qwen3-MoE on the CPU: 8 of 8 sequences, 32
+    # of 32 steps; raw text: 8 distinct), so a batch reads the experts of one sequence
+    p.add_argument("--api", default="openai-completions", choices=("openai-chat", "openai-completions", "generate"))
     p.add_argument("--server-args", default="", help="more `ftransformers serve` options, one string")
     p.add_argument(
         "--temperature",
@@ -249,7 +254,7 @@ def main() -> None:
             print("profile", res["profile"], flush=True)
         res["bench_passes"] = []
         for k in range(args.passes):  # the same points again on the same server: what a warm server gives
-            res["bench_passes"].append(run_bench(args, base, work / f"bench{k + 1}"))
+            res["bench_passes"].append(run_bench(args, base, work / f"bench{k + 1}", seed=k))
         res["health_after"] = http(f"{base}/health", timeout=10) if proc.poll() is None else None
     except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed
         res["error"] = f"{type(e).__name__}: {e}"[:1000]

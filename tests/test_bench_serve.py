@@ -30,7 +30,10 @@ def test_bench_serve_dry_run(tmp_path: Path) -> None:
     assert res["config"]["model_type"] == "qwen3_moe" and res["config"]["num_hidden_layers"] == 2
     assert res["profile"]["start_answer"]["success"] and res["profile"]["traces"][0]["bytes"] > 0
     assert len(res["bench_passes"]) == 2
-    assert res["bench_passes"][0]["command"][-2:] == ["--extra-request-body", '{"temperature": 1.0}']
+    cmds = [run["command"] for run in res["bench_passes"]]
+    assert all(c[-2:] == ["--extra-request-body", '{"temperature": 1.0}'] for c in cmds)
+    assert [c[c.index("--seed") + 1] for c in cmds] == ["0", "1"]  # no pass finds another's prompts cached
+    assert cmds[0][cmds[0].index("--api") + 1] == "openai-completions"
     for run in res["bench_passes"]:
         points = run["summary"]["points"]
         assert [(p["concurrency"], p["successes"], p["failures"]) for p in points] == [(1, 2, 0), (2, 2, 0)]
