@@ -20,6 +20,13 @@ serving costs per token. At higher concurrency the closed loop's new requests pr
 above the step time by that prefill share; the inter-token latency's median is the step the decodes saw.
 
     python benchmarks/make_qwen3_tokenizer.py --out .tok/qwen3   # here; carry .tok
+    # the device image lacks the server's packages: wheels fetched here, carried as .whl (both git-excluded)
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl fastapi==0.165.0 uvicorn==0.54.0 \
+        pydantic==2.14.4 pydantic_core==2.50.5 starlette==1.10.0 pyzmq==27.3.0 orjson==3.13.0 annotated-types==0.8.0 \
+        typing-inspection==0.4.5 typing_extensions==4.16.0 opentelemetry-api==1.45.2
+    # there, first: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    #               export PYTHONPATH=/tmp/site:$PWD
     PYTHONPATH=$PWD python benchmarks/bench_serve.py --out $OUT/serve_30b.json --model qwen3-30b-a3b:48 \
         --tokenizer .tok/qwen3 --parallel 1,8,32 [--format w4a16]
 
