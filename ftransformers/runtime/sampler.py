@@ -108,36 +108,33 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence[SeqStep], future: torch
     return logits
 
 
-def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
-    """Each row's logit_bias added at its token ids, on a copy (logits itself is returned when no row has one)."""
+def _put_at_tokens(logits: torch.Tensor, per_row: Sequence[dict[int, float]], accumulate: bool) -> torch.Tensor:
+    """logits with each row's {token id: value} put (accumulate: added) at those ids, on a copy; logits itself where
+    no row has any."""
     rows: list[int] = []
     toks: list[int] = []
-    biases: list[float] = []
-    for i, s in enumerate(seqs):
-        for token, bias in (s.sampling.logit_bias or {}).items():
+    values: list[float] = []
+    for i, entries in enumerate(per_row):
+        for token, value in entries.items():
             rows.append(i)
             toks.append(token)
-            biases.append(bias)
+            values.append(value)
     if not rows:
         return logits
     dev = logits.device
     idx = (to_device(rows, torch.int64, dev), to_device(toks, torch.int64, dev))
-    return logits.index_put(idx, to_device(biases, torch.float32, dev).to(logits.dtype), accumulate=True)
+    return logits.index_put(idx, to_device(values, torch.float32, dev).to(logits.dtype), accumulate=accumulate)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
+    """Each row's logit_bias added at its token ids, on a copy (logits itself is returned when no row has one)."""
+    return _put_at_tokens(logits, [s.sampling.logit_bias or {} for s in seqs], accumulate=True)
 
 
 def apply_bans(logits: torch.Tensor, seqs: Sequence[SeqStep]) -> torch.Tensor:
     """-inf at each row's banned ids, on a copy (logits itself is returned when no row bans any)."""
-    rows: list[int] = []
-    toks: list[int] = []
-    for i, s in enumerate(seqs):
-        if s.banned_token_ids:
-            rows += [i] * len(s.banned_token_ids)
-            toks += s.banned_token_ids
-    if rows:
-        dev = logits.device
-        logits = logits.clone()
-        logits[to_device(rows, torch.int64, dev), to_device(toks, torch.int64, dev)] = float("-inf")
-    return logits
+    return _put_at_tokens(logits, [dict.fromkeys(s.banned_token_ids or (), float("-inf")) for s in seqs],
+                          accumulate=False)  # fmt: skip
 
 
 def argmax_suffices(seqs: Sequence[SeqStep]) -> bool:

@@ -15,6 +15,7 @@ empty cache and zeroed counters. The KV pool's contents are overwritten by real 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -73,7 +74,7 @@ def run_warmup(worker: Any, server_args: ServerArgs, eos_token_ids: list[int], v
     lengths = warmup_lengths(server_args, sched.max_context_len, sched.kv_capacity)
     rng = random.Random(seed)
     prompts = {n: [rng.randrange(vocab_size) for _ in range(n)] for n in lengths}
-    count = iter(range(1 << 30))
+    count = itertools.count()  # request ids and sampling seeds
 
     def req(ids: list[int], sampled: bool, new_tokens: int) -> GenerateReq:
         params = {**SAMPLED, "seed": next(count)} if sampled else {"temperature": 0.0}
