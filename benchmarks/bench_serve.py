@@ -201,6 +201,13 @@ def table(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def compile_lines(lines: list[str]) -> tuple[list[str], int]:
+    """compile_log's lines of a server log (the count before ready, and each compile a step waited for while
+    serving) and how many of them are the latter."""
+    kept = [ln for ln in lines if "before ready:" in ln or "while serving" in ln]
+    return kept, sum("while serving" in ln for ln in kept)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -272,7 +279,7 @@ def main() -> None:
     if log.exists():
         lines = log.read_text().splitlines()
         res["step_lines"] = [ln for ln in lines if "Step stats" in ln]
-        res["compile_lines"] = [ln for ln in lines if "Triton compiled" in ln or "compiled before ready" in ln]
+        res["compile_lines"], res["compiles_while_serving"] = compile_lines(lines)
     args.out.write_text(json.dumps(res, indent=1))
     if not args.no_engine and res.get("bench_passes"):
         # the engine's steps are centred on the points' middle context, never below the prompt
@@ -281,6 +288,7 @@ def main() -> None:
     res["table"] = table(res)
     args.out.write_text(json.dumps(res, indent=1))
     print("\n".join(res["table"]), flush=True)
+    print("\n".join(res.get("compile_lines", [])), flush=True)
     if "error" in res:
         raise SystemExit(1)
 

@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ftransformers.entrypoints.demo_model import ensure_demo_model
+from ftransformers.kernels import compile_log
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,5 +45,25 @@ def test_bench_serve_dry_run(tmp_path: Path) -> None:
     assert [r["batch"] for r in rows] == [1, 2] and all(r["engine_overlap_ms"] > 0 < r["floor_ms"] for r in rows)
     assert len(res["table"]) == 2 + 2 * 2 and res["table"][2].startswith("| 1 | 1 (2/2 ok) |")
     assert res["table"][5].startswith("| 2 | 2 (2/2 ok) |")
-    assert res["compile_lines"] == []  # no Triton compiles on the CPU
+    assert res["compile_lines"] == [] and res["compiles_while_serving"] == 0  # no Triton compiles on the CPU
     assert out.with_suffix(".server.log").exists()
+
+
+def test_compile_lines_reads_compile_log_messages(caplog: pytest.LogCaptureFixture) -> None:
+    """The server log's filter matches what compile_log writes: the count before ready and each stall after it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_serve
+
+    compile_log.reset()
+    try:
+        with caplog.at_level("INFO", logger=compile_log.__name__):
+            compile_log.record("_align_kernel", 0.8)
+            compile_log.mark_ready()
+            compile_log.record("_extend_kernel", 1.5)
+            compile_log.record("_extend_kernel", 0.001)  # a hit of Triton's in-memory cache: not a stall
+    finally:
+        compile_log.reset()
+    lines = ["[scheduler] Step stats: batch 1"] + [f"[scheduler] {r.getMessage()}" for r in caplog.records]
+    kept, stalls = bench_serve.compile_lines(lines)
+    assert stalls == 1 and len(kept) == 2
+    assert "before ready: 1" in kept[0] and "_extend_kernel" in kept[1]
