@@ -39,4 +39,5 @@ def test_every_warmup_request_runs_to_its_end(kind: str, tmp_path: Path) -> None
     # each alone, together, behind a prefix; then sampled decode batches of 1, 2, 3, 5 and 8
     assert report.requests == 3 * len(lengths) + 1 + 2 + 3 + 5 + 8
     assert report.errors == [] and report.finished == report.requests
+    assert report.sampler_rows == []  # the sampling kernel is warmed directly on CUDA only
     assert report.prompt_tokens == 3 * sum(lengths) + 5 * len(lengths) + 16 * 19

@@ -117,8 +117,13 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(bound, block_m) * block_m
 
 
+# The integer arguments are not specialized (Triton's equal-to-1 / divisible-by-16 rules): they are loop bounds and
+# masks only, and max_blocks' divisibility by 16 follows the token count irregularly, so a server met new
+# specializations under requests its start-up warmup had not compiled (docs/performance.md, session 74). The
+# constexprs left change where the pairs (tokens x top-k) or their blocks cross a power of two: with a power-of-two
+# top-k, at powers of two of the token count, which the warmup's ladder crosses on both sides.
 @cached_launch
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "max_padded", "max_blocks"])
 def _align_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs, num_experts, max_padded, max_blocks,
     BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, MAX_BLOCKS_P2: tl.constexpr,

@@ -37,6 +37,7 @@ row's program sweeps the whole row in each phase and meets no barrier.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -322,12 +323,73 @@ def sample_split(rows: int, vocab: int, block: int, device: torch.device) -> int
     row barrier needs); 1 on the CPU (Triton's interpreter runs programs one after another)."""
     if device.type != "cuda":
         return 1
-    return max(1, min(cdiv(vocab, block), _num_sms(device.index) // max(rows, 1)))
+    return _split_for(rows, vocab, block, _num_sms(device.index))
+
+
+def _split_for(rows: int, vocab: int, block: int, sms: int) -> int:
+    return max(1, min(cdiv(vocab, block), sms // max(rows, 1)))
 
 
 @functools.cache
 def _num_sms(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class SamplePlan(NamedTuple):
+    """A launch of `_sample_kernel` over S rows of V columns."""
+
+    block: int  # columns a tile
+    num_warps: int
+    split: int  # programs a row, each owning `chunk` columns (whole tiles); the last may own fewer
+    chunk: int
+
+    def key(self) -> tuple[int, int, int, int, bool]:
+        """What Triton specializes the kernel on besides the logits' dtype (constexprs, the cooperative launch;
+        `chunk`, a multiple of the block, is always divisible by 16)."""
+        return (self.block, self.num_warps, next_pow2(self.split), next_pow2(self.chunk // self.block),
+                self.split > 1)  # fmt: skip
+
+
+def sample_plan(rows: int, vocab: int, split: int, block: int | None = None,
+                num_warps: int | None = None) -> SamplePlan:  # fmt: skip
+    """The launch `sample_tokens` makes for `rows` rows given `split` programs a row wanted (sample_split)."""
+    large = rows >= LARGE_ROWS
+    block = block or (LARGE_BLOCK if large else BLOCK)
+    chunk = cdiv(cdiv(vocab, split), block) * block
+    return SamplePlan(block, num_warps or (LARGE_WARPS if large else NUM_WARPS), cdiv(vocab, chunk), chunk)
+
+
+def plans_up_to(max_rows: int, vocab: int, sms: int) -> dict[tuple[int, int, int, int, bool], int]:
+    """Each distinct specialization key that 1..max_rows rows of `vocab` columns launch on a GPU of `sms` SMs,
+    with the fewest rows that launch it."""
+    first: dict[tuple[int, int, int, int, bool], int] = {}
+    for rows in range(1, max_rows + 1):
+        large = rows >= LARGE_ROWS
+        split = _split_for(rows, vocab, LARGE_BLOCK if large else BLOCK, sms)
+        first.setdefault(sample_plan(rows, vocab, split).key(), rows)
+    return first
+
+
+def warm_sample_kernel(vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device, max_rows: int,
+                       seed: int = 0) -> list[int]:  # fmt: skip
+    """Launch `sample_tokens` once for each specialization that 1..max_rows rows of these logits dtypes meet, on
+    random logits, so that Triton compiles them now and not under a step (a server's start-up warmup: its
+    model steps reach only the row counts their batches had). Returns the row counts launched, per dtype in
+    order. The row counts that share a specialization share the compiled kernel; a CUDA device only."""
+    assert device.type == "cuda", device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    launched = []
+    for dtype in dtypes:
+        for rows in plans_up_to(max_rows, vocab, _num_sms(device.index)).values():
+            logits = torch.randn(rows, vocab, generator=gen, device=device).to(dtype)
+            temperature = torch.full((rows,), 0.8, dtype=torch.float32, device=device)
+            top_k = torch.full((rows,), 50, dtype=torch.int32, device=device)  # every phase: top-k, draw, top-p
+            top_p = torch.full((rows,), 0.95, dtype=torch.float32, device=device)
+            min_p = torch.zeros(rows, dtype=torch.float32, device=device)
+            seeds = torch.arange(rows, dtype=torch.int64, device=device)
+            sample_tokens(logits, temperature, top_k, top_p, min_p, seeds)
+            launched.append(rows)
+    return launched
 
 
 def sample_tokens(
@@ -343,9 +405,6 @@ def sample_tokens(
     split: int | None = None,  # programs per row (benchmarks, tests); default sample_split
 ) -> torch.Tensor:  # [S] int64 tokens
     S, V = logits.shape
-    large = S >= LARGE_ROWS
-    block = block or (LARGE_BLOCK if large else BLOCK)
-    num_warps = num_warps or (LARGE_WARPS if large else NUM_WARPS)
     dev = logits.device
     assert logits.stride(1) == 1 and V < 2**31 - 1
     for t, dtype in ((temperature, torch.float32), (top_k, torch.int32), (top_p, torch.float32),
@@ -354,12 +413,13 @@ def sample_tokens(
     tokens = torch.empty(S, dtype=torch.int64, device=dev) if out is None else out
     if S == 0:
         return tokens
-    split = sample_split(S, V, block, dev) if split is None or dev.type != "cuda" else split
+    if split is None or dev.type != "cuda":
+        split = sample_split(S, V, block or (LARGE_BLOCK if S >= LARGE_ROWS else BLOCK), dev)
     counters = ticket_counters(dev, "sampling", 2 * S) if split > 1 else None
     if counters is None:
         split = 1
-    chunk = cdiv(cdiv(V, split), block) * block
-    split = cdiv(V, chunk)  # no program without columns
+    plan = sample_plan(S, V, split, block, num_warps)
+    block, split, chunk = plan.block, plan.split, plan.chunk
     key_bits = 16 if logits.dtype == torch.bfloat16 else 32
     _sample_kernel[(S, split)](
         logits, logits.stride(0), V, chunk, temperature, top_k, top_p, min_p, seeds, tokens,
@@ -367,7 +427,7 @@ def sample_tokens(
         torch.zeros(S, key_bits // 8, 256, dtype=torch.int32, device=dev), torch.empty(S, 3, dtype=torch.int64, device=dev),
         tokens if counters is None else counters,
         P_P2=next_pow2(split), NT_P2=next_pow2(chunk // block), BLOCK=block,
-        KEY_BITS=key_bits, MAX_ROUNDS=MAX_ROUNDS, num_warps=num_warps, launch_cooperative_grid=split > 1,
+        KEY_BITS=key_bits, MAX_ROUNDS=MAX_ROUNDS, num_warps=plan.num_warps, launch_cooperative_grid=split > 1,
     )  # fmt: skip
     return tokens
 

@@ -7,7 +7,8 @@ attention, rope + KV store, MoE alignment and GEMMs at new token counts, the sam
 MoE tile chosen by bucket, the alignment's block count rounded to a power of two) and on Triton's own integer rules
 (equal to 1, divisible by 16), so the warmup prefills a ladder of prompt lengths, each alone and all together (mixed
 prefill and decode steps), greedy and sampled, then again behind a cached prefix, and decodes sampled batches of
-several sizes. Whatever it misses is logged when it compiles (kernels/compile_log.py).
+several sizes; the sampling kernel is then launched directly at each specialization its row counts meet. Whatever
+it misses is logged when it compiles (kernels/compile_log.py).
 
 The throwaway scheduler owns its KV slots and radix tree; discarding it frees them all, so serving starts with an
 empty cache and zeroed counters. The KV pool's contents are overwritten by real requests before they are read.
@@ -21,6 +22,8 @@ import random
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ftransformers.config.sampling_params import SamplingParams
 from ftransformers.config.server_args import ServerArgs
@@ -43,6 +46,7 @@ class WarmupReport:
     seconds: float
     finished: int  # requests that ran to their max_tokens
     errors: list[str]  # what the others said (a warmup request the scheduler refused or failed)
+    sampler_rows: list[int]  # row counts the sampling kernel was launched at directly, per logits dtype (CUDA)
 
 
 def warmup_lengths(server_args: ServerArgs, max_context_len: int, kv_capacity: int) -> list[int]:
@@ -64,6 +68,19 @@ def _run(sched: Scheduler, reqs: list[GenerateReq]) -> list[Any]:
     while sched.has_work():
         done += [o for o in sched.step() if o.finish_reason is not None]
     return done
+
+
+def _warm_sampler(worker: Any, max_rows: int) -> list[int]:
+    """The sampling kernel at every specialization 1..max_rows rows meet, for both logits dtypes a step hands it
+    (the CUDA graphs' logits buffer in the head's dtype, eager steps' float32). The model steps above reach only
+    the row counts their batches had: a fresh H200 server compiled one under a 32-request load (session 74)."""
+    if worker.device.type != "cuda" or worker.sampler.backend != "triton":
+        return []
+    from ftransformers.kernels.triton_sampling import warm_sample_kernel
+
+    head = worker.model.logits_buffer(1)  # [1, V] in the head's dtype
+    dtypes = tuple(dict.fromkeys((head.dtype, torch.float32)))
+    return warm_sample_kernel(head.shape[1], dtypes, worker.device, max_rows)
 
 
 def run_warmup(worker: Any, server_args: ServerArgs, eos_token_ids: list[int], vocab_size: int,
@@ -93,9 +110,10 @@ def run_warmup(worker: Any, server_args: ServerArgs, eos_token_ids: list[int], v
     done = [o for r in rounds for o in _run(sched, r)]
     errors = [f"{o.rid}: {o.finish_reason} {o.error or ''}".strip()
               for o in done if o.finish_reason != "length"]  # fmt: skip
-    report = WarmupReport(n_reqs, tokens, time.perf_counter() - t0, len(done) - len(errors), errors)
-    logger.info("warmup: %d requests, %d prompt tokens in %.1f s", report.requests, report.prompt_tokens,
-                report.seconds)  # fmt: skip
+    sampler_rows = _warm_sampler(worker, sched.max_running_requests)
+    report = WarmupReport(n_reqs, tokens, time.perf_counter() - t0, len(done) - len(errors), errors, sampler_rows)
+    logger.info("warmup: %d requests, %d prompt tokens, the sampler at %d row counts in %.1f s", report.requests,
+                report.prompt_tokens, len(sampler_rows), report.seconds)  # fmt: skip
     if errors or report.finished != n_reqs:
         logger.warning("warmup: %d of %d requests finished; %s", report.finished, n_reqs, "; ".join(errors[:3]))
     return report
