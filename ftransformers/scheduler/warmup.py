@@ -110,10 +110,12 @@ def run_warmup(worker: Any, server_args: ServerArgs, eos_token_ids: list[int], v
     done = [o for r in rounds for o in _run(sched, r)]
     errors = [f"{o.rid}: {o.finish_reason} {o.error or ''}".strip()
               for o in done if o.finish_reason != "length"]  # fmt: skip
+    t1 = time.perf_counter()
     sampler_rows = _warm_sampler(worker, sched.max_running_requests)
     report = WarmupReport(n_reqs, tokens, time.perf_counter() - t0, len(done) - len(errors), errors, sampler_rows)
-    logger.info("warmup: %d requests, %d prompt tokens, the sampler at %d row counts in %.1f s", report.requests,
-                report.prompt_tokens, len(sampler_rows), report.seconds)  # fmt: skip
+    logger.info("warmup: %d requests, %d prompt tokens, then the sampler at %d row counts (%.1f s), in %.1f s",
+                report.requests, report.prompt_tokens, len(sampler_rows), time.perf_counter() - t1,
+                report.seconds)  # fmt: skip
     if errors or report.finished != n_reqs:
         logger.warning("warmup: %d of %d requests finished; %s", report.finished, n_reqs, "; ".join(errors[:3]))
     return report
