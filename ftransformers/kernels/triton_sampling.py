@@ -36,8 +36,10 @@ row's program sweeps the whole row in each phase and meets no barrier.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
-from typing import NamedTuple
+import os
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -371,14 +373,18 @@ def plans_up_to(max_rows: int, vocab: int, sms: int) -> dict[tuple[int, int, int
 
 
 def warm_sample_kernel(vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device, max_rows: int,
-                       seed: int = 0) -> list[int]:  # fmt: skip
+                       seed: int = 0, threads: int | None = None) -> list[int]:  # fmt: skip
     """Launch `sample_tokens` once for each specialization that 1..max_rows rows of these logits dtypes meet, on
     random logits, so that Triton compiles them now and not under a step (a server's start-up warmup: its
     model steps reach only the row counts their batches had). Returns the row counts launched, per dtype in
-    order. The row counts that share a specialization share the compiled kernel; a CUDA device only."""
+    order. The row counts that share a specialization share the compiled kernel; a CUDA device only.
+
+    The compiles run on `threads` threads first (Triton's compile leaves Python for most of its time: four of
+    them took 6.1 s on two threads against 10.1 s one after another, on this project's two-core machine), then
+    each plan is launched once."""
     assert device.type == "cuda", device
     gen = torch.Generator(device=device).manual_seed(seed)
-    launched = []
+    cases = []  # (rows, inputs of sample_tokens), per dtype
     for dtype in dtypes:
         for rows in plans_up_to(max_rows, vocab, _num_sms(device.index)).values():
             logits = torch.randn(rows, vocab, generator=gen, device=device).to(dtype)
@@ -387,9 +393,54 @@ def warm_sample_kernel(vocab: int, dtypes: tuple[torch.dtype, ...], device: torc
             top_p = torch.full((rows,), 0.95, dtype=torch.float32, device=device)
             min_p = torch.zeros(rows, dtype=torch.float32, device=device)
             seeds = torch.arange(rows, dtype=torch.int64, device=device)
-            sample_tokens(logits, temperature, top_k, top_p, min_p, seeds)
-            launched.append(rows)
-    return launched
+            cases.append((rows, (logits, temperature, top_k, top_p, min_p, seeds)))
+    compiles = [_prepare(*inputs, torch.empty(rows, dtype=torch.int64, device=device)) for rows, inputs in cases]
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def compile_one(c: tuple[tuple[int, int], tuple[Any, ...], dict[str, Any]]) -> None:
+        grid, args, kwargs = c
+        with torch.cuda.device(index):  # Triton compiles for the thread's current device (a new thread: 0)
+            _sample_kernel.warmup(*args, grid=grid, **kwargs)
+
+    if compiles:
+        compile_one(compiles[0])  # the first alone: Triton makes its per-device caches once
+        workers = max(1, min(threads or os.cpu_count() or 1, 16, len(compiles) - 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="warm_sample") as pool:
+            list(pool.map(compile_one, compiles[1:]))
+    for _, inputs in cases:
+        sample_tokens(*inputs)
+    return [rows for rows, _ in cases]
+
+
+def _prepare(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    seeds: torch.Tensor, tokens: torch.Tensor, block: int | None = None, num_warps: int | None = None,
+    split: int | None = None,
+) -> tuple[tuple[int, int], tuple[Any, ...], dict[str, Any]]:
+    """`_sample_kernel`'s (grid, arguments, launch keywords) for `sample_tokens` on these inputs (S >= 1), writing
+    the tokens [S] int64 into `tokens`."""
+    S, V = logits.shape
+    dev = logits.device
+    if split is None or dev.type != "cuda":
+        split = sample_split(S, V, block or (LARGE_BLOCK if S >= LARGE_ROWS else BLOCK), dev)
+    counters = ticket_counters(dev, "sampling", 2 * S) if split > 1 else None
+    if counters is None:
+        split = 1
+    plan = sample_plan(S, V, split, block, num_warps)
+    key_bits = 16 if logits.dtype == torch.bfloat16 else 32
+    args = (
+        logits, logits.stride(0), V, plan.chunk, temperature, top_k, top_p, min_p, seeds, tokens,
+        torch.empty(S, plan.split, 3, dtype=torch.float32, device=dev),
+        torch.empty(S, plan.split, 2, dtype=torch.int32, device=dev),
+        torch.zeros(S, key_bits // 8, 256, dtype=torch.int32, device=dev),
+        torch.empty(S, 3, dtype=torch.int64, device=dev),
+        tokens if counters is None else counters,
+    )  # fmt: skip
+    kwargs = {"P_P2": next_pow2(plan.split), "NT_P2": next_pow2(plan.chunk // plan.block), "BLOCK": plan.block,
+              "KEY_BITS": key_bits, "MAX_ROUNDS": MAX_ROUNDS, "num_warps": plan.num_warps,
+              "launch_cooperative_grid": plan.split > 1}  # fmt: skip
+    return (S, plan.split), args, kwargs
 
 
 def sample_tokens(
@@ -413,22 +464,8 @@ def sample_tokens(
     tokens = torch.empty(S, dtype=torch.int64, device=dev) if out is None else out
     if S == 0:
         return tokens
-    if split is None or dev.type != "cuda":
-        split = sample_split(S, V, block or (LARGE_BLOCK if S >= LARGE_ROWS else BLOCK), dev)
-    counters = ticket_counters(dev, "sampling", 2 * S) if split > 1 else None
-    if counters is None:
-        split = 1
-    plan = sample_plan(S, V, split, block, num_warps)
-    block, split, chunk = plan.block, plan.split, plan.chunk
-    key_bits = 16 if logits.dtype == torch.bfloat16 else 32
-    _sample_kernel[(S, split)](
-        logits, logits.stride(0), V, chunk, temperature, top_k, top_p, min_p, seeds, tokens,
-        torch.empty(S, split, 3, dtype=torch.float32, device=dev), torch.empty(S, split, 2, dtype=torch.int32, device=dev),
-        torch.zeros(S, key_bits // 8, 256, dtype=torch.int32, device=dev), torch.empty(S, 3, dtype=torch.int64, device=dev),
-        tokens if counters is None else counters,
-        P_P2=next_pow2(split), NT_P2=next_pow2(chunk // block), BLOCK=block,
-        KEY_BITS=key_bits, MAX_ROUNDS=MAX_ROUNDS, num_warps=plan.num_warps, launch_cooperative_grid=split > 1,
-    )  # fmt: skip
+    grid, args, kwargs = _prepare(logits, temperature, top_k, top_p, min_p, seeds, tokens, block, num_warps, split)
+    _sample_kernel[grid](*args, **kwargs)
     return tokens
 
 
