@@ -17,14 +17,26 @@ from tests.model_harness import make_tiny_checkpoint
 
 def test_lengths_follow_context_chunk_and_pool() -> None:
     args = ServerArgs(model_path="unused", chunked_prefill_size=64)
-    # both sides of every power of two up to the chunk and one past it (64 + 17), under the context (200 - 8)
-    assert warmup.warmup_lengths(args, 200, 10**6) == [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 81]
+    # every length to DENSE_UP_TO (64), both sides of every power of two up to the chunk and one past it (64 + 17),
+    # under the context (200 - 8)
+    assert warmup.warmup_lengths(args, 200, 10**6) == [*range(1, 66), 81]
     assert warmup.warmup_lengths(args, 90, 10**6)[-1] == 81
-    assert warmup.warmup_lengths(args, 10**6, 100) == [1, 2, 3, 4, 5, 7, 8, 9]  # together in half the pool: 39 <= 50
+    assert warmup.warmup_lengths(args, 40, 10**6) == list(range(1, 33))  # the context: 40 - 8
+    # together in half the pool: the ladder's 39 tokens fit 50, the dense lengths' 2080 do not
+    assert warmup.warmup_lengths(args, 10**6, 100) == [1, 2, 3, 4, 5, 7, 8, 9]
     big = warmup.warmup_lengths(ServerArgs(model_path="unused"), 40960, 10**6)
     assert big[-4:] == [8191, 8192, 8193, 8209] and {4095, 4096, 4097, 100, 1000} <= set(big)
     unchunked = warmup.warmup_lengths(ServerArgs(model_path="unused", chunked_prefill_size=-1), 40960, 10**6)
     assert unchunked[-1] == 16385
+
+
+def test_decode_batches_reach_the_most_running() -> None:
+    # past the CUDA graphs' largest batch a decode runs eagerly, and kernels pick variants by batch size
+    assert warmup.decode_batches(256) == [1, 2, 3, 5, 8, 16, 32, 64, 128, 256]
+    assert warmup.decode_batches(200) == [1, 2, 3, 5, 8, 16, 32, 64, 128, 200]
+    assert warmup.decode_batches(8) == [1, 2, 3, 5, 8]
+    assert warmup.decode_batches(4) == [1, 2, 3, 4]
+    assert warmup.decode_batches(1) == [1]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

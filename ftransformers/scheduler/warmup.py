@@ -5,10 +5,11 @@ Why: a fresh Qwen3-30B-A3B server on an H200 compiled 23 kernel specializations 
 attention, rope + KV store, MoE alignment and GEMMs at new token counts, the sampler), and those requests waited up to
 2.6 s (docs/performance.md, session 73). A Triton kernel specializes on constexprs that follow the token count (a
 MoE tile chosen by bucket, the alignment's block count rounded to a power of two) and on Triton's own integer rules
-(equal to 1, divisible by 16), so the warmup prefills a ladder of prompt lengths, each alone and all together (mixed
-prefill and decode steps), greedy and sampled, then again behind a cached prefix, and decodes sampled batches of
-several sizes; the sampling kernel is then launched directly at each specialization its row counts meet. Whatever
-it misses is logged when it compiles (kernels/compile_log.py).
+(equal to 1, divisible by 16), so the warmup prefills a ladder of prompt lengths (every length up to 64, then both
+sides of each power of two), each alone and all together (mixed prefill and decode steps), greedy and sampled, then
+again behind a cached prefix, and decodes sampled batches of several sizes up to the most requests running at once;
+the sampling kernel is then launched directly at each specialization its row counts meet. Whatever it misses is
+logged when it compiles (kernels/compile_log.py).
 
 The throwaway scheduler owns its KV slots and radix tree; discarding it frees them all, so serving starts with an
 empty cache and zeroed counters. The KV pool's contents are overwritten by real requests before they are read.
@@ -35,7 +36,11 @@ logger = logging.getLogger(__name__)
 # prompt lengths at every power-of-two bucket boundary of the prefill kernels' tiles (n - 1, n, n + 1: both sides
 # of it, odd and even, divisible by 16 and not), capped by the prefill chunk and the context
 LADDER = tuple(sorted({m for n in (1 << i for i in range(15)) for m in (n - 1, n, n + 1) if m > 0} | {100, 1000}))
-DECODE_BATCHES = (1, 2, 3, 5, 8, 16, 32, 64)
+# every prompt length up to here as well, where the pool allows: the int4 MoE's grouped kernels choose variants at
+# token counts that are no power of two (40 and 46 for Qwen3-30B-A3B's experts, kernels/gluon_moe_w4_mma.py) and
+# pass two integers (pairs, a group bound) whose divisibility by 16 varies apart, all within 2-64 tokens
+DENSE_UP_TO = 64
+DECODE_BATCHES = (1, 2, 3, 5)  # then powers of two from 8, and the most requests running at once (decode_batches)
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
 
 
@@ -57,7 +62,16 @@ def warmup_lengths(server_args: ServerArgs, max_context_len: int, kv_capacity: i
     lengths = sorted({n for n in (*LADDER, chunk, chunk + 17) if 0 < n <= longest and (not chunk or n <= chunk + 17)})
     while lengths and sum(lengths) > kv_capacity // 2:
         lengths.pop()
-    return lengths
+    dense = sorted(set(lengths) | {n for n in range(1, DENSE_UP_TO + 1) if n <= longest})
+    return dense if sum(dense) <= kv_capacity // 2 else lengths
+
+
+def decode_batches(max_running: int) -> list[int]:
+    """Decode batch sizes to run: 1, 2, 3, 5, the powers of two from 8 below `max_running`, and `max_running`.
+    Batches above the CUDA graphs' largest decode eagerly, where kernels choose variants by batch size (decode
+    attention's smaller tiles from 3 x SMs / head blocks rows: about 100 on Qwen3-30B-A3B on an H200)."""
+    powers = [1 << i for i in range(3, max(3, max_running.bit_length()))]
+    return sorted({b for b in (*DECODE_BATCHES, *powers, max_running) if 1 <= b <= max_running})
 
 
 def _run(sched: Scheduler, reqs: list[GenerateReq]) -> list[Any]:
@@ -103,7 +117,7 @@ def run_warmup(worker: Any, server_args: ServerArgs, eos_token_ids: list[int], v
     # behind a cached prefix (the radix tree holds each prompt now): extend attention over a prefix
     rounds.append([req(prompts[n] + [rng.randrange(vocab_size) for _ in range(5)], True, 2) for n in lengths])
     short = min(16, sched.max_context_len - 8)
-    for b in (b for b in DECODE_BATCHES if b <= sched.max_running_requests):  # sampled decode batches
+    for b in decode_batches(sched.max_running_requests):  # sampled decode batches
         rounds.append([req([rng.randrange(vocab_size) for _ in range(short)], True, 3) for _ in range(b)])
     n_reqs = sum(len(r) for r in rounds)
     tokens = sum(len(g.input_ids) for r in rounds for g in r)
