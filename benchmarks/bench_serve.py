@@ -143,6 +143,8 @@ def run_bench(args: argparse.Namespace, base: str, out_dir: Path, seed: int) -> 
            "--input-length", str(args.input_length), "--output-length", str(args.output_length),
            "--parallel", *map(str, args.parallel), "--number", *map(str, args.number), "--warmup", "2",
            "--seed", str(seed), "--output", str(out_dir), "--no-progress"]  # fmt: skip
+    if args.random_range_ratio < 1.0:
+        cmd += ["--random-range-ratio", str(args.random_range_ratio)]
     if args.temperature:
         cmd += ["--extra-request-body", json.dumps({"temperature": args.temperature})]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout, check=False)
@@ -236,6 +238,10 @@ def main() -> None:
         "bench's default; greedy tokens of dummy weights can converge across sequences)",
     )
     p.add_argument("--passes", type=int, default=1, help="run the bench this many times on the same server")
+    p.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="the bench's: each request's lengths uniform in [ratio x the lengths, the lengths] (varied "
+                   "step shapes, e.g. to look for kernels the warmup missed; the TPOT then no longer compares with "
+                   "the engine rows)")  # fmt: skip
     p.add_argument("--log-interval", type=float, default=5.0)
     p.add_argument("--profile-steps", type=int, default=8, help="0: no /start_profile")
     p.add_argument("--start-timeout", type=float, default=420.0)

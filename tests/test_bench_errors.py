@@ -89,6 +89,11 @@ def test_bad_flags_are_one_line(tmp_path: Path) -> None:
     assert "--number has 1 values for 2 --parallel values" in result.stderr
     result = bench(tmp_path, "--api", "grpc")
     assert result.returncode == 2 and "openai-chat" in result.stderr and "Traceback" not in result.stderr
+    for flags, says in ((("--random-range-ratio", "1.5"), "--random-range-ratio must be in [0, 1]"),
+                        (("--random-range-ratio", "0.5", "--dataset", "jsonl", "--dataset-path", "x.jsonl"),
+                         "--random-range-ratio applies to --dataset random only")):
+        result = bench(tmp_path, *flags)
+        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr
     for bad, says in (("{temperature: 1}", "not JSON"), ("[1]", "must be a JSON object, not list")):
         result = bench(tmp_path, "--extra-request-body", bad)
         assert result.returncode == 2 and "--extra-request-body" in result.stderr and says in result.stderr

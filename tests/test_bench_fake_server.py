@@ -151,3 +151,17 @@ def test_dataset_prefix_check_and_context_skip(fake: FakeServer, tmp_path: Path)
     rc, s = run(fake, tmp_path / "skip", "--input-length", "64", "1024", "--output-length", "8", "--parallel", "1")
     assert rc == 0 and [p["input_len"] for p in s["points"]] == [64]
     assert any("1024" in n and "context length 600" in n for n in s["notes"])
+
+
+def test_random_range_ratio_requests_their_own_lengths(fake: FakeServer, tmp_path: Path) -> None:
+    fake.configure(ttft=0.01, gap=0.002)
+    rc, s = run(fake, tmp_path, "--api", "openai-completions", "--input-length", "64", "--output-length", "24",
+                "--parallel", "4", "--number", "12", "--random-range-ratio", "0.5")
+    assert rc == 0 and s["config"]["random_range_ratio"] == 0.5
+    p = points(s)[4]
+    assert (p["successes"], p["short_outputs"]) == (12, 0) and p["point"] == "in64-out24-c4"
+    recs = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    asked = [r["expected_output_tokens"] for r in recs if r["point"] == p["point"]]
+    assert len(asked) == 12 and all(12 <= n <= 24 for n in asked) and len(set(asked)) > 3
+    assert p["total_output_tokens"] == sum(asked)  # each request got the length it asked for, as max_tokens
+    assert not any("not 64" in n for n in s["notes"])  # varied prompts are not a tokenizer mismatch

@@ -120,3 +120,24 @@ def test_random_prompts_have_exact_length(api: str) -> None:
     assert all(p.text.startswith(prefix) for p in shared) and [factory.count(p.text) for p in shared] == [200] * 3
     again = PromptFactory(factory.tok, api, seed=0).random_prompts(1, 40)
     assert again[0].text == PromptFactory(factory.tok, api, seed=0).random_prompts(1, 40)[0].text
+
+
+def test_random_range_ratio_draws_lengths_in_range() -> None:
+    from ftransformers.bench.prompts import PromptFactory, load_tokenizer
+    from ftransformers.entrypoints.demo_model import ensure_demo_model
+
+    factory = PromptFactory(load_tokenizer(str(ensure_demo_model())), "openai-completions", seed=3)
+    prompts = factory.random_prompts(24, 200, output_len=40, range_ratio=0.25)
+    lengths = [factory.count(p.text) for p in prompts]
+    assert [p.expected_prompt_tokens for p in prompts] == lengths
+    assert all(50 <= n <= 200 for n in lengths) and len(set(lengths)) > 12  # uniform over 151 values
+    outs = [p.output_len for p in prompts]
+    assert all(o is not None and 10 <= o <= 40 for o in outs) and len(set(outs)) > 6
+    again = PromptFactory(factory.tok, "openai-completions", seed=3).random_prompts(24, 200, output_len=40,
+                                                                                   range_ratio=0.25)  # fmt: skip
+    assert [(p.text, p.output_len) for p in again] == [(p.text, p.output_len) for p in prompts]
+    # with a shared prefix the shortest prompt still holds one token past it; ratio 1: the exact lengths, as before
+    shared = factory.random_prompts(8, 40, prefix_len=30, output_len=8, range_ratio=0.0)
+    assert all(31 <= factory.count(p.text) <= 40 for p in shared)
+    fixed = factory.random_prompts(3, 40, output_len=8)
+    assert [factory.count(p.text) for p in fixed] == [40] * 3 and {p.output_len for p in fixed} == {None}

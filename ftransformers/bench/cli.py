@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dataset", choices=("random", "jsonl"), default="random")
     a("--dataset-path", help="JSONL file of prompts for --dataset jsonl")
     a("--prefix-length", type=int, default=0, help="tokens of a random prefix shared by every prompt")
+    a("--random-range-ratio", type=float, default=1.0,
+      help="random prompts: each request's input and output lengths uniform in [ratio x the length, the length] "
+           "(SGLang's flag; default 1: every request exactly the lengths)")
     a("--no-fixed-output", dest="fixed_output", action="store_false",
       help="let requests stop at EOS (default: ignore_eos + min_tokens fix the output length)")
     a("--find-max-concurrency", action="store_true", help="search the largest concurrency holding --min-tps")
@@ -94,6 +97,10 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--duration must be > 0")
     if args.warmup < 0 or args.prefix_length < 0 or args.request_timeout <= 0 or args.min_tps <= 0:
         p.error("--warmup and --prefix-length must be >= 0, --request-timeout and --min-tps > 0")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        p.error("--random-range-ratio must be in [0, 1]")
+    if args.random_range_ratio < 1.0 and args.dataset != "random":
+        p.error("--random-range-ratio applies to --dataset random only")
     if args.prefix_length and any(args.prefix_length >= n for n in args.input_length):
         p.error("--prefix-length must be shorter than every --input-length")
 
@@ -152,8 +159,9 @@ class Session:
                              factory.count_output, extra_body=args.extra_request_body)
         progress = sys.stderr.isatty() if args.progress is None else args.progress
         sink = RecordSink(self.out / "requests.jsonl")
-        self.runner = runner = Runner(client, factory, sink, dataset, args.prefix_length, args.warmup, progress,
-                                      notes=self.summary["notes"])
+        self.runner = runner = Runner(client, factory, sink, dataset, prefix_len=args.prefix_length, warmup=args.warmup,
+                                      range_ratio=args.random_range_ratio, progress=progress,
+                                      notes=self.summary["notes"])  # fmt: skip
         runner.points = self.summary["points"]  # shared: a failure midway still leaves the finished points
         try:
             await self._measure(runner, facts.context_length)

@@ -25,6 +25,7 @@ _PATHS = {"openai-chat": "/v1/chat/completions", "openai-completions": "/v1/comp
 class Prompt:
     text: str
     expected_prompt_tokens: int | None = None  # what our tokenizer counts (chat template included for chat)
+    output_len: int | None = None  # this request's output tokens (--random-range-ratio); None: the point's
 
 
 class StreamError(Exception):

@@ -87,12 +87,25 @@ class PromptFactory:
         assert best is not None
         return Prompt(text=best[1], expected_prompt_tokens=best[0])
 
-    def random_prompts(self, n: int, input_len: int, prefix_len: int = 0) -> list[Prompt]:
+    def random_prompts(self, n: int, input_len: int, prefix_len: int = 0, output_len: int | None = None,
+                       range_ratio: float = 1.0) -> list[Prompt]:  # fmt: skip
+        """`n` prompts of `input_len` tokens sharing a random prefix of `prefix_len`. Below a `range_ratio` of 1, each
+        prompt's length is uniform over [max(1, int(input_len x ratio)), input_len] (past the prefix) and its
+        `output_len` over [max(1, int(output_len x ratio)), output_len] (SGLang's --random-range-ratio)."""
         prefix = ""
         if prefix_len > 0:
             prefix = self.tok.decode(self.random_ids(prefix_len))
             prefix = self.tok.decode(self.tok.encode(prefix, add_special_tokens=False)[:prefix_len])
-        return [self.exact(input_len, prefix) for _ in range(n)]
+        if range_ratio >= 1.0:
+            return [self.exact(input_len, prefix) for _ in range(n)]
+        out = []
+        for _ in range(n):
+            length = self.rng.randint(max(int(input_len * range_ratio), 1, prefix_len + 1), input_len)
+            prompt = self.exact(length, prefix)
+            if output_len is not None:
+                prompt.output_len = self.rng.randint(max(int(output_len * range_ratio), 1), output_len)
+            out.append(prompt)
+        return out
 
 
 def load_jsonl(path: str) -> list[str]:

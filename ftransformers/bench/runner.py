@@ -53,7 +53,7 @@ async def closed_loop(client: BenchClient, prompts: list[Prompt], output_len: in
         while next_index < len(prompts):
             i = next_index
             next_index += 1  # single-threaded event loop: no lock needed between the check and the claim
-            rec = await client.send(prompts[i], output_len, point, i)
+            rec = await client.send(prompts[i], prompts[i].output_len or output_len, point, i)
             records[i] = rec
             if on_done is not None:
                 on_done(rec)
@@ -74,6 +74,7 @@ class Runner:
     dataset: list[str] | None = None
     prefix_len: int = 0
     warmup: int = 1
+    range_ratio: float = 1.0  # random prompts: each request's lengths uniform in [ratio x the point's, the point's]
     progress: bool = True
     points: list[PointSummary] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -81,12 +82,12 @@ class Runner:
     _dataset_pos: int = 0
     _ids: dict[str, int] = field(default_factory=dict)
 
-    def prompts(self, n: int, input_len: int) -> list[Prompt]:
+    def prompts(self, n: int, input_len: int, output_len: int) -> list[Prompt]:
         if self.dataset is not None:
             out = dataset_prompts(self.factory, self.dataset, n, self._dataset_pos)
             self._dataset_pos += n
             return out
-        return self.factory.random_prompts(n, input_len, self.prefix_len)
+        return self.factory.random_prompts(n, input_len, self.prefix_len, output_len, self.range_ratio)
 
     def point_id(self, input_len: int, output_len: int, concurrency: int) -> str:
         source = "jsonl" if self.dataset is not None else f"in{input_len}"
@@ -99,7 +100,7 @@ class Runner:
         if self.warmup <= 0 or (input_len, output_len) in self._warmed:
             return
         self._warmed.add((input_len, output_len))
-        recs = await closed_loop(self.client, self.prompts(self.warmup, input_len), output_len,
+        recs = await closed_loop(self.client, self.prompts(self.warmup, input_len, output_len), output_len,
                                  self.warmup, "warmup")
         if all_unreachable(recs):
             raise BenchAbort(f"the server at {self.client.base_url} cannot be reached ({recs[0].error})")
@@ -111,7 +112,7 @@ class Runner:
     async def run_point(self, input_len: int, output_len: int, concurrency: int, number: int) -> PointSummary:
         await self.warm(input_len, output_len)
         point = self.point_id(input_len, output_len, concurrency)
-        prompts = self.prompts(number, input_len)
+        prompts = self.prompts(number, input_len, output_len)
         bar = progress_bar(number, f"in={input_len} out={output_len} c={concurrency}", self.progress)
 
         def done(rec: RequestRecord) -> None:
@@ -139,11 +140,13 @@ class Runner:
             top = next(iter(s.errors))
             self.notes.append(f"{s.point}: {s.failures}/{s.number} requests failed (most common: {top})")
         if s.short_outputs:
-            self.notes.append(f"{s.point}: {s.short_outputs} requests returned fewer than {s.output_len} tokens")
+            asked = f"{s.output_len}" if self.range_ratio == 1.0 else "their output length in"
+            self.notes.append(f"{s.point}: {s.short_outputs} requests returned fewer than {asked} tokens")
         if s.prompt_token_mismatches:
             self.notes.append(f"{s.point}: {s.prompt_token_mismatches} requests' usage.prompt_tokens differ from the "
                               f"tokenizer's count (server mean {s.prompt_tokens_mean}, target {input_len})")
-        elif self.dataset is None and s.prompt_tokens_mean is not None and round(s.prompt_tokens_mean) != input_len:
+        elif (self.dataset is None and self.range_ratio == 1.0 and s.prompt_tokens_mean is not None
+              and round(s.prompt_tokens_mean) != input_len):
             self.notes.append(f"{s.point}: prompts are {s.prompt_tokens_mean:g} tokens, not {input_len} "
                               "(shorter than the chat template?)")
         if s.usage_missing:

@@ -61,8 +61,8 @@ async def soak(runner: Runner, input_len: int, output_len: int, concurrency: int
         nonlocal index
         while time.perf_counter() < deadline:
             i, index = index, index + 1
-            prompt = await asyncio.to_thread(runner.prompts, 1, input_len)
-            rec = await client.send(prompt[0], output_len, point, i)
+            prompt = await asyncio.to_thread(runner.prompts, 1, input_len, output_len)
+            rec = await client.send(prompt[0], prompt[0].output_len or output_len, point, i)
             records.append(rec)
             runner.sink.write(rec)
 
