@@ -56,7 +56,8 @@ class WarmupReport:
 
 def warmup_lengths(server_args: ServerArgs, max_context_len: int, kv_capacity: int) -> list[int]:
     """The ladder plus one prompt of a whole prefill chunk and one past it (a second chunk), within the context and
-    with all of them together in at most half the KV pool."""
+    with all of them together in at most half the KV pool (the longest dropped first); then every length up to
+    DENSE_UP_TO as well, if that still fits."""
     chunk = max(0, server_args.chunked_prefill_size)
     longest = max_context_len - 8  # room for the decoded tokens
     lengths = sorted({n for n in (*LADDER, chunk, chunk + 17) if 0 < n <= longest and (not chunk or n <= chunk + 17)})
