@@ -19,7 +19,7 @@ run() {  # name, env..., -- pytest args...
 }
 run gpu_kernel_tests FT_NONE=1 -- tests/test_triton_attention.py tests/test_triton_moe.py tests/test_triton_router.py \
   tests/test_triton_gemv.py tests/test_triton_fusions.py tests/test_triton_rope_store.py tests/test_cuda_graph.py \
-  tests/test_model_runner.py tests/test_sampler.py tests/test_scheduler.py
+  tests/test_model_runner.py tests/test_sampler.py tests/test_scheduler.py tests/test_kernel_specializations.py
 run gpu_quant_tests FT_NONE=1 -- tests/test_quant_formats.py tests/test_triton_w4a16.py tests/test_triton_moe_w4.py \
   tests/test_triton_w8.py tests/test_quant_load_cuda.py
 run parity_bf16_default FT_TEST_DEVICE=cuda FT_TEST_DTYPE=bfloat16 -- tests/test_engine_parity.py

@@ -36,7 +36,8 @@ if [[ " $groups " == *" kernels "* ]]; then  # compile-bound (Triton compiles on
   shards kernels 8 tests/test_triton_moe_w4.py tests/test_triton_w4a16.py tests/test_triton_gemv.py tests/test_pdl.py \
     tests/test_triton_w8.py tests/test_triton_moe.py tests/test_triton_router.py tests/test_triton_fusions.py \
     tests/test_triton_rope_store.py tests/test_triton_attention.py tests/test_decode_stage2.py \
-    tests/test_cuda_graph.py tests/test_model_runner.py tests/test_sampler.py tests/test_scheduler.py
+    tests/test_cuda_graph.py tests/test_model_runner.py tests/test_sampler.py tests/test_scheduler.py \
+    tests/test_kernel_specializations.py
 fi
 if [[ " $groups " == *" gluon "* ]]; then  # Hopper-only Gluon kernels, MLA prefill, the sampler kernels
   shards gluon 8 tests/test_gluon_moe_w4_mma.py tests/test_gluon_w4a16_mma.py tests/test_gluon_mla_compile.py \
