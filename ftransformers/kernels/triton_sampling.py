@@ -332,6 +332,11 @@ def _split_for(rows: int, vocab: int, block: int, sms: int) -> int:
     return max(1, min(cdiv(vocab, block), sms // max(rows, 1)))
 
 
+def _tile_for(rows: int) -> tuple[int, int]:
+    """The default (columns a tile, warps) at `rows` rows."""
+    return (LARGE_BLOCK, LARGE_WARPS) if rows >= LARGE_ROWS else (BLOCK, NUM_WARPS)
+
+
 @functools.cache
 def _num_sms(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -355,10 +360,10 @@ class SamplePlan(NamedTuple):
 def sample_plan(rows: int, vocab: int, split: int, block: int | None = None,
                 num_warps: int | None = None) -> SamplePlan:  # fmt: skip
     """The launch `sample_tokens` makes for `rows` rows given `split` programs a row wanted (sample_split)."""
-    large = rows >= LARGE_ROWS
-    block = block or (LARGE_BLOCK if large else BLOCK)
+    default_block, default_warps = _tile_for(rows)
+    block = block or default_block
     chunk = cdiv(cdiv(vocab, split), block) * block
-    return SamplePlan(block, num_warps or (LARGE_WARPS if large else NUM_WARPS), cdiv(vocab, chunk), chunk)
+    return SamplePlan(block, num_warps or default_warps, cdiv(vocab, chunk), chunk)
 
 
 def plans_up_to(max_rows: int, vocab: int, sms: int) -> dict[tuple[int, int, int, int, bool], int]:
@@ -366,8 +371,7 @@ def plans_up_to(max_rows: int, vocab: int, sms: int) -> dict[tuple[int, int, int
     with the fewest rows that launch it."""
     first: dict[tuple[int, int, int, int, bool], int] = {}
     for rows in range(1, max_rows + 1):
-        large = rows >= LARGE_ROWS
-        split = _split_for(rows, vocab, LARGE_BLOCK if large else BLOCK, sms)
+        split = _split_for(rows, vocab, _tile_for(rows)[0], sms)
         first.setdefault(sample_plan(rows, vocab, split).key(), rows)
     return first
 
@@ -423,7 +427,7 @@ def _prepare(
     S, V = logits.shape
     dev = logits.device
     if split is None or dev.type != "cuda":
-        split = sample_split(S, V, block or (LARGE_BLOCK if S >= LARGE_ROWS else BLOCK), dev)
+        split = sample_split(S, V, block or _tile_for(S)[0], dev)
     counters = ticket_counters(dev, "sampling", 2 * S) if split > 1 else None
     if counters is None:
         split = 1
