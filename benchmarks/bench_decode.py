@@ -306,7 +306,7 @@ def bench_prefill(runner: Any, acc: dict[str, Any], rate: float, bw: float, toke
     row.update(ms=t, ratio=t / row["floor_ms"], matmul_share=row["floor_ms"] / t)
     # the step's summed kernel time and launches (profiled): a step well above its kernels' time waits on the host
     prof = profile_step(runner, step, f"prefill {tokens}")
-    row.update(kernel_ms=prof["kernel_ms"], launches=prof["kernels_per_step"],
+    row.update(kernel_ms=prof["kernel_ms"], launches=prof["kernels_per_step"], top=prof["top"],
                kernel_matmul_share=row["floor_ms"] / prof["kernel_ms"] if prof["kernel_ms"] else 0.0)  # fmt: skip
     return row
 

@@ -16,6 +16,13 @@ method).
     # DeepSeek-V3 full-width layers in W4A16: as many as fit; per-layer time from two depths
     PYTHONPATH=$PWD python benchmarks/bench_quant_decode.py --out $OUT/quant_dsv3_h100.json \
         --models deepseek-v3:4,deepseek-v3:12 --formats w4a16 --batches 1,8,32
+    # prefill of 1K and 8K-token prompts per format (one eager step), beside the bf16 matmul floor
+    PYTHONPATH=$PWD python benchmarks/bench_quant_decode.py --out $OUT/quant_prefill_h100.json \
+        --models qwen3-30b-a3b:48 --formats bf16,w4a16 --batches 1,64,128 --prefill 1024,8192
+
+`--prefill`: bench_decode's prefill rows (one prompt's eager step, its kernels' summed time and launches), whose
+FLOP floor counts the model's logical weights (the bf16 model's parameters, built on the meta device), so every
+format's row divides the same FLOPs by the bf16 matmul rate measured here.
 """
 
 from __future__ import annotations
@@ -124,7 +131,20 @@ def write_config(name: str, layers: int, root: Path, fmt: str, dry_run: bool) ->
     return cfg
 
 
-def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Namespace, bw: float) -> dict[str, Any]:
+def bf16_accounting(root: Path, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """bench_decode's accounting (parameter counts, for prefill FLOPs) of the model without its quantization: the
+    model class built on the meta device from the config, so that a packed weight counts its logical elements."""
+    from ftransformers.config.model_config import ModelConfig
+    from ftransformers.models.registry import get_model_class
+
+    hf = ModelConfig.from_pretrained(root).hf_config
+    with torch.device("meta"):
+        model = get_model_class(hf.architectures)(hf)
+    return bd.accounting(model, cfg, layers)
+
+
+def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Namespace, bw: float,
+               rate: float = 0.0) -> dict[str, Any]:  # fmt: skip
     root = Path(tempfile.mkdtemp()) / f"{name}-{layers}-{fmt}"
     args.disable_pdl = not pdl
     cfg = write_config(name, layers, root, fmt, args.dry_run)
@@ -136,6 +156,14 @@ def run_format(name: str, layers: int, fmt: str, pdl: bool, args: argparse.Names
         buf.uniform_(-1.0, 1.0)  # finite data where no sequence writes; timed steps prefill theirs (bd.decode_batch)
     acc = accounting(runner.model, cfg, layers)
     res["accounting"] = acc
+    if args.prefill:
+        flops_acc = bf16_accounting(root, cfg, layers)
+        res["prefill"] = []
+        for n in args.prefill:
+            row = bd.bench_prefill(runner, {**flops_acc, "vocab": acc["vocab"]}, rate, bw, n)
+            row["byte_floor_ms"] = decode_bytes(acc, n, 0) / bw * 1e3  # this format's bytes, not bf16's
+            res["prefill"].append(row)
+        print(f"  {name}:{layers} {fmt} prefill {res['prefill']}", flush=True)
     res["decode"] = []
     for batch in args.batches:
         res["decode"].append(decode_row(runner, acc, bw, batch, args))
@@ -179,6 +207,21 @@ def decode_row(runner: Any, acc: dict[str, Any], bw: float, batch: int, args: ar
     return row
 
 
+def print_prefill(out: dict[str, Any]) -> None:
+    rows = [(m, r) for m in out["models"] if "error" not in m for r in m.get("prefill", []) if "ms" in r]
+    if not rows:
+        return
+    print(f"\nprefill, one prompt (bf16 matmul {out.get('matmul_TFLOPs', 0):.0f} TFLOP/s)")
+    print(f"{'model':<18} {'format':<7} tokens  floor_ms  byte_ms      ms  of matmul  kernel_ms  vs bf16")
+    base = {(m["model"], m["layers"], r["tokens"]): r["ms"] for m, r in rows if m["format"] == "bf16"}
+    for m, r in rows:
+        b = base.get((m["model"], m["layers"], r["tokens"]))
+        speed = f"{b / r['ms']:5.2f}x" if b else "  -"
+        print(f"{m['model'] + ':' + str(m['layers']):<18} {m['format']:<7} {r['tokens']:<6} {r['floor_ms']:9.3f} "
+              f"{r['byte_floor_ms']:8.3f} {r['ms']:7.3f} {r['matmul_share']:9.0%} {r.get('kernel_ms', 0):10.3f}  "
+              f"{speed}")  # fmt: skip
+
+
 def print_table(out: dict[str, Any]) -> None:
     print(f"\n{out['device']}  copy {out['copy_GBps']:.0f} GB/s  context {out['args']['context']}")
     base: dict[tuple[str, int, int, bool], float] = {}
@@ -199,6 +242,7 @@ def print_table(out: dict[str, Any]) -> None:
                   f"{m['accounting']['model_GB']:6.1f}  "
                   f"{r['batch']:<4} {r['floor_ms']:8.3f} {r['graph_ms']:9.3f} {r['graph_ratio']:6.2f} "
                   f"{r.get('engine_ms', 0):10.3f} {r.get('engine_ratio', 0):6.2f}  {speed}")  # fmt: skip
+    print_prefill(out)
     # Per-layer time from two depths of the same model and format: (t_deep - t_shallow) / extra layers.
     rows = {(m["model"], m["format"], m.get("pdl", True), m["layers"]): m for m in out["models"] if "decode" in m}
     for (model, fmt, pdl, layers), m in sorted(rows.items()):
@@ -223,6 +267,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--mem-fraction", type=float, default=0.92)
     p.add_argument("--no-engine", action="store_true")
+    p.add_argument("--prefill", default="", help="prompt lengths for prefill rows, e.g. 1024,8192 ('' = none)")
     p.add_argument("--profile", action="store_true", help="eager kernel profile at batches <= 8 (PDL runs)")
     p.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch per run")
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: shapes shrunk 16x, torch_native")
@@ -231,18 +276,24 @@ def main() -> None:
     if args.dry_run:
         args.no_engine = True
     args.batches = [int(x) for x in args.batches.split(",")]
+    args.prefill = [int(x) for x in args.prefill.split(",") if x.strip()]
+    if any(n <= 0 for n in args.batches + args.prefill):
+        raise SystemExit("bench_quant_decode: --batches and --prefill take positive sizes")
     bd.logging_setup()
     device = torch.cuda.get_device_name() if bd.DEV == "cuda" else "cpu (dry run)"
     out: dict[str, Any] = {"device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
                            "torch": torch.__version__, "args": dict(vars(args)), "command": " ".join(sys.argv),
                            "models": []}  # fmt: skip
-    out["copy_GBps"] = bd.ceilings()["copy_GBps"]
+    ceil = bd.ceilings()
+    out["copy_GBps"] = ceil["copy_GBps"]
+    out["matmul_TFLOPs"] = ceil.get("matmul_TFLOPs", 0.0)
     for spec in args.models.split(","):
         name, _, layers = spec.partition(":")
         for fmt, pdl in [(f, p == "on") for f in args.formats.split(",") for p in args.pdl.split(",")]:
             try:
                 depth = int(layers or bd.FULL_DEPTH[name])
-                out["models"].append(run_format(name, depth, fmt, pdl, args, out["copy_GBps"] * 1e9))
+                out["models"].append(run_format(name, depth, fmt, pdl, args, out["copy_GBps"] * 1e9,
+                                                      out["matmul_TFLOPs"] * 1e12))  # fmt: skip
             except Exception as e:  # noqa: BLE001 - keep the other formats' results
                 import traceback
 
