@@ -133,6 +133,18 @@ def test_aligned_int4_codes_and_dequant(f: int, group: int, codes: bool) -> None
     assert err <= TOL, (fmt, group, codes, err)
 
 
+@pytest.mark.parametrize("f", [0, 1, 4, 5], ids=str)
+def test_aligned_weight_as_first_operand(f: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The dequantizing kernel with the weight tile as the dot's first operand (C^T = W A^T, W_AS_A): gate-up with
+    # SiLU-mul and the weighted down, partial row blocks and N tiles (D=160, I=96), every format.
+    monkeypatch.setattr(w4, "W_AS_A_FROM_BLOCK_M", 16)
+    fmt, qkw = FORMATS[f]
+    cfg = w4.MoEConfig(16, 64, 64, 64, 64)
+    err = run_case(fmt, 5, 8, 3, 160, 96, torch.bfloat16, seed=5 + f, config=cfg, codes=False,
+                   **{**qkw, "group": 32})  # fmt: skip
+    assert err <= TOL, (fmt, err)
+
+
 @pytest.mark.parametrize("split", [2, 4, 8])
 def test_pair_down_split_over_slots(split: int) -> None:
     # The down kernel split over slot groups (programs per token and D block, the last one out adding

@@ -108,6 +108,9 @@ def test_every_tile_path(fmt: str, preload: bool, monkeypatch: pytest.MonkeyPatc
         (5, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GEMV": 0, "SPLIT_K": 3}),
         (40, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128, "GEMV": 0, "GROUP_M": 2}),
         (48, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GEMV": 0, "SPLIT_K": 2}),  # large int4 past 32 rows
+        # the weight tile as the dot's first operand (y^T = W x^T), split and unsplit, partial M and N tiles
+        (70, {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "GEMV": 0, "W_AS_A": 1}),
+        (21, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GEMV": 0, "SPLIT_K": 2, "W_AS_A": 1, "GROUP_M": 2}),
     ]
     for M, cfg in cases:
         x = torch.randn(M, 384, generator=gen).to(DEV)
@@ -362,15 +365,19 @@ def test_codes_kernel_decoded(dtype: torch.dtype) -> None:
         (64, True, True, 48, 64, 64, 4),
         (128, True, True, 3, 128, 128, 1),
         (128, True, True, 64, 128, 64, 4),
+        # several row tiles (rows past the tile: 65-300 rows of mid-concurrency decode and prefill), banded
+        (128, True, True, 70, 64, 128, 2, 32, 2),
+        (64, False, False, 45, 128, 64, 1, 16, 4),
     ]
-    for group, zeros, same, M, bn, bk, split in cases:
+    for group, zeros, same, M, bn, bk, split, *tile in cases:
         bn = bn if DEV == "cuda" else 16
         other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
         qw = random_weight("int4", n, k, gen, group, zeros, dtype if same else other)
         x = torch.randn(M, k, generator=gen).to(DEV, dtype)
         b = torch.randn(n, generator=gen).to(DEV, dtype)
-        bm = max(16, 1 << (M - 1).bit_length())
-        cfg = {**CODES_BASE, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
+        bm, group_m = tile or (max(16, 1 << (M - 1).bit_length()), 1)
+        cfg = {**CODES_BASE, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+               "GROUP_M": group_m}  # fmt: skip
         assert rel_err(w4a16_linear(x, qw, b, config=cfg), quant_linear_ref(x, qw, b)) < tol(dtype), cfg
 
 
@@ -384,11 +391,12 @@ def test_codes_decoded_ptx_equals_float32_form(dtype: torch.dtype, monkeypatch: 
 
     gen = torch.Generator().manual_seed(13)
     qw = random_weight("int4", 1024, 4096, gen, 128, True, dtype)
-    for m, bn, bk, split, warps, stages in [(40, 64, 128, 1, 4, 3), (64, 128, 64, 4, 8, 3), (64, 128, 128, 2, 8, 4),
-                                            (17, 128, 64, 1, 4, 4)]:  # fmt: skip
+    for m, bn, bk, split, warps, stages, bm in [(40, 64, 128, 1, 4, 3, 0), (64, 128, 64, 4, 8, 3, 0),
+                                                (64, 128, 128, 2, 8, 4, 0), (17, 128, 64, 1, 4, 4, 0),
+                                                (300, 128, 64, 2, 8, 3, 128), (160, 64, 128, 1, 4, 3, 256)]:  # fmt: skip
         x = torch.randn(m, 4096, generator=gen).to(DEV, dtype)
-        cfg = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": max(16, 1 << (m - 1).bit_length()), "BLOCK_N": bn, "BLOCK_K": bk,
-               "SPLIT_K": split, "num_warps": warps, "num_stages": stages}  # fmt: skip
+        cfg = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": bm or max(16, 1 << (m - 1).bit_length()), "BLOCK_N": bn,
+               "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "num_stages": stages, "GROUP_M": 8}  # fmt: skip
         monkeypatch.setattr(triton_w4a16_codes, "DQ_ASM", True)
         ptx = w4a16_linear(x, qw, config=cfg)
         assert rel_err(ptx, quant_linear_ref(x, qw)) < tol(dtype), cfg

@@ -308,8 +308,11 @@ def _w4a16_gemm_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, W_AS_A: tl.constexpr = False,
 ):  # fmt: skip
+    # W_AS_A: y^T = W x^T, the dequantized weight tile the dot's first operand ([BN, BK], which a Hopper wgmma can
+    # take from registers) and x^T its second, from shared memory; else y = x W^T, the weight tile the second
+    # operand, which goes through shared memory
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8  # words per row of a K tile
     pid = tl.program_id(0)
@@ -328,7 +331,7 @@ def _w4a16_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     if FMT == 2:
         gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if W_AS_A else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         if EVEN_K:
             mask_q = mask_n[:, None]
@@ -366,15 +369,26 @@ def _w4a16_gemm_kernel(
         # [BN, BK] in K order (k = 8 w + j), interleaved in registers
         w = tl.interleave(tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6)),
                           tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7)))  # fmt: skip
-        if IEEE:  # float32 operands (or the CPU interpreter, whose 16-bit dot is wrong)
+        if W_AS_A:
+            if IEEE:
+                acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
+        elif IEEE:  # float32 operands (or the CPU interpreter, whose 16-bit dot is wrong)
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
-    if HAS_BIAS:  # added once: by the first K split
-        first = mask_n & (tl.zeros_like(offs_n) + pid_k == 0)
-        acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    first = mask_n & (tl.zeros_like(offs_n) + pid_k == 0)  # the bias is added once: by the first K split
+    if W_AS_A:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def decode_split(N: int, K: int, block_n: int, block_k: int, programs: int = 512) -> int:
@@ -526,7 +540,7 @@ def w4a16_linear(
         return y.reshape(*lead, N)
     cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size, x.dtype != torch.float32))
     if cfg.get("CODES"):
-        if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"]):
+        if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"], bool(cfg.get("DEQUANT"))):
             got = f"{qw.fmt}, {x.dtype}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}"
             raise ValueError(
                 f"w4a16_linear: the codes kernel takes int4, 16-bit x, <= {CODES_MAX_M} rows and BLOCK_K dividing the "

@@ -52,9 +52,10 @@ import triton.language as tl
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
+from ftransformers.kernels.tiling import grouped_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CODES_MAX_M = 64  # rows the codes kernel takes (x's tile up to 64 rows)
+CODES_MAX_M = 64  # rows the codes form takes (x's tile up to 64 rows); the decoded form takes more in row tiles
 # The decoded form (a config's DEQUANT) decodes its pairs in PTX (`dequant_tile`); False: the same arithmetic in
 # float32 ops (the interpreter's form; an A/B on the GPU)
 DQ_ASM = True
@@ -161,17 +162,21 @@ def _w4a16_codes_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, EVEN_N: tl.constexpr,
     USE_PDL: tl.constexpr = False, DEQUANT: tl.constexpr = False, DQ_ASM: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 1,
 ):  # fmt: skip
     # y [M, N] (x's dtype); part [SPLIT_K, M, N] float32. The product is y^T = W @ x^T: the weight tile
     # [BN, BK] is the A operand (BN rows: the wgmma M), x^T [BK, BM] the B operand; acc [BN, BM].
     # DEQUANT: the tile is decoded with its scale and zero before the dot (`dequant_tile`), so one dot a tile into
     # one running accumulator instead of the codes' dot, the sums' dot and a scaled add.
+    # Programs along axis 0 walk the (row tile, column tile) grid in bands of GROUP_M row tiles (grouped_tile), so
+    # that a weight tile is reused from L2 by the row tiles of a band; one row tile (M <= BLOCK_M) is the decode case.
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
-    pid_n = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_n, GROUP_M)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_w = tl.arange(0, BW)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
@@ -224,7 +229,7 @@ def _w4a16_codes_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         part_row = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        last, total = publish_and_sum(acc, part_row, pid_k, M * N, mask, ticket_ptr + pid_n, SPLIT_K)
+        last, total = publish_and_sum(acc, part_row, pid_k, M * N, mask, ticket_ptr + pid_m * num_n + pid_n, SPLIT_K)
         if last:
             if HAS_BIAS:
                 total += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -284,10 +289,12 @@ def decoded_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
             "SPLIT_K": min(split, K // bk), "num_warps": warps, "num_stages": 3}  # fmt: skip
 
 
-def codes_supported(M: int, K: int, group: int, fmt: str, x_dtype: torch.dtype, block_k: int) -> bool:
-    """Whether `w4a16_codes` takes this product: int4 weights, 16-bit x, at most CODES_MAX_M rows, K tiles inside
-    a group."""
-    return fmt == "int4" and M <= CODES_MAX_M and group % block_k == 0 and K % block_k == 0 and x_dtype in MAGIC
+def codes_supported(M: int, K: int, group: int, fmt: str, x_dtype: torch.dtype, block_k: int,
+                    decoded: bool = False) -> bool:  # fmt: skip
+    """Whether `w4a16_codes` takes this product: int4 weights, 16-bit x, K tiles inside a group, and at most
+    CODES_MAX_M rows on the codes form (the decoded form takes any rows, in row tiles)."""
+    rows_ok = decoded or M <= CODES_MAX_M
+    return fmt == "int4" and rows_ok and group % block_k == 0 and K % block_k == 0 and x_dtype in MAGIC
 
 
 def w4a16_codes(
@@ -297,26 +304,27 @@ def w4a16_codes(
     zeros: torch.Tensor | None,  # uint8 [N, K // G] or None (zero 8)
     group: int,
     bias: torch.Tensor | None,  # [N]
-    cfg: dict[str, int],  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages
+    cfg: dict[str, int],  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, DEQUANT, GROUP_M]
 ) -> torch.Tensor:  # [M, N] x.dtype
     M, K = x.shape
     N = qweight.shape[0]
     bm, bn, bk, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
-    assert M <= bm and group % bk == 0 and K % bk == 0 and x.stride(1) == 1 and x.dtype in MAGIC, (M, K, group, cfg)
+    assert group % bk == 0 and K % bk == 0 and x.stride(1) == 1 and x.dtype in MAGIC, (M, K, group, cfg)
+    assert M <= bm or cfg.get("DEQUANT"), "the codes form takes one row tile"
     split = max(1, min(split, K // bk))
-    n_tiles = cdiv(N, bn)
+    tiles = cdiv(N, bn) * cdiv(M, bm)
     magic, offset = MAGIC[x.dtype]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    split, tickets, part = split_scratch(x.device, "w4a16_codes", n_tiles, split, M, N)
+    split, tickets, part = split_scratch(x.device, "w4a16_codes", tiles, split, M, N)
     dt = tl.float16 if x.dtype == torch.float16 else tl.bfloat16
     s, z = scales, zeros if zeros is not None else scales  # s stands in for absent tensors (never read)
-    _w4a16_codes_kernel[(n_tiles, split)](
+    _w4a16_codes_kernel[(tiles, split)](
         x, qweight, s, z, s if bias is None else bias, y, y if part is None else part,
         qweight if tickets is None else tickets,
         magic, offset, M, N, K, x.stride(0), qweight.stride(0), s.stride(0), z.stride(0), y.stride(0),
         GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, DT=dt, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, SPLIT_K=split, IEEE=_INTERPRET, EVEN_N=N % bn == 0,
-        DEQUANT=bool(cfg.get("DEQUANT")), DQ_ASM=DQ_ASM and not _INTERPRET,
+        DEQUANT=bool(cfg.get("DEQUANT")), DQ_ASM=DQ_ASM and not _INTERPRET, GROUP_M=cfg.get("GROUP_M", 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch(x.device),
     )  # fmt: skip

@@ -1,0 +1,203 @@
+"""int4 weights at many rows: the dense product (kernels/triton_w4a16.py) from 64 rows to prefill and the MoE's
+aligned path (kernels/triton_fused_moe_w4.py) at prefill token counts, beside bf16 on the same shapes in the same
+process (cuBLAS `F.linear` on the dequantized weight; the bf16 fused MoE), each beside its FLOP floor (2 M N K over
+the bf16 matmul rate measured here) and its byte floor (the int4 weight, x and y over the copy rate measured here).
+
+Why: a W4A16 server answered fewer tokens a second than bf16 at 64-160 requests, and its prompts prefilled at
+0.56-0.71x bf16 (docs/performance.md, session 75). Variants: the engine's own choice (`engine`), tile configs for
+65-256 rows with K split to fill the SMs, and the weight tile as the dot's first operand (`W_AS_A`: y^T = W x^T,
+which a Hopper wgmma can take from registers, where the weight as the second operand goes through shared memory
+first). Every variant is checked against `quant_linear_ref` / `quant_moe_ref` before it is timed.
+
+    PYTHONPATH=$PWD python benchmarks/bench_w4a16_prefill.py --out $OUT/w4a16_prefill_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe_w4 import random_qw, routings
+from ceilings import Report, graph_ms, matmul_rate
+
+from ftransformers.kernels import triton_fused_moe as tfm
+from ftransformers.kernels import triton_fused_moe_w4 as w4
+from ftransformers.kernels.launch import cdiv
+from ftransformers.kernels.quant_formats import QuantizedWeight, dequantize, quant_linear_ref, quant_moe_ref
+from ftransformers.kernels.triton_w4a16 import w4a16_linear
+
+DENSE = {  # (N, K) of the int4 linears
+    "qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
+    "qwen3-8b down": (4096, 12288), "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
+}  # fmt: skip
+EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8)}  # D, I, E, top-k
+L2_BYTES = 256 << 20  # weight copies a timed graph cycles through, so that no call finds its weight in L2
+
+
+def split_for(m_tiles: int, n_tiles: int, k_tiles: int, programs: int) -> int:
+    """The fewest K parts (1, 2, 4, 8) that give `programs` programs, keeping two K tiles a part."""
+    for s in (1, 2, 4, 8):
+        if m_tiles * n_tiles * s >= programs or k_tiles < 4 * s:
+            return s
+    return 8
+
+
+def dense_configs(m: int, n: int, k: int, sms: int, w_as_a: bool) -> dict[str, dict[str, int]]:
+    """Candidate tiles of the dequantizing GEMM, (BM, BN, BK, warps, stages), K split to two programs an SM where the
+    tiles are fewer (to 256 rows); with `w_as_a` each also with the weight as the first operand. Then the codes
+    kernel's decoded form (kernels/triton_w4a16_codes.py, `DEQUANT`: the weight tile decoded in PTX as the wgmma's
+    A operand) over row tiles of 64-256."""
+    if m <= 256:
+        tiles = [(64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 64, 8, 4), (64, 64, 128, 4, 4)]
+    else:
+        tiles = [(256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
+    out = {}
+    for bm, bn, bk, warps, stages in tiles:
+        split = split_for(cdiv(m, bm), cdiv(n, bn), cdiv(k, bk), 2 * sms) if m <= 256 else 1
+        for swap in (0, 1) if w_as_a else (0,):
+            cfg = {"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "GROUP_M": 8,
+                   "num_warps": warps, "num_stages": stages, "W_AS_A": swap}  # fmt: skip
+            out[f"{bm}x{bn}x{bk} w{warps} s{stages} split{split}{' W_AS_A' if swap else ''}"] = cfg
+    for bm in (64, 128, 256):
+        for bn, warps, stages in ((64, 4, 3), (128, 8, 3), (128, 4, 3), (128, 8, 4)):
+            if bm > max(64, 2 * m) or (bm == 256 and bn == 128 and warps == 4):
+                continue
+            split = split_for(cdiv(m, bm), cdiv(n, bn), cdiv(k, 128), 2 * sms)
+            cfg = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split,
+                   "GROUP_M": 8, "num_warps": warps, "num_stages": stages}  # fmt: skip
+            out[f"decoded {bm}x{bn}x128 w{warps} s{stages} split{split}"] = cfg
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def dense(rep: Report, rows: list[int], rate: float, shapes: list[str], w_as_a: bool) -> list[dict[str, Any]]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for name in shapes:
+        n, k = DENSE[name]
+        one = random_qw("int4", 128, True, 1, n, k)
+        copies = max(1, min(8, L2_BYTES // one.nbytes()))
+        qws = [QuantizedWeight("int4", q.qweight[0], q.scales[0], n, k, 128, zeros=q.zeros[0])
+               for q in [one] + [random_qw("int4", 128, True, 1, n, k) for _ in range(copies - 1)]]  # fmt: skip
+        bf = [dequantize(q).to(torch.bfloat16) for q in qws]
+        for m in rows:
+            copies = 1 if m >= 1024 else len(qws)  # there a call is compute-bound and its x and y fill L2 anyway
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+            ref = quant_linear_ref(xs[0], qws[0])
+            flop_ms = 2 * m * n * k / rate * 1e3
+            byte_ms = (qws[0].nbytes() + 2 * m * (n + k)) / rep.copy_gbs / 1e6
+            row: dict[str, Any] = {"shape": name, "N": n, "K": k, "rows": m, "flop_floor_ms": flop_ms,
+                                   "byte_floor_ms": byte_ms, "ms": {}, "errors": {}}  # fmt: skip
+
+            def cublas(
+                i: int, xs: list[torch.Tensor] = xs, ws: list[torch.Tensor] = bf, c: int = copies
+            ) -> torch.Tensor:
+                return F.linear(xs[i % c], ws[i % c])
+
+            def ours(i: int, cfg: dict[str, int] | None, xs: list[torch.Tensor] = xs,
+                     qs: list[QuantizedWeight] = qws, c: int = copies) -> torch.Tensor:  # fmt: skip
+                return w4a16_linear(xs[i % c], qs[i % c], config=cfg)
+
+            row["ms"]["cublas bf16"] = graph_ms(cublas, copies)
+            variants: dict[str, dict[str, int] | None] = {"engine": None, **dense_configs(m, n, k, sms, w_as_a)}
+            for label, cfg in variants.items():
+                try:
+                    err = rel_err(w4a16_linear(xs[0], qws[0], config=cfg), ref)
+                    row["errors"][label] = err
+                    if err > 1e-2:
+                        row["ms"][label] = None
+                        continue
+                    row["ms"][label] = graph_ms(lambda i, c=cfg: ours(i, c), copies)
+                except Exception as e:  # noqa: BLE001 - a config a shape cannot take
+                    row["errors"][label] = f"{type(e).__name__}: {str(e)[:160]}"
+            results.append(row)
+            timed = {lb: t for lb, t in row["ms"].items() if t}
+            best = min((lb for lb in timed if lb not in ("engine", "cublas bf16")), key=timed.get, default=None)
+            rep.log(f"{name:<20} M={m:<5} floors flop {flop_ms * 1e3:8.1f} us, bytes {byte_ms * 1e3:7.1f} us | "
+                    f"cuBLAS bf16 {timed['cublas bf16'] * 1e3:8.1f} | engine {_us(timed.get('engine'))} | "
+                    f"best {best}: {_us(timed.get(best))}")  # fmt: skip
+            for lb, t in sorted(timed.items(), key=lambda kv: kv[1]):
+                err = row["errors"].get(lb, 0)
+                rep.log(f"    {t * 1e3:9.1f} us  {flop_ms / t:5.0%} of matmul  {lb}  (err {err:.1e})")
+    return results
+
+
+def _us(t: float | None) -> str:
+    return f"{t * 1e3:8.1f}" if t else "    -   "
+
+
+def moe(rep: Report, tokens: list[int], rate: float) -> list[dict[str, Any]]:
+    results = []
+    for name, (d, inter, e, top_k) in EXPERTS.items():
+        w13 = random_qw("int4", 128, True, e, 2 * inter, d)
+        w2 = random_qw("int4", 128, True, e, d, inter)
+        b13, b2 = dequantize(w13).to(torch.bfloat16), dequantize(w2).to(torch.bfloat16)
+        for t in tokens:
+            h = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+            tw, ids = routings(t, e, top_k, 1)[0]
+            ref = quant_moe_ref(h, w13, w2, tw, ids)
+            flop_ms = 2 * t * top_k * 3 * d * inter / rate * 1e3
+            row: dict[str, Any] = {"experts": name, "tokens": t, "flop_floor_ms": flop_ms, "ms": {}, "errors": {}}
+            args = (h, w13, w2, tw, ids)
+            runs = {
+                "bf16 fused_moe": lambda a=(h, b13, b2, tw, ids): tfm.fused_moe(*a),
+                "engine": lambda a=args: w4.fused_moe_w4(*a),
+                "W_AS_A from block 64": lambda a=args: _with(
+                    w4, "W_AS_A_FROM_BLOCK_M", 64, lambda: w4.fused_moe_w4(*a)
+                ),
+                # the codes kernel (its decode-shaped tiles) at prefill's row blocks too
+                "codes to block 128": lambda a=args: _with(w4, "CODES_MAX_BLOCK_M", 128, lambda: w4.fused_moe_w4(*a)),
+            }
+            for label, fn in runs.items():
+                err = rel_err(fn(), ref)
+                row["errors"][label] = err
+                # CUDA events, not a graph: the aligned path's sort need not be capturable, and at these sizes a
+                # launch is a small part of a call
+                row["ms"][label] = do_bench(fn, warmup=25, rep=100, return_mode="median") if err < 2e-2 else None
+            results.append(row)
+            parts = "  ".join(f"{lb} {_us(ms)} us ({flop_ms / ms:.0%})" for lb, ms in row["ms"].items() if ms)
+            rep.log(f"MoE {name} T={t:<5} flop floor {flop_ms * 1e3:8.1f} us | {parts}")
+    return results
+
+
+def _with(module: Any, name: str, value: int, fn: Any) -> Any:
+    """fn() with module.name set to value (a launch-time knob)."""
+    was = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, was)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", default="96,128,160,256,1024,8192")
+    p.add_argument("--shapes", default=",".join(DENSE))
+    p.add_argument("--moe-tokens", default="1024,8192")
+    p.add_argument("--w-as-a", action="store_true", help="also each dequantizing tile with the weight as operand A")
+    args = p.parse_args()
+    rep = Report("cuda", command=" ".join(sys.argv))
+    rate = matmul_rate("cuda") * 1e12
+    rep.log(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    rep.out["matmul_tflops"] = rate / 1e12
+    rows = [int(x) for x in args.rows.split(",") if x]
+    rep.out["dense"] = dense(rep, rows, rate, [s for s in args.shapes.split(",") if s], args.w_as_a)
+    rep.save(args.out)
+    rep.out["moe"] = moe(rep, [int(x) for x in args.moe_tokens.split(",") if x], rate)
+    rep.save(args.out)
+
+
+if __name__ == "__main__":
+    main()
