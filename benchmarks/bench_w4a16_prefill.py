@@ -4,10 +4,10 @@ process (cuBLAS `F.linear` on the dequantized weight; the bf16 fused MoE), each 
 the bf16 matmul rate measured here) and its byte floor (the int4 weight, x and y over the copy rate measured here).
 
 Why: a W4A16 server answered fewer tokens a second than bf16 at 64-160 requests, and its prompts prefilled at
-0.56-0.71x bf16 (docs/performance.md, session 75). Variants: the engine's own choice (`engine`), tile configs for
-65-256 rows with K split to fill the SMs, and the weight tile as the dot's first operand (`W_AS_A`: y^T = W x^T,
-which a Hopper wgmma can take from registers, where the weight as the second operand goes through shared memory
-first). Every variant is checked against `quant_linear_ref` / `quant_moe_ref` before it is timed.
+0.56-0.71x bf16 (docs/performance.md, session 75). Variants: the engine's own choice (`engine`), the dequantizing
+GEMM's tiles with K split to fill the SMs, and the codes kernel's decoded form in row tiles (`dense_configs`); for the
+MoE, the codes kernel at 128-row blocks. Every variant is checked against `quant_linear_ref` / `quant_moe_ref` before
+it is timed.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_prefill.py --out $OUT/w4a16_prefill_h200.json
 """
@@ -49,11 +49,12 @@ def split_for(m_tiles: int, n_tiles: int, k_tiles: int, programs: int) -> int:
     return 8
 
 
-def dense_configs(m: int, n: int, k: int, sms: int, w_as_a: bool) -> dict[str, dict[str, int]]:
+def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]:
     """Candidate tiles of the dequantizing GEMM, (BM, BN, BK, warps, stages), K split to two programs an SM where the
-    tiles are fewer (to 256 rows); with `w_as_a` each also with the weight as the first operand. Then the codes
-    kernel's decoded form (kernels/triton_w4a16_codes.py, `DEQUANT`: the weight tile decoded in PTX as the wgmma's
-    A operand) over row tiles of 64-256."""
+    tiles are fewer (to 256 rows); then the codes kernel's decoded form (kernels/triton_w4a16_codes.py, `DEQUANT`:
+    the weight tile decoded in PTX as the wgmma's A operand) over row tiles of 64-256, which the engine runs past 64
+    rows since session 75 (`rows_config`). (Session 75's third device call also ran each dequantizing tile with the
+    weight as the dot's first operand, an A/B taken out again: 572fd70's `--w-as-a`.)"""
     if m <= 256:
         tiles = [(64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 64, 8, 4), (64, 64, 128, 4, 4)]
     else:
@@ -61,10 +62,10 @@ def dense_configs(m: int, n: int, k: int, sms: int, w_as_a: bool) -> dict[str, d
     out = {}
     for bm, bn, bk, warps, stages in tiles:
         split = split_for(cdiv(m, bm), cdiv(n, bn), cdiv(k, bk), 2 * sms) if m <= 256 else 1
-        for swap in (0, 1) if w_as_a else (0,):
-            cfg = {"GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "GROUP_M": 8,
-                   "num_warps": warps, "num_stages": stages, "W_AS_A": swap}  # fmt: skip
-            out[f"{bm}x{bn}x{bk} w{warps} s{stages} split{split}{' W_AS_A' if swap else ''}"] = cfg
+        out[f"{bm}x{bn}x{bk} w{warps} s{stages} split{split}"] = {
+            "GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "GROUP_M": 8,
+            "num_warps": warps, "num_stages": stages,
+        }  # fmt: skip
     for bm in (64, 128, 256):
         for bn, warps, stages in ((64, 4, 3), (128, 8, 3), (128, 4, 3), (128, 8, 4)):
             if bm > max(64, 2 * m) or (bm == 256 and bn == 128 and warps == 4):
@@ -80,7 +81,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def dense(rep: Report, rows: list[int], rate: float, shapes: list[str], w_as_a: bool) -> list[dict[str, Any]]:
+def dense(rep: Report, rows: list[int], rate: float, shapes: list[str]) -> list[dict[str, Any]]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for name in shapes:
@@ -109,7 +110,7 @@ def dense(rep: Report, rows: list[int], rate: float, shapes: list[str], w_as_a: 
                 return w4a16_linear(xs[i % c], qs[i % c], config=cfg)
 
             row["ms"]["cublas bf16"] = graph_ms(cublas, copies)
-            variants: dict[str, dict[str, int] | None] = {"engine": None, **dense_configs(m, n, k, sms, w_as_a)}
+            variants: dict[str, dict[str, int] | None] = {"engine": None, **dense_configs(m, n, k, sms)}
             for label, cfg in variants.items():
                 try:
                     err = rel_err(w4a16_linear(xs[0], qws[0], config=cfg), ref)
@@ -152,10 +153,8 @@ def moe(rep: Report, tokens: list[int], rate: float) -> list[dict[str, Any]]:
             runs = {
                 "bf16 fused_moe": lambda a=(h, b13, b2, tw, ids): tfm.fused_moe(*a),
                 "engine": lambda a=args: w4.fused_moe_w4(*a),
-                "W_AS_A from block 64": lambda a=args: _with(
-                    w4, "W_AS_A_FROM_BLOCK_M", 64, lambda: w4.fused_moe_w4(*a)
-                ),
-                # the codes kernel (its decode-shaped tiles) at prefill's row blocks too
+                # the codes kernel at the 128-row blocks of more than 128 pairs an expert too (the engine's rule
+                # takes it to 64-row blocks since session 75)
                 "codes to block 128": lambda a=args: _with(w4, "CODES_MAX_BLOCK_M", 128, lambda: w4.fused_moe_w4(*a)),
             }
             for label, fn in runs.items():
@@ -186,14 +185,13 @@ def main() -> None:
     p.add_argument("--rows", default="96,128,160,256,1024,8192")
     p.add_argument("--shapes", default=",".join(DENSE))
     p.add_argument("--moe-tokens", default="1024,8192")
-    p.add_argument("--w-as-a", action="store_true", help="also each dequantizing tile with the weight as operand A")
     args = p.parse_args()
     rep = Report("cuda", command=" ".join(sys.argv))
     rate = matmul_rate("cuda") * 1e12
     rep.log(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     rep.out["matmul_tflops"] = rate / 1e12
     rows = [int(x) for x in args.rows.split(",") if x]
-    rep.out["dense"] = dense(rep, rows, rate, [s for s in args.shapes.split(",") if s], args.w_as_a)
+    rep.out["dense"] = dense(rep, rows, rate, [s for s in args.shapes.split(",") if s])
     rep.save(args.out)
     rep.out["moe"] = moe(rep, [int(x) for x in args.moe_tokens.split(",") if x], rate)
     rep.save(args.out)

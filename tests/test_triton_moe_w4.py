@@ -133,18 +133,6 @@ def test_aligned_int4_codes_and_dequant(f: int, group: int, codes: bool) -> None
     assert err <= TOL, (fmt, group, codes, err)
 
 
-@pytest.mark.parametrize("f", [0, 1, 4, 5], ids=str)
-def test_aligned_weight_as_first_operand(f: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The dequantizing kernel with the weight tile as the dot's first operand (C^T = W A^T, W_AS_A): gate-up with
-    # SiLU-mul and the weighted down, partial row blocks and N tiles (D=160, I=96), every format.
-    monkeypatch.setattr(w4, "W_AS_A_FROM_BLOCK_M", 16)
-    fmt, qkw = FORMATS[f]
-    cfg = w4.MoEConfig(16, 64, 64, 64, 64)
-    err = run_case(fmt, 5, 8, 3, 160, 96, torch.bfloat16, seed=5 + f, config=cfg, codes=False,
-                   **{**qkw, "group": 32})  # fmt: skip
-    assert err <= TOL, (fmt, err)
-
-
 @pytest.mark.parametrize("split", [2, 4, 8])
 def test_pair_down_split_over_slots(split: int) -> None:
     # The down kernel split over slot groups (programs per token and D block, the last one out adding
@@ -203,11 +191,13 @@ def test_cuda_graph_replay(t: int) -> None:
 
 
 def test_codes_tiles_only_for_int4_decode_blocks() -> None:
-    # int4 decode-shaped blocks get the codes kernel's 64 / 128-column tiles; other formats and
-    # prefill-sized blocks keep the bf16 tiles (and the dequantizing kernel)
-    codes = w4.default_w4_config(32, 128, 8, 128, codes=True)
-    plain = w4.default_w4_config(32, 128, 8, 128)
-    assert (codes.up_n, codes.down_n) == (64, 128) and codes.block_m == plain.block_m <= w4.CODES_MAX_BLOCK_M
-    assert (plain.up_n, plain.down_n) != (64, 128)
+    # int4 blocks of up to 64 rows (decode-shaped 16, and 17-128 pairs an expert) get the codes kernel's 64 /
+    # 128-column tiles; other formats and 128-row blocks keep the bf16 tiles (and the dequantizing kernel)
+    for t in (32, 1024):  # 2 and 64 pairs an expert
+        codes = w4.default_w4_config(t, 128, 8, 128, codes=True)
+        plain = w4.default_w4_config(t, 128, 8, 128)
+        assert (codes.up_n, codes.down_n) == (64, 128) and codes.block_m == plain.block_m <= w4.CODES_MAX_BLOCK_M
+        assert w4._codes_ok(random_qw("int4", 2, 64, 128, torch.Generator(DEV).manual_seed(0)), codes)
+    assert (w4.default_w4_config(32, 128, 8, 128).up_n, w4.default_w4_config(1024, 128, 8, 128).block_m) == (32, 64)
     prefill = w4.default_w4_config(4096, 128, 8, 128, codes=True)
     assert prefill.block_m > w4.CODES_MAX_BLOCK_M and prefill == w4.default_w4_config(4096, 128, 8, 128)

@@ -65,9 +65,10 @@ from ftransformers.kernels.w4_tiles import (
 W4_PAIR_MAX_PAIRS = 128
 # The aligned path runs int4 experts on the codes kernel for blocks of up to this many rows (decode
 # sizes, where it was measured); prefill-sized blocks keep the dequantizing kernel.
-CODES_MAX_BLOCK_M = 16
-# row blocks from which the dequantizing kernel makes the weight tile the dot's first operand (W_AS_A); an A/B knob
-W_AS_A_FROM_BLOCK_M = 1 << 30
+# row blocks the codes kernel takes: decode-shaped 16, and since session 75 the 64-row blocks of 17-128 pairs an
+# expert (Qwen3-30B-A3B int4 at 1024 tokens 737.5 -> 605.1 us on the H200, benchmarks/results/w4a16_prefill2_s75_h200.*;
+# at 8192 tokens, 128-row blocks, it was slower: 3712.6 against 2784.3)
+CODES_MAX_BLOCK_M = 64
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -104,7 +105,7 @@ def default_w4_pair_config(num_tokens: int, hidden_size: int, fmt: str = "int4")
 
 def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size: int, codes: bool = False) -> MoEConfig:
     """The bf16 tiles, with K tiles at least one quantization group long. `codes` (int4 experts on the codes
-    kernel, decode-shaped blocks of <= CODES_MAX_BLOCK_M rows): 64-column gate-up and 128-column down
+    kernel, blocks of <= CODES_MAX_BLOCK_M rows): 64-column gate-up and 128-column down
     tiles, whose weight tiles feed the wgmma's 64-row A operand (H100, Qwen3-30B-A3B int4 at 32 tokens,
     benchmarks/results/moe_w4_codes_h100.json: 357 -> 177 us against the 32 / 64 bf16 tiles)."""
     cfg = default_config(num_tokens, num_experts, top_k)
@@ -279,12 +280,10 @@ def _moe_gemm_w4_kernel(
     FMT: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     K_TILES: tl.constexpr,
-    USE_PDL: tl.constexpr = False, W_AS_A: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # C[pair, n] = A[pair // A_DIV] @ W[e, n]^T over one expert-aligned block of sorted rows;
     # FUSE_SILU: rows n (gate) and N + n (up) -> silu(gate) * up; MUL_WEIGHT: times the routing weight.
-    # W_AS_A: C^T = W A^T, the dequantized weight tile the dot's first operand (a Hopper wgmma takes it from
-    # registers) and A^T the second; the accumulators are then [BN, BM].
     pdl_enter(USE_PDL)
     BKW: tl.constexpr = BLOCK_K // 8
     WPG: tl.constexpr = GROUP // 8
@@ -307,8 +306,8 @@ def _moe_gemm_w4_kernel(
         if FUSE_SILU:
             gs_u = tl.load(gs_ptr + expert * stride_ge + N + offs_n, mask=n_ok, other=0.0)[None, :]
     dt = a_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, BLOCK_M] if W_AS_A else [BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M] if W_AS_A else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kt in range(K_TILES):
         w_ok = kt * BKW + w < K // 8
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < K - kt * BLOCK_K), other=0.0)
@@ -317,25 +316,20 @@ def _moe_gemm_w4_kernel(
         so = s_rows + ((kt * BKW + w) // WPG)[:, None]  # [BKW, BN]: each word's group
         b = _dequant_tile(qp, q_mask, s_ptr + so, z_ptr + so, q_mask, gs_g, magic, FMT, HAS_ZERO,
                           BLOCK_K, BLOCK_N, dt)  # fmt: skip
-        acc = _dot(tl.trans(b), tl.trans(a), acc, IEEE) if W_AS_A else _dot(a, b, acc, IEEE)
+        acc = _dot(a, b, acc, IEEE)
         if FUSE_SILU:
             so = so + N * stride_sn
             b = _dequant_tile(qp + N * stride_qn, q_mask, s_ptr + so, z_ptr + so, q_mask, gs_u, magic, FMT, HAS_ZERO,
                               BLOCK_K, BLOCK_N, dt)  # fmt: skip
-            acc_up = _dot(tl.trans(b), tl.trans(a), acc_up, IEEE) if W_AS_A else _dot(a, b, acc_up, IEEE)
+            acc_up = _dot(a, b, acc_up, IEEE)
         a_ptrs += BLOCK_K
     if FUSE_SILU:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if W_AS_A:
-        if MUL_WEIGHT:
-            acc = acc * tl.load(w_ptr + pair, mask=row_ok, other=0.0)[None, :]
-        c_ptrs = c_ptr + pair[None, :] * stride_cm + offs_n[:, None]
-        tl.store(c_ptrs, to_16bit(acc, c_ptr.dtype.element_ty), mask=row_ok[None, :] & n_ok[:, None])
-    else:
-        if MUL_WEIGHT:
-            acc = acc * tl.load(w_ptr + pair, mask=row_ok, other=0.0)[:, None]
-        c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, to_16bit(acc, c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if MUL_WEIGHT:
+        acc = acc * tl.load(w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    c = to_16bit(acc, c_ptr.dtype.element_ty)
+    tl.store(c_ptrs, c, mask=row_ok[:, None] & n_ok[None, :])
 
 
 def _check(qw: QuantizedWeight, name: str, n: int, k: int) -> None:
@@ -431,7 +425,7 @@ def _moe_gemm_w4(
         A_DIV=a_div, FUSE_SILU=weights is None, MUL_WEIGHT=weights is not None, IEEE=_INTERPRET,
         FMT=FMT_ID[qw.fmt], HAS_ZERO=qw.zeros is not None, GROUP=qw.group_size, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, K_TILES=cdiv(k, bk),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, W_AS_A=W_AS_A_FROM_BLOCK_M <= cfg.block_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )  # fmt: skip
 

@@ -308,11 +308,8 @@ def _w4a16_gemm_kernel(
     FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False, W_AS_A: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    # W_AS_A: y^T = W x^T, the dequantized weight tile the dot's first operand ([BN, BK], which a Hopper wgmma can
-    # take from registers) and x^T its second, from shared memory; else y = x W^T, the weight tile the second
-    # operand, which goes through shared memory
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8  # words per row of a K tile
     pid = tl.program_id(0)
@@ -331,7 +328,7 @@ def _w4a16_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
     if FMT == 2:
         gs = tl.load(gs_ptr + offs_n, mask=mask_n, other=0.0)
-    acc = tl.zeros([BLOCK_N, BLOCK_M] if W_AS_A else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         if EVEN_K:
             mask_q = mask_n[:, None]
@@ -369,26 +366,15 @@ def _w4a16_gemm_kernel(
         # [BN, BK] in K order (k = 8 w + j), interleaved in registers
         w = tl.interleave(tl.interleave(tl.interleave(v0, v4), tl.interleave(v2, v6)),
                           tl.interleave(tl.interleave(v1, v5), tl.interleave(v3, v7)))  # fmt: skip
-        if W_AS_A:
-            if IEEE:
-                acc = tl.dot(w, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w.to(x_ptr.dtype.element_ty), tl.trans(x), acc)
-        elif IEEE:  # float32 operands (or the CPU interpreter, whose 16-bit dot is wrong)
+        if IEEE:  # float32 operands (or the CPU interpreter, whose 16-bit dot is wrong)
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
-    first = mask_n & (tl.zeros_like(offs_n) + pid_k == 0)  # the bias is added once: by the first K split
-    if W_AS_A:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[:, None]
-        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if HAS_BIAS:  # added once: by the first K split
+        first = mask_n & (tl.zeros_like(offs_n) + pid_k == 0)
+        acc += tl.load(b_ptr + offs_n, mask=first, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def decode_split(N: int, K: int, block_n: int, block_k: int, programs: int = 512) -> int:
@@ -413,14 +399,16 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     per program on small weights, 8 on large. int4 with 3
     to 64 rows and 16-bit x (`codes`): the codes kernel (kernels/triton_w4a16_codes.py: scales after the
     dot, split K), 1.0-2.4x the dequantizing GEMM there; on large weights only up to CODES_MAX_ROWS_LARGE
-    rows, where the H200 measured the decode-shaped tiles faster past it; at 17-64 rows, where a group holds K tiles
-    of 64, the codes kernel's decoded form instead (`decoded_config`, `DECODED`). FP4 (and those int4 products) up to
+    rows, where the H200 measured the decode-shaped tiles faster past it; from 17 rows, where a group holds K tiles
+    of 64, the codes kernel's decoded form instead (`decoded_config`, `DECODED`; past 64 rows in row tiles, its
+    `rows_config`: 2-6x the tiles below at 96-256 rows, 1.15-1.45x at 8192 on the H200, session 75). FP4 (and those int4 products) up to
     DECODE_MAX_M rows: one tensor-core row tile of max(16, M) rows, narrow and deep on small weights (more
     programs) up to 32 rows, wide on large ones and past 32 rows, K split where the column tiles are fewer than the SMs (`decode_split`, aiming at 512 programs, 256
     past 32 rows; float32 partials summed after the kernel). From the H100 sweep at 24-64 rows
     (benchmarks/results/w4a16_mid4_h100.json): 1.1-3.7x the 64 x 128 x 128 tiles it ran before on Qwen3 weights,
-    except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Prefill from M = 129: 256 x 128
-    tiles (two warpgroups share each dequantized weight tile)."""
+    except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Past 64 rows (FP4, float32 x, int4
+    groups of 32): 128 x 128 tiles to 128 rows, 256 x 128 past them (two warpgroups share each dequantized weight
+    tile)."""
     decoded = decoded_config(M, N, K, group) if codes and fmt == "int4" and DECODED else None
     if decoded is not None:
         return decoded

@@ -56,6 +56,7 @@ from ftransformers.kernels.tiling import grouped_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CODES_MAX_M = 64  # rows the codes form takes (x's tile up to 64 rows); the decoded form takes more in row tiles
+ROWS_PROGRAMS = 264  # what the decoded form's K split aims at past CODES_MAX_M rows: two programs an SM of 132
 # The decoded form (a config's DEQUANT) decodes its pairs in PTX (`dequant_tile`); False: the same arithmetic in
 # float32 ops (the interpreter's form; an A/B on the GPU)
 DQ_ASM = True
@@ -265,8 +266,8 @@ def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
 
 
 def decoded_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
-    """Tiles for the decoded form (DEQUANT) at 17-64 rows of x on an int4 [N, K] weight whose group holds K tiles of
-    128 (or 64), or None. From the H200 (session 68, benchmarks/results/w4a16_decoded_s68_h200.*: 36 tiles at 32 and
+    """Tiles for the decoded form (DEQUANT) from 17 rows of x on an int4 [N, K] weight whose group holds K tiles of
+    128 (or 64), or None; past CODES_MAX_M rows `rows_config`'s. At 17-64 rows, from the H200 (session 68, benchmarks/results/w4a16_decoded_s68_h200.*: 36 tiles at 32 and
     64 rows against the codes form or the dequantizing GEMM the rule ran before, and cuBLAS on the bf16 weight):
     - wide large weights (N / 64 >= 256: Qwen3-8B gate_up): 128 x 128 tiles, 8 warps, K in 2 at up to 32 rows (43.3
       against 53.5 us; cuBLAS 49.8), 64 x 128, 4 warps, unsplit past them (45.0 against 53.6; cuBLAS 50.5);
@@ -275,8 +276,10 @@ def decoded_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     - smaller weights: 64 x 128, 4 warps, K split into the fewest of 1, 2, 4 parts giving 256 programs (Qwen3-8B qkv
       19.3 / 18.0 against 18.3 / 21.5 at 32 / 64 rows, Qwen3-30B-A3B qkv 9.7 / 13.7 against 11.4 / 13.5)."""
     bk = next((b for b in (128, 64) if group % b == 0 and K % b == 0), 0)
-    if not bk or not 16 < M <= CODES_MAX_M:
+    if not bk or M <= 16:
         return None
+    if M > CODES_MAX_M:
+        return rows_config(M, N, K, bk)
     tiles64 = cdiv(N, 64)
     if N * K >= 1 << 25 and tiles64 >= 256:
         bn, warps, split = (128, 8, 2) if M <= 32 else (64, 4, 1)
@@ -287,6 +290,35 @@ def decoded_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
         split = next((s for s in (1, 2) if tiles64 * s >= 256), 4)
     return {"CODES": 1, "DEQUANT": 1, "BLOCK_M": max(16, next_pow2(M)), "BLOCK_N": bn, "BLOCK_K": bk,
             "SPLIT_K": min(split, K // bk), "num_warps": warps, "num_stages": 3}  # fmt: skip
+
+
+def rows_split(m_tiles: int, n_tiles: int, k_tiles: int, programs: int = ROWS_PROGRAMS) -> int:
+    """The fewest K parts of 1, 2, 4, 8 that give `programs` programs, stopping where a part would keep fewer than
+    four K tiles."""
+    for s in (1, 2, 4):
+        if m_tiles * n_tiles * s >= programs or k_tiles < 4 * s:
+            return s
+    return 8
+
+
+def rows_config(M: int, N: int, K: int, bk: int) -> dict[str, int]:
+    """The decoded form past CODES_MAX_M rows (mid-concurrency decode batches and prefill), in row tiles, K split
+    toward ROWS_PROGRAMS programs (`rows_split`). From the H200 (session 75, benchmarks/results/
+    w4a16_prefill2_s75_h200.*: 10 tile shapes on Qwen3-8B's and Qwen3-30B-A3B's dense int4 weights at 96-8192 rows,
+    within 1.18x of the best everywhere; 2-6x the dequantizing GEMM's tiles the rule ran before at 96-256 rows,
+    1.15-1.45x at 8192):
+    - up to 256 rows: 64 x 64 tiles, 4 warps; 128 x 64 on deep or wide weights (K >= 8192 or N >= 16384: Qwen3-8B's
+      down and gate_up);
+    - past 256 rows: 256 x 128, 8 warps, where those tiles number ROWS_PROGRAMS or more, else 128 x 64, 4 warps."""
+    if M <= 256:
+        bm, bn, warps = (128, 64, 4) if K >= 8192 or N >= 16384 else (64, 64, 4)
+    elif cdiv(M, 256) * cdiv(N, 128) >= ROWS_PROGRAMS:
+        bm, bn, warps = 256, 128, 8
+    else:
+        bm, bn, warps = 128, 64, 4
+    split = min(rows_split(cdiv(M, bm), cdiv(N, bn), K // bk), K // bk)
+    return {"CODES": 1, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "GROUP_M": 8,
+            "num_warps": warps, "num_stages": 3}  # fmt: skip
 
 
 def codes_supported(M: int, K: int, group: int, fmt: str, x_dtype: torch.dtype, block_k: int,
