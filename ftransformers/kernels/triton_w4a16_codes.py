@@ -163,18 +163,23 @@ def _w4a16_codes_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, EVEN_N: tl.constexpr,
     USE_PDL: tl.constexpr = False, DEQUANT: tl.constexpr = False, DQ_ASM: tl.constexpr = False,
-    GROUP_M: tl.constexpr = 1,
+    GROUP_M: tl.constexpr = 1, ROW_TILES: tl.constexpr = False,
 ):  # fmt: skip
     # y [M, N] (x's dtype); part [SPLIT_K, M, N] float32. The product is y^T = W @ x^T: the weight tile
     # [BN, BK] is the A operand (BN rows: the wgmma M), x^T [BK, BM] the B operand; acc [BN, BM].
     # DEQUANT: the tile is decoded with its scale and zero before the dot (`dequant_tile`), so one dot a tile into
     # one running accumulator instead of the codes' dot, the sums' dot and a scaled add.
-    # Programs along axis 0 walk the (row tile, column tile) grid in bands of GROUP_M row tiles (grouped_tile), so
-    # that a weight tile is reused from L2 by the row tiles of a band; one row tile (M <= BLOCK_M) is the decode case.
+    # ROW_TILES (M > BLOCK_M): programs along axis 0 walk the (row tile, column tile) grid in bands of GROUP_M row
+    # tiles (grouped_tile), so that a weight tile is reused from L2 by the row tiles of a band; else one row tile
+    # (the decode case) and a program a column tile, with no tile arithmetic.
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_n, GROUP_M)
+    if ROW_TILES:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), num_n, GROUP_M)
+    else:
+        pid_m = 0
+        pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -357,6 +362,7 @@ def w4a16_codes(
         GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, DT=dt, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K=bk, SPLIT_K=split, IEEE=_INTERPRET, EVEN_N=N % bn == 0,
         DEQUANT=bool(cfg.get("DEQUANT")), DQ_ASM=DQ_ASM and not _INTERPRET, GROUP_M=cfg.get("GROUP_M", 1),
+        ROW_TILES=M > bm,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch(x.device),
     )  # fmt: skip
