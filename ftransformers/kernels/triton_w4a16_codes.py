@@ -310,8 +310,8 @@ def rows_config(M: int, N: int, K: int, bk: int) -> dict[str, int]:
     """The decoded form past CODES_MAX_M rows (mid-concurrency decode batches and prefill), in row tiles, K split
     toward ROWS_PROGRAMS programs (`rows_split`). From the H200 (session 75, benchmarks/results/
     w4a16_prefill2_s75_h200.*: 10 tile shapes on Qwen3-8B's and Qwen3-30B-A3B's dense int4 weights at 96-8192 rows,
-    within 1.18x of the best everywhere; 2-6x the dequantizing GEMM's tiles the rule ran before at 96-256 rows,
-    1.15-1.45x at 8192):
+    within 1.18x of the best everywhere; 1.15-5.2x the dequantizing GEMM's tiles the rule ran before at 96-256 rows,
+    1.16-1.44x at 8192):
     - up to 256 rows: 64 x 64 tiles, 4 warps; 128 x 64 on deep or wide weights (K >= 8192 or N >= 16384: Qwen3-8B's
       down and gate_up);
     - past 256 rows: 256 x 128, 8 warps, where those tiles number ROWS_PROGRAMS or more, else 128 x 64, 4 warps."""
