@@ -157,6 +157,17 @@ def moe(rep: Report, tokens: list[int], rate: float) -> list[dict[str, Any]]:
                 # takes it to 64-row blocks since session 75)
                 "codes to block 128": lambda a=args: _with(w4, "CODES_MAX_BLOCK_M", 128, lambda: w4.fused_moe_w4(*a)),
             }
+            # the codes kernel's decoded form (DECODED_FROM_BLOCK_M), on the engine's tiles and on two others
+            bm = tfm.default_config(t, e, top_k).block_m
+            decoded = {
+                "decoded, engine tiles": None,
+                "decoded up 64 / down 128 cols, 4 warps": tfm.MoEConfig(bm, 64, 128, 128, 128, 8, 4, 3),
+                "decoded up 128 / down 128 cols, 8 warps": tfm.MoEConfig(bm, 128, 128, 128, 128, 8, 8, 3),
+            }
+            for label, cfg in decoded.items():
+                runs[label] = lambda a=args, c=cfg: _with(
+                    w4, "DECODED_FROM_BLOCK_M", 1, lambda: w4.fused_moe_w4(*a, config=c)
+                )
             for label, fn in runs.items():
                 err = rel_err(fn(), ref)
                 row["errors"][label] = err

@@ -133,6 +133,25 @@ def test_aligned_int4_codes_and_dequant(f: int, group: int, codes: bool) -> None
     assert err <= TOL, (fmt, group, codes, err)
 
 
+@pytest.mark.parametrize("f,group", [(0, 128), (1, 64), (1, 128)], ids=str)
+def test_aligned_int4_decoded(f: int, group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The codes kernel's decoded form (DECODED_FROM_BLOCK_M: each tile decoded with its scale and zero before one
+    # dot), gate-up with SiLU-mul and the weighted down, zero points and none, K tiles of 128 and 64, several N and
+    # K tiles per expert block and partial blocks: 9 tokens of top-4 over 8 experts.
+    from ftransformers.kernels import triton_fused_moe_codes as codes_mod
+
+    monkeypatch.setattr(w4, "DECODED_FROM_BLOCK_M", 16)
+    calls = []
+    real = codes_mod.moe_gemm_codes
+    monkeypatch.setattr(w4, "moe_gemm_codes", lambda *a, **kw: calls.append(kw["decoded"]) or real(*a, **kw))
+    fmt, qkw = FORMATS[f]
+    d, inter = (256, 384) if not CUDA else (2048, 768)
+    cfg = w4.MoEConfig(16, 32, group, 64, group, 2, 4, 2)
+    err = run_case(fmt, 9, 8, 4, d, inter, torch.bfloat16, seed=60 + f + group, config=cfg,
+                   **{**qkw, "group": group})  # fmt: skip
+    assert err <= TOL and calls == [True, True], (fmt, group, err, calls)
+
+
 @pytest.mark.parametrize("split", [2, 4, 8])
 def test_pair_down_split_over_slots(split: int) -> None:
     # The down kernel split over slot groups (programs per token and D block, the last one out adding

@@ -18,10 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ftransformers.kernels import triton_w4a16_codes as dense_codes
 from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
-from ftransformers.kernels.triton_w4a16_codes import MAGIC, code_tile, codes_block_k, group_params
+from ftransformers.kernels.triton_w4a16_codes import MAGIC, code_tile, codes_block_k, dequant_tile, group_params
 
 # Triton's CPU interpreter truncates float32 -> bfloat16; round to nearest even by hand there.
 _MANUAL_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -38,16 +39,24 @@ def to_16bit(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _codes_tile_dot(q_ptrs, s_ptrs, z_ptrs, g, n_ok, magic, offset, ad, xs, scale, zoff, K_STEP_G,
+def _codes_tile_dot(q_ptrs, s_ptrs, z_ptrs, g, n_ok, magic, offset, ad, xs, scale, zoff, K_STEP_G, acc,
                     HAS_ZEROS: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
-    # One K tile of one weight half: returns (its [BN, BM] contribution, next tile's scale and zero).
+                    BLOCK_K: tl.constexpr, DEQUANT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    # One K tile of one weight half added to acc [BN, BM]: returns (acc, next tile's scale and zero). DEQUANT: the
+    # tile decoded with its scale and zero first (triton_w4a16_codes.dequant_tile), one dot into acc; else the
+    # codes' dot, and the scale and zero applied after it through the row sums xs.
     nxt_scale, nxt_zoff = group_params(s_ptrs, z_ptrs, g + K_STEP_G, n_ok, offset, HAS_ZEROS, BLOCK_N)
-    w = code_tile(tl.load(q_ptrs, mask=n_ok[:, None], other=0), magic, DT, BLOCK_N, BLOCK_K)
+    q = tl.load(q_ptrs, mask=n_ok[:, None], other=0)
+    if DEQUANT:
+        w = dequant_tile(q, scale.to(DT), (-zoff).to(DT), magic, DT, BLOCK_N, BLOCK_K, ASM)
+        if IEEE:
+            return tl.dot(w.to(tl.float32), tl.trans(ad), acc, input_precision="ieee"), nxt_scale, nxt_zoff
+        return tl.dot(w, tl.trans(ad), acc), nxt_scale, nxt_zoff
+    w = code_tile(q, magic, DT, BLOCK_N, BLOCK_K)
     if IEEE:
         w = w.to(tl.float32)
     part = tl.dot(w, tl.trans(ad), input_precision="ieee" if IEEE else "tf32")
-    return (part - zoff[:, None] * xs) * scale[:, None], nxt_scale, nxt_zoff
+    return acc + (part - zoff[:, None] * xs) * scale[:, None], nxt_scale, nxt_zoff
 
 
 @cached_launch
@@ -59,11 +68,12 @@ def _moe_gemm_codes_kernel(
     HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr, DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     K_TILES: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, DEQUANT: tl.constexpr = False, DQ_ASM: tl.constexpr = False,
 ):  # fmt: skip
     # C[pair, n] = A[pair // A_DIV] @ W[e, n]^T over one expert-aligned block of sorted rows (K % BLOCK_K
     # == 0, GROUP % BLOCK_K == 0); FUSE_SILU: rows n (gate) and N + n (up) -> silu(gate) * up;
     # MUL_WEIGHT: times the routing weight. Scales and zeros share strides (fused_moe_w4's _check).
+    # DEQUANT: the decoded form (each tile decoded with its scale and zero, one dot a tile; no row sums).
     pdl_enter(USE_PDL)
     BW: tl.constexpr = BLOCK_K // 8
     pid_m, pid_n = aligned_tile(max_padded, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -92,17 +102,19 @@ def _moe_gemm_codes_kernel(
         ad = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
         if IEEE:
             ad = ad.to(tl.float32)
-        xs = tl.dot(ones, tl.trans(ad), input_precision="ieee" if IEEE else "tf32")  # [BN, BM] row sums
+        if DEQUANT:
+            xs = acc  # unused
+        else:
+            xs = tl.dot(ones, tl.trans(ad), input_precision="ieee" if IEEE else "tf32")  # [BN, BM] row sums
         g = kt // TPG
         step = tl.where(kt + 1 < K_TILES, (kt + 1) // TPG - g, 0)  # the next tile's group, or this one
-        part, scale, zoff = _codes_tile_dot(q_ptrs + kt * BW, s_ptrs, z_ptrs, g, n_ok, magic, offset, ad, xs, scale,
-                                            zoff, step, HAS_ZEROS, DT, IEEE, BLOCK_N, BLOCK_K)  # fmt: skip
-        acc += part
+        acc, scale, zoff = _codes_tile_dot(q_ptrs + kt * BW, s_ptrs, z_ptrs, g, n_ok, magic, offset, ad, xs, scale,
+                                           zoff, step, acc, HAS_ZEROS, DT, IEEE, BLOCK_N, BLOCK_K, DEQUANT,
+                                           DQ_ASM)  # fmt: skip
         if FUSE_SILU:
-            part, scale_u, zoff_u = _codes_tile_dot(q_ptrs + up_q + kt * BW, s_ptrs + up_s, z_ptrs + up_s, g, n_ok,
-                                                    magic, offset, ad, xs, scale_u, zoff_u, step, HAS_ZEROS, DT, IEEE,
-                                                    BLOCK_N, BLOCK_K)  # fmt: skip
-            acc_up += part
+            acc_up, scale_u, zoff_u = _codes_tile_dot(q_ptrs + up_q + kt * BW, s_ptrs + up_s, z_ptrs + up_s, g, n_ok,
+                                                      magic, offset, ad, xs, scale_u, zoff_u, step, acc_up, HAS_ZEROS,
+                                                      DT, IEEE, BLOCK_N, BLOCK_K, DEQUANT, DQ_ASM)  # fmt: skip
         a_ptrs += BLOCK_K
     acc = tl.trans(acc)  # [BM, BN]
     if FUSE_SILU:
@@ -112,6 +124,11 @@ def _moe_gemm_codes_kernel(
         acc = acc * tl.load(w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, to_16bit(acc, c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def decoded_block_k(group: int) -> int:
+    """The decoded form's K tile for a group size: 128, or 64 for groups of 64; 0 when neither fits."""
+    return 128 if group % 128 == 0 else 64 if group % 64 == 0 else 0
 
 
 def moe_gemm_codes(
@@ -130,9 +147,10 @@ def moe_gemm_codes(
     num_stages: int,
     weights: torch.Tensor | None = None,  # [T*top_k] float32: the down GEMM (else gate-up, fused SiLU)
     ieee: bool = False,  # float32 dots (Triton's CPU interpreter)
+    decoded: bool = False,  # the decoded form, K tiles of decoded_block_k(group)
 ) -> None:
     n, k = out.shape[1], a.shape[1]
-    bk = codes_block_k(group)
+    bk = decoded_block_k(group) if decoded else codes_block_k(group)
     assert bk and k % bk == 0 and a.stride(1) == 1 and a.dtype in MAGIC, (group, k, a.dtype)
     magic, offset = MAGIC[a.dtype]
     max_padded = align[0].numel()
@@ -144,6 +162,6 @@ def moe_gemm_codes(
         A_DIV=a_div, FUSE_SILU=weights is None, MUL_WEIGHT=weights is not None, IEEE=ieee,
         HAS_ZEROS=zeros is not None, GROUP=group, DT=tl.float16 if a.dtype == torch.float16 else tl.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=group_m, K_TILES=k // bk,
-        num_warps=num_warps, num_stages=num_stages,
+        DEQUANT=decoded, DQ_ASM=decoded and dense_codes.DQ_ASM and not ieee, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(a.device),
     )  # fmt: skip

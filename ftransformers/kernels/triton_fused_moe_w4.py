@@ -45,7 +45,7 @@ from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeigh
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
-from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm_codes, to_16bit
+from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, decoded_block_k, moe_gemm_codes, to_16bit
 from ftransformers.kernels.w4_tiles import (
     FMT_ID,
     P63,
@@ -69,6 +69,10 @@ W4_PAIR_MAX_PAIRS = 128
 # expert (Qwen3-30B-A3B int4 at 1024 tokens 737.5 -> 605.1 us on the H200, benchmarks/results/w4a16_prefill2_s75_h200.*;
 # at 8192 tokens, 128-row blocks, it was slower: 3712.6 against 2784.3)
 CODES_MAX_BLOCK_M = 64
+# row blocks from which int4 experts run the codes kernel's decoded form instead (each tile decoded with its scale
+# and zero into the wgmma's A operand, as the dense products past 16 rows do; kernels/triton_fused_moe_codes.py).
+# Off: an A/B knob, not yet run on a GPU (benchmarks/bench_w4a16_prefill.py times it at prefill token counts)
+DECODED_FROM_BLOCK_M = 1 << 30
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -400,6 +404,11 @@ def _codes_ok(qw: QuantizedWeight, cfg: MoEConfig) -> bool:
     return qw.fmt == "int4" and codes_block_k(qw.group_size) > 0 and cfg.block_m <= CODES_MAX_BLOCK_M
 
 
+def _decoded_ok(qw: QuantizedWeight, cfg: MoEConfig, k: int) -> bool:
+    bk = decoded_block_k(qw.group_size)
+    return qw.fmt == "int4" and bk > 0 and k % bk == 0 and cfg.block_m >= DECODED_FROM_BLOCK_M
+
+
 def _moe_gemm_w4(
     a: torch.Tensor,  # [rows, K] rows = T (a_div = top_k) or T*top_k (a_div = 1), unit stride along K
     qw: QuantizedWeight,  # [E, N or 2N, K]
@@ -413,9 +422,10 @@ def _moe_gemm_w4(
     codes: bool = True,
 ) -> None:
     n, k = out.shape[1], a.shape[1]
-    if codes and _codes_ok(qw, cfg):  # int4 on raw codes (its module)
+    decoded = codes and _decoded_ok(qw, cfg, k)
+    if decoded or (codes and _codes_ok(qw, cfg)):  # int4 on raw codes or decoded in PTX (its module)
         moe_gemm_codes(a, qw.qweight, qw.scales, qw.zeros, qw.group_size, out, align, a_div, cfg.block_m, block_n,
-                       cfg.group_m, cfg.num_warps, cfg.num_stages, weights, ieee=_INTERPRET)  # fmt: skip
+                       cfg.group_m, cfg.num_warps, cfg.num_stages, weights, ieee=_INTERPRET, decoded=decoded)  # fmt: skip
         return
     bk = _block_k(block_k, k, qw.group_size)
     max_padded = align[0].numel()
