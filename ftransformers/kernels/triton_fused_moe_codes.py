@@ -162,6 +162,7 @@ def moe_gemm_codes(
         A_DIV=a_div, FUSE_SILU=weights is None, MUL_WEIGHT=weights is not None, IEEE=ieee,
         HAS_ZEROS=zeros is not None, GROUP=group, DT=tl.float16 if a.dtype == torch.float16 else tl.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, GROUP_M=group_m, K_TILES=k // bk,
-        DEQUANT=decoded, DQ_ASM=decoded and dense_codes.DQ_ASM and not ieee, num_warps=num_warps, num_stages=num_stages,
+        DEQUANT=decoded, DQ_ASM=decoded and dense_codes.DQ_ASM and not ieee,
+        num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(a.device),
     )  # fmt: skip

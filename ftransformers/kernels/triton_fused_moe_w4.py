@@ -63,11 +63,10 @@ from ftransformers.kernels.w4_tiles import (
 # path at every T <= 16 with top-8 for both Qwen3-30B-A3B and DeepSeek-V3 shapes and every format
 # (benchmarks/results/moe_w4_h100.json, "pair" vs "aligned" columns).
 W4_PAIR_MAX_PAIRS = 128
-# The aligned path runs int4 experts on the codes kernel for blocks of up to this many rows (decode
-# sizes, where it was measured); prefill-sized blocks keep the dequantizing kernel.
-# row blocks the codes kernel takes: decode-shaped 16, and since session 75 the 64-row blocks of 17-128 pairs an
-# expert (Qwen3-30B-A3B int4 at 1024 tokens 737.5 -> 605.1 us on the H200, benchmarks/results/w4a16_prefill2_s75_h200.*;
-# at 8192 tokens, 128-row blocks, it was slower: 3712.6 against 2784.3)
+# The aligned path runs int4 experts on the codes kernel for row blocks of up to this many rows: decode-shaped 16,
+# and since session 75 the 64-row blocks of 17-128 pairs an expert (Qwen3-30B-A3B int4 at 1024 tokens 737.5 ->
+# 605.1 us on the H200, benchmarks/results/w4a16_prefill2_s75_h200.*). 128-row blocks keep the dequantizing kernel
+# (at 8192 tokens the codes kernel took 3712.6 us against its 2784.3).
 CODES_MAX_BLOCK_M = 64
 # row blocks from which int4 experts run the codes kernel's decoded form instead (each tile decoded with its scale
 # and zero into the wgmma's A operand, as the dense products past 16 rows do; kernels/triton_fused_moe_codes.py).
@@ -425,7 +424,8 @@ def _moe_gemm_w4(
     decoded = codes and _decoded_ok(qw, cfg, k)
     if decoded or (codes and _codes_ok(qw, cfg)):  # int4 on raw codes or decoded in PTX (its module)
         moe_gemm_codes(a, qw.qweight, qw.scales, qw.zeros, qw.group_size, out, align, a_div, cfg.block_m, block_n,
-                       cfg.group_m, cfg.num_warps, cfg.num_stages, weights, ieee=_INTERPRET, decoded=decoded)  # fmt: skip
+                       cfg.group_m, cfg.num_warps, cfg.num_stages, weights, ieee=_INTERPRET,
+                       decoded=decoded)  # fmt: skip
         return
     bk = _block_k(block_k, k, qw.group_size)
     max_padded = align[0].numel()

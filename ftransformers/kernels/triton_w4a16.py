@@ -401,10 +401,12 @@ def w4a16_config(M: int, N: int, K: int, fmt: str, group: int = 128, codes: bool
     dot, split K), 1.0-2.4x the dequantizing GEMM there; on large weights only up to CODES_MAX_ROWS_LARGE
     rows, where the H200 measured the decode-shaped tiles faster past it; from 17 rows, where a group holds K tiles
     of 64, the codes kernel's decoded form instead (`decoded_config`, `DECODED`; past 64 rows in row tiles, its
-    `rows_config`: 1.15-5.2x the tiles below at 96-256 rows, 1.16-1.44x at 8192 on the H200, session 75).
-    FP4 (and those int4 products) up to DECODE_MAX_M rows: one tensor-core row tile of max(16, M) rows, narrow and deep on small weights (more
-    programs) up to 32 rows, wide on large ones and past 32 rows, K split where the column tiles are fewer than the SMs (`decode_split`, aiming at 512 programs, 256
-    past 32 rows; float32 partials summed after the kernel). From the H100 sweep at 24-64 rows
+    `rows_config`: 1.15-5.2x the dequantizing tiles of the last sentence at 96-256 rows, 1.16-1.44x at 8192 on the
+    H200, session 75).
+    FP4 (and those int4 products) up to DECODE_MAX_M rows: one tensor-core row tile of max(16, M) rows, narrow and
+    deep on small weights (more programs) up to 32 rows, wide on large ones and past 32 rows, K split where the
+    column tiles are fewer than the SMs (`decode_split`, aiming at 512 programs, 256 past 32 rows; float32 partials
+    summed after the kernel). From the H100 sweep at 24-64 rows
     (benchmarks/results/w4a16_mid4_h100.json): 1.1-3.7x the 64 x 128 x 128 tiles it ran before on Qwen3 weights,
     except Qwen3-8B's gate_up in nvfp4 at 24-32 rows (76 against 71-74 us). Past 64 rows (FP4, float32 x, int4
     groups of 32): 128 x 128 tiles to 128 rows, 256 x 128 past them (two warpgroups share each dequantized weight

@@ -272,8 +272,9 @@ def codes_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
 
 def decoded_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
     """Tiles for the decoded form (DEQUANT) from 17 rows of x on an int4 [N, K] weight whose group holds K tiles of
-    128 (or 64), or None; past CODES_MAX_M rows `rows_config`'s. At 17-64 rows, from the H200 (session 68, benchmarks/results/w4a16_decoded_s68_h200.*: 36 tiles at 32 and
-    64 rows against the codes form or the dequantizing GEMM the rule ran before, and cuBLAS on the bf16 weight):
+    128 (or 64), or None; past CODES_MAX_M rows `rows_config`'s. At 17-64 rows, from the H200 (session 68,
+    benchmarks/results/w4a16_decoded_s68_h200.*: 36 tiles at 32 and 64 rows against the codes form or the
+    dequantizing GEMM the rule ran before, and cuBLAS on the bf16 weight):
     - wide large weights (N / 64 >= 256: Qwen3-8B gate_up): 128 x 128 tiles, 8 warps, K in 2 at up to 32 rows (43.3
       against 53.5 us; cuBLAS 49.8), 64 x 128, 4 warps, unsplit past them (45.0 against 53.6; cuBLAS 50.5);
     - other large weights (N x K >= 2^25, deep: Qwen3-8B down, DeepSeek-V3 o): 128 x 128, 8 warps, K in 4 (32 rows
