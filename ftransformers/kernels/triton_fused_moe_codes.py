@@ -22,7 +22,14 @@ from ftransformers.kernels import triton_w4a16_codes as dense_codes
 from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
-from ftransformers.kernels.triton_w4a16_codes import MAGIC, code_tile, codes_block_k, dequant_tile, group_params
+from ftransformers.kernels.triton_w4a16_codes import (
+    MAGIC,
+    code_tile,
+    codes_block_k,
+    decoded_block_k,
+    dequant_tile,
+    group_params,
+)
 
 # Triton's CPU interpreter truncates float32 -> bfloat16; round to nearest even by hand there.
 _MANUAL_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -126,11 +133,6 @@ def _moe_gemm_codes_kernel(
     tl.store(c_ptrs, to_16bit(acc, c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def decoded_block_k(group: int) -> int:
-    """The decoded form's K tile for a group size: 128, or 64 for groups of 64; 0 when neither fits."""
-    return 128 if group % 128 == 0 else 64 if group % 64 == 0 else 0
-
-
 def moe_gemm_codes(
     a: torch.Tensor,  # [rows, K] bf16 / fp16, unit stride along K
     qweight: torch.Tensor,  # int32 [E, N or 2N, K // 8]
@@ -147,10 +149,10 @@ def moe_gemm_codes(
     num_stages: int,
     weights: torch.Tensor | None = None,  # [T*top_k] float32: the down GEMM (else gate-up, fused SiLU)
     ieee: bool = False,  # float32 dots (Triton's CPU interpreter)
-    decoded: bool = False,  # the decoded form, K tiles of decoded_block_k(group)
+    decoded: bool = False,  # the decoded form, K tiles of decoded_block_k(group, K)
 ) -> None:
     n, k = out.shape[1], a.shape[1]
-    bk = decoded_block_k(group) if decoded else codes_block_k(group)
+    bk = decoded_block_k(group, k) if decoded else codes_block_k(group)
     assert bk and k % bk == 0 and a.stride(1) == 1 and a.dtype in MAGIC, (group, k, a.dtype)
     magic, offset = MAGIC[a.dtype]
     max_padded = align[0].numel()

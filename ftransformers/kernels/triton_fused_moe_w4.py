@@ -45,7 +45,8 @@ from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, QuantizedWeigh
 from ftransformers.kernels.tickets import publish_and_sum, split_scratch
 from ftransformers.kernels.tiling import aligned_rows, aligned_tile
 from ftransformers.kernels.triton_fused_moe import MoEConfig, default_config, moe_align, moe_sum
-from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, decoded_block_k, moe_gemm_codes, to_16bit
+from ftransformers.kernels.triton_fused_moe_codes import codes_block_k, moe_gemm_codes, to_16bit
+from ftransformers.kernels.triton_w4a16_codes import decoded_block_k
 from ftransformers.kernels.w4_tiles import (
     FMT_ID,
     P63,
@@ -404,8 +405,7 @@ def _codes_ok(qw: QuantizedWeight, cfg: MoEConfig) -> bool:
 
 
 def _decoded_ok(qw: QuantizedWeight, cfg: MoEConfig, k: int) -> bool:
-    bk = decoded_block_k(qw.group_size)
-    return qw.fmt == "int4" and bk > 0 and k % bk == 0 and cfg.block_m >= DECODED_FROM_BLOCK_M
+    return qw.fmt == "int4" and decoded_block_k(qw.group_size, k) > 0 and cfg.block_m >= DECODED_FROM_BLOCK_M
 
 
 def _moe_gemm_w4(

@@ -247,6 +247,11 @@ def codes_block_k(group: int) -> int:
     return 64 if group % 64 == 0 else 32 if group % 32 == 0 else 0
 
 
+def decoded_block_k(group: int, K: int) -> int:
+    """The decoded form's K tile: 128, or 64, whichever first divides both the group and K; 0 when neither does."""
+    return next((b for b in (128, 64) if group % b == 0 and K % b == 0), 0)
+
+
 def split_programs(M: int) -> int:
     """The programs a decode-shaped 4-bit product's K split aims at (this module's and triton_w4a16's
     decode_split): 512 (four per SM) up to 32 rows, 256 past them, where each program's x tile is larger."""
@@ -281,7 +286,7 @@ def decoded_config(M: int, N: int, K: int, group: int) -> dict[str, int] | None:
       26.0 / 54.2 against 27.9 / 65.1; 64 rows 31.0 / 79.0 against 42.8 / 95.9);
     - smaller weights: 64 x 128, 4 warps, K split into the fewest of 1, 2, 4 parts giving 256 programs (Qwen3-8B qkv
       19.3 / 18.0 against 18.3 / 21.5 at 32 / 64 rows, Qwen3-30B-A3B qkv 9.7 / 13.7 against 11.4 / 13.5)."""
-    bk = next((b for b in (128, 64) if group % b == 0 and K % b == 0), 0)
+    bk = decoded_block_k(group, K)
     if not bk or M <= 16:
         return None
     if M > CODES_MAX_M:
