@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,14 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_w4 import random_qw, routings
-from ceilings import Report, graph_ms, matmul_rate
+from ceilings import Report, graph_ms, matmul_rate, module_values
 
 from ftransformers.kernels import triton_fused_moe as tfm
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels.launch import cdiv
 from ftransformers.kernels.quant_formats import QuantizedWeight, dequantize, quant_linear_ref, quant_moe_ref
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
+from ftransformers.kernels.triton_w4a16_codes import rows_split
 
 DENSE = {  # (N, K) of the int4 linears
     "qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
@@ -39,14 +41,6 @@ DENSE = {  # (N, K) of the int4 linears
 }  # fmt: skip
 EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8)}  # D, I, E, top-k
 L2_BYTES = 256 << 20  # weight copies a timed graph cycles through, so that no call finds its weight in L2
-
-
-def split_for(m_tiles: int, n_tiles: int, k_tiles: int, programs: int) -> int:
-    """The fewest K parts (1, 2, 4, 8) that give `programs` programs, keeping two K tiles a part."""
-    for s in (1, 2, 4, 8):
-        if m_tiles * n_tiles * s >= programs or k_tiles < 4 * s:
-            return s
-    return 8
 
 
 def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]:
@@ -61,7 +55,7 @@ def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]
         tiles = [(256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
     out = {}
     for bm, bn, bk, warps, stages in tiles:
-        split = split_for(cdiv(m, bm), cdiv(n, bn), cdiv(k, bk), 2 * sms) if m <= 256 else 1
+        split = rows_split(cdiv(m, bm), cdiv(n, bn), cdiv(k, bk), 2 * sms) if m <= 256 else 1
         out[f"{bm}x{bn}x{bk} w{warps} s{stages} split{split}"] = {
             "GEMV": 0, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "GROUP_M": 8,
             "num_warps": warps, "num_stages": stages,
@@ -70,7 +64,7 @@ def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]
         for bn, warps, stages in ((64, 4, 3), (128, 8, 3), (128, 4, 3), (128, 8, 4)):
             if bm > max(64, 2 * m) or (bm == 256 and bn == 128 and warps == 4):
                 continue
-            split = split_for(cdiv(m, bm), cdiv(n, bn), cdiv(k, 128), 2 * sms)
+            split = rows_split(cdiv(m, bm), cdiv(n, bn), cdiv(k, 128), 2 * sms)
             cfg = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split,
                    "GROUP_M": 8, "num_warps": warps, "num_stages": stages}  # fmt: skip
             out[f"decoded {bm}x{bn}x128 w{warps} s{stages} split{split}"] = cfg
@@ -149,25 +143,26 @@ def moe(rep: Report, tokens: list[int], rate: float) -> list[dict[str, Any]]:
             ref = quant_moe_ref(h, w13, w2, tw, ids)
             flop_ms = 2 * t * top_k * 3 * d * inter / rate * 1e3
             row: dict[str, Any] = {"experts": name, "tokens": t, "flop_floor_ms": flop_ms, "ms": {}, "errors": {}}
-            args = (h, w13, w2, tw, ids)
-            runs = {
-                "bf16 fused_moe": lambda a=(h, b13, b2, tw, ids): tfm.fused_moe(*a),
-                "engine": lambda a=args: w4.fused_moe_w4(*a),
+
+            def w4_moe(settings: list[tuple[str, int]], cfg: Any, a: tuple = (h, w13, w2, tw, ids)) -> torch.Tensor:
+                with module_values(w4, settings):  # launch-time knobs of triton_fused_moe_w4
+                    return w4.fused_moe_w4(*a, config=cfg)
+
+            bm = tfm.default_config(t, e, top_k).block_m
+            variants = {
+                "engine": ([], None),
                 # the codes kernel at the 128-row blocks of more than 128 pairs an expert too (the engine's rule
                 # takes it to 64-row blocks since session 75)
-                "codes to block 128": lambda a=args: _with(w4, "CODES_MAX_BLOCK_M", 128, lambda: w4.fused_moe_w4(*a)),
-            }
-            # the codes kernel's decoded form (DECODED_FROM_BLOCK_M), on the engine's tiles and on two others
-            bm = tfm.default_config(t, e, top_k).block_m
-            decoded = {
-                "decoded, engine tiles": None,
-                "decoded up 64 / down 128 cols, 4 warps": tfm.MoEConfig(bm, 64, 128, 128, 128, 8, 4, 3),
-                "decoded up 128 / down 128 cols, 8 warps": tfm.MoEConfig(bm, 128, 128, 128, 128, 8, 8, 3),
-            }
-            for label, cfg in decoded.items():
-                runs[label] = lambda a=args, c=cfg: _with(
-                    w4, "DECODED_FROM_BLOCK_M", 1, lambda: w4.fused_moe_w4(*a, config=c)
-                )
+                "codes to block 128": ([("CODES_MAX_BLOCK_M", 128)], None),
+                # the codes kernel's decoded form (DECODED_FROM_BLOCK_M), on the engine's tiles and on two others
+                "decoded, engine tiles": ([("DECODED_FROM_BLOCK_M", 1)], None),
+                "decoded up 64 / down 128 cols, 4 warps": (
+                    [("DECODED_FROM_BLOCK_M", 1)], tfm.MoEConfig(bm, 64, 128, 128, 128, 8, 4, 3)),
+                "decoded up 128 / down 128 cols, 8 warps": (
+                    [("DECODED_FROM_BLOCK_M", 1)], tfm.MoEConfig(bm, 128, 128, 128, 128, 8, 8, 3)),
+            }  # fmt: skip
+            runs = {"bf16 fused_moe": partial(tfm.fused_moe, h, b13, b2, tw, ids)}
+            runs |= {label: partial(w4_moe, settings, cfg) for label, (settings, cfg) in variants.items()}
             for label, fn in runs.items():
                 err = rel_err(fn(), ref)
                 row["errors"][label] = err
@@ -178,16 +173,6 @@ def moe(rep: Report, tokens: list[int], rate: float) -> list[dict[str, Any]]:
             parts = "  ".join(f"{lb} {_us(ms)} us ({flop_ms / ms:.0%})" for lb, ms in row["ms"].items() if ms)
             rep.log(f"MoE {name} T={t:<5} flop floor {flop_ms * 1e3:8.1f} us | {parts}")
     return results
-
-
-def _with(module: Any, name: str, value: int, fn: Any) -> Any:
-    """fn() with module.name set to value (a launch-time knob)."""
-    was = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        return fn()
-    finally:
-        setattr(module, name, was)
 
 
 def main() -> None:
