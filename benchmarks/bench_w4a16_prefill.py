@@ -6,8 +6,9 @@ the bf16 matmul rate measured here) and its byte floor (the int4 weight, x and y
 Why: a W4A16 server answered fewer tokens a second than bf16 at 64-160 requests, and its prompts prefilled at
 0.56-0.71x bf16 (docs/performance.md, session 75). Variants: the engine's own choice (`engine`), the dequantizing
 GEMM's tiles with K split to fill the SMs, and the codes kernel's decoded form in row tiles (`dense_configs`); for the
-MoE, the codes kernel at 128-row blocks. Every variant is checked against `quant_linear_ref` / `quant_moe_ref` before
-it is timed.
+MoE (Qwen3-30B-A3B's experts, `--experts` adds DeepSeek-V3's), the engine without the codes kernel's decoded form
+(session 75's), raw codes at 128-row blocks, and the decoded form on three tilings. Every variant is checked against
+`quant_linear_ref` / `quant_moe_ref` before it is timed.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_prefill.py --out $OUT/w4a16_prefill_h200.json
 """
@@ -39,7 +40,7 @@ DENSE = {  # (N, K) of the int4 linears
     "qwen3-8b qkv": (6144, 4096), "qwen3-8b o": (4096, 4096), "qwen3-8b gate_up": (24576, 4096),
     "qwen3-8b down": (4096, 12288), "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
 }  # fmt: skip
-EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8)}  # D, I, E, top-k
+EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}  # D, I, E, top-k
 L2_BYTES = 256 << 20  # weight copies a timed graph cycles through, so that no call finds its weight in L2
 
 
@@ -131,9 +132,10 @@ def _us(t: float | None) -> str:
     return f"{t * 1e3:8.1f}" if t else "    -   "
 
 
-def moe(rep: Report, tokens: list[int], rate: float) -> list[dict[str, Any]]:
+def moe(rep: Report, tokens: list[int], rate: float, experts: list[str]) -> list[dict[str, Any]]:
     results = []
-    for name, (d, inter, e, top_k) in EXPERTS.items():
+    for name in experts:
+        d, inter, e, top_k = EXPERTS[name]
         w13 = random_qw("int4", 128, True, e, 2 * inter, d)
         w2 = random_qw("int4", 128, True, e, d, inter)
         b13, b2 = dequantize(w13).to(torch.bfloat16), dequantize(w2).to(torch.bfloat16)
@@ -149,17 +151,19 @@ def moe(rep: Report, tokens: list[int], rate: float) -> list[dict[str, Any]]:
                     return w4.fused_moe_w4(*a, config=cfg)
 
             bm = tfm.default_config(t, e, top_k).block_m
+            off = [("DECODED_FROM_BLOCK_M", 1 << 30)]  # no decoded form
             variants = {
                 "engine": ([], None),
-                # the codes kernel at the 128-row blocks of more than 128 pairs an expert too (the engine's rule
-                # takes it to 64-row blocks since session 75)
-                "codes to block 128": ([("CODES_MAX_BLOCK_M", 128)], None),
-                # the codes kernel's decoded form (DECODED_FROM_BLOCK_M), on the engine's tiles and on two others
-                "decoded, engine tiles": ([("DECODED_FROM_BLOCK_M", 1)], None),
+                # session 75's engine: raw codes to 64-row blocks, the dequantizing kernel on 128-row ones
+                "no decoded form": (off, None),
+                "raw codes to block 128": (off + [("CODES_MAX_BLOCK_M", 128)], None),
+                # the decoded form (DECODED_FROM_BLOCK_M) on three tilings
                 "decoded up 64 / down 128 cols, 4 warps": (
                     [("DECODED_FROM_BLOCK_M", 1)], tfm.MoEConfig(bm, 64, 128, 128, 128, 8, 4, 3)),
                 "decoded up 128 / down 128 cols, 8 warps": (
                     [("DECODED_FROM_BLOCK_M", 1)], tfm.MoEConfig(bm, 128, 128, 128, 128, 8, 8, 3)),
+                "decoded up 128 / down 256 cols, 8 warps": (
+                    [("DECODED_FROM_BLOCK_M", 1)], tfm.MoEConfig(bm, 128, 128, 256, 128, 8, 8, 3)),
             }  # fmt: skip
             runs = {"bf16 fused_moe": partial(tfm.fused_moe, h, b13, b2, tw, ids)}
             runs |= {label: partial(w4_moe, settings, cfg) for label, (settings, cfg) in variants.items()}
@@ -181,6 +185,7 @@ def main() -> None:
     p.add_argument("--rows", default="96,128,160,256,1024,8192")
     p.add_argument("--shapes", default=",".join(DENSE))
     p.add_argument("--moe-tokens", default="1024,8192")
+    p.add_argument("--experts", default="qwen3-30b-a3b", help=f"comma-separated, of {', '.join(EXPERTS)}")
     args = p.parse_args()
     rep = Report("cuda", command=" ".join(sys.argv))
     rate = matmul_rate("cuda") * 1e12
@@ -189,7 +194,7 @@ def main() -> None:
     rows = [int(x) for x in args.rows.split(",") if x]
     rep.out["dense"] = dense(rep, rows, rate, [s for s in args.shapes.split(",") if s])
     rep.save(args.out)
-    rep.out["moe"] = moe(rep, [int(x) for x in args.moe_tokens.split(",") if x], rate)
+    rep.out["moe"] = moe(rep, [int(x) for x in args.moe_tokens.split(",") if x], rate, args.experts.split(","))
     rep.save(args.out)
 
 

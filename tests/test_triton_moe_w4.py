@@ -209,14 +209,16 @@ def test_cuda_graph_replay(t: int) -> None:
         assert rel_err(out, quant_moe_ref(hidden, w13, w2, weights, ids)) <= TOL
 
 
-def test_codes_tiles_only_for_int4_decode_blocks() -> None:
+def test_codes_tiles_for_int4_blocks() -> None:
     # int4 blocks of up to 64 rows (decode-shaped 16, and 17-128 pairs an expert) get the codes kernel's 64 /
-    # 128-column tiles; other formats and 128-row blocks keep the bf16 tiles (and the dequantizing kernel)
+    # 128-column tiles, 128-row blocks its decoded form's 128 / 128; other formats keep the bf16 tiles
     for t in (32, 1024):  # 2 and 64 pairs an expert
         codes = w4.default_w4_config(t, 128, 8, 128, codes=True)
         plain = w4.default_w4_config(t, 128, 8, 128)
         assert (codes.up_n, codes.down_n) == (64, 128) and codes.block_m == plain.block_m <= w4.CODES_MAX_BLOCK_M
         assert w4._codes_ok(random_qw("int4", 2, 64, 128, torch.Generator(DEV).manual_seed(0)), codes)
     assert (w4.default_w4_config(32, 128, 8, 128).up_n, w4.default_w4_config(1024, 128, 8, 128).block_m) == (32, 64)
-    prefill = w4.default_w4_config(4096, 128, 8, 128, codes=True)
-    assert prefill.block_m > w4.CODES_MAX_BLOCK_M and prefill == w4.default_w4_config(4096, 128, 8, 128)
+    prefill, plain = w4.default_w4_config(4096, 128, 8, 128, codes=True), w4.default_w4_config(4096, 128, 8, 128)
+    assert prefill.block_m == plain.block_m > w4.CODES_MAX_BLOCK_M and (prefill.up_n, prefill.down_n) == (128, 128)
+    assert (plain.up_n, plain.down_n) == (128, 256)
+    assert w4._decoded_ok(random_qw("int4", 2, 64, 128, torch.Generator(DEV).manual_seed(0)), prefill, 128)

@@ -69,10 +69,12 @@ W4_PAIR_MAX_PAIRS = 128
 # 605.1 us on the H200, benchmarks/results/w4a16_prefill2_s75_h200.*). 128-row blocks keep the dequantizing kernel
 # (at 8192 tokens the codes kernel took 3712.6 us against its 2784.3).
 CODES_MAX_BLOCK_M = 64
-# row blocks from which int4 experts run the codes kernel's decoded form instead (each tile decoded with its scale
-# and zero into the wgmma's A operand, as the dense products past 16 rows do; kernels/triton_fused_moe_codes.py).
-# Off: an A/B knob, not yet run on a GPU (benchmarks/bench_w4a16_prefill.py times it at prefill token counts)
-DECODED_FROM_BLOCK_M = 1 << 30
+# Row blocks from which int4 experts run the codes kernel's decoded form instead (each tile decoded with its scale
+# and zero into the wgmma's A operand, as the dense products past 16 rows do; kernels/triton_fused_moe_codes.py),
+# 128-row blocks on 128-column tiles. H200, Qwen3-30B-A3B int4 (benchmarks/results/moe_decoded_s76_h200.*): 1024
+# tokens (64-row blocks) 607.3 -> 440.8 us; 8192 tokens 2810.0 us on the dequantizing kernel -> 2250.4 (2343.5 on
+# the bf16 tiles' 256-column down).
+DECODED_FROM_BLOCK_M = 64
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -109,14 +111,17 @@ def default_w4_pair_config(num_tokens: int, hidden_size: int, fmt: str = "int4")
 
 def default_w4_config(num_tokens: int, num_experts: int, top_k: int, group_size: int, codes: bool = False) -> MoEConfig:
     """The bf16 tiles, with K tiles at least one quantization group long. `codes` (int4 experts on the codes
-    kernel, blocks of <= CODES_MAX_BLOCK_M rows): 64-column gate-up and 128-column down
-    tiles, whose weight tiles feed the wgmma's 64-row A operand (H100, Qwen3-30B-A3B int4 at 32 tokens,
-    benchmarks/results/moe_w4_codes_h100.json: 357 -> 177 us against the 32 / 64 bf16 tiles)."""
+    kernel): blocks of <= CODES_MAX_BLOCK_M rows get 64-column gate-up and 128-column down tiles, whose weight tiles
+    feed the wgmma's 64-row A operand (H100, Qwen3-30B-A3B int4 at 32 tokens, benchmarks/results/moe_w4_codes_h100.json:
+    357 -> 177 us against the 32 / 64 bf16 tiles); larger blocks (the decoded form, DECODED_FROM_BLOCK_M) 128-column
+    tiles for both."""
     cfg = default_config(num_tokens, num_experts, top_k)
     up_k, down_k = max(cfg.up_k, group_size), max(cfg.down_k, group_size)
     up_n, down_n, stages = cfg.up_n, cfg.down_n, cfg.num_stages
     if codes and cfg.block_m <= CODES_MAX_BLOCK_M:
         up_n, down_n, stages = 64, 128, 3
+    elif codes and cfg.block_m >= DECODED_FROM_BLOCK_M:
+        up_n, down_n, stages = 128, 128, 3
     return MoEConfig(cfg.block_m, up_n, up_k, down_n, down_k, cfg.group_m, cfg.num_warps, stages)
 
 
@@ -462,9 +467,9 @@ def fused_moe_w4(
     kernels (kernels/gluon_moe_w4_mma.py) where `mma_path.takes` the call (or for an MmaMoEConfig); else for
     T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
     else
-    the aligned path, whose int4 GEMMs run on raw codes (kernels/triton_fused_moe_codes.py) in
-    decode-shaped blocks where the group holds whole K tiles, unless `codes` is False (the dequantizing
-    kernel and its tiles, for comparison)."""
+    the aligned path, whose int4 GEMMs run on the codes kernel (kernels/triton_fused_moe_codes.py) where the group
+    holds whole K tiles: on raw codes in blocks of <= CODES_MAX_BLOCK_M rows, decoded from DECODED_FROM_BLOCK_M
+    rows; unless `codes` is False (the dequantizing kernel and its tiles, for comparison)."""
     t, d = hidden.shape
     inter, top_k = w2.in_features, topk_ids.shape[1]
     _check(w13, "w13", 2 * inter, d)
