@@ -138,7 +138,8 @@ def moe(rep: Report, tokens: list[int], rate: float, experts: list[str]) -> list
         d, inter, e, top_k = EXPERTS[name]
         w13 = random_qw("int4", 128, True, e, 2 * inter, d)
         w2 = random_qw("int4", 128, True, e, d, inter)
-        b13, b2 = dequantize(w13).to(torch.bfloat16), dequantize(w2).to(torch.bfloat16)
+        # one expert at a time: DeepSeek-V3's whole float32 w13 alone is 30 GB
+        b13, b2 = (torch.stack([dequantize(w.expert(i)).to(torch.bfloat16) for i in range(e)]) for w in (w13, w2))
         for t in tokens:
             h = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
             tw, ids = routings(t, e, top_k, 1)[0]
