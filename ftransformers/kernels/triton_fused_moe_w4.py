@@ -71,9 +71,9 @@ W4_PAIR_MAX_PAIRS = 128
 CODES_MAX_BLOCK_M = 64
 # Row blocks from which int4 experts run the codes kernel's decoded form instead (each tile decoded with its scale
 # and zero into the wgmma's A operand, as the dense products past 16 rows do; kernels/triton_fused_moe_codes.py),
-# 128-row blocks on 128-column tiles. H200, Qwen3-30B-A3B int4 (benchmarks/results/moe_decoded_s76_h200.*): 1024
-# tokens (64-row blocks) 607.3 -> 440.8 us; 8192 tokens 2810.0 us on the dequantizing kernel -> 2250.4 (2343.5 on
-# the bf16 tiles' 256-column down).
+# 128-row blocks on 128-column tiles. H200, int4 experts at 1024 and 8192 tokens, without -> with it (the dequantizing
+# kernel on 128-row blocks before; benchmarks/results/moe_decoded{2,_ds}_s76_h200.*): Qwen3-30B-A3B 586.2 -> 433.5
+# and 2797.2 -> 2245.7 us, DeepSeek-V3 6603.4 -> 4924.8 and 25317.0 -> 18732.4 (20159.5 on a 256-column down).
 DECODED_FROM_BLOCK_M = 64
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
