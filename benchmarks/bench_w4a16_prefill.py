@@ -8,9 +8,11 @@ Why: a W4A16 server answered fewer tokens a second than bf16 at 64-160 requests,
 GEMM's tiles with K split to fill the SMs, and the codes kernel's decoded form in row tiles (`dense_configs`); for the
 MoE (Qwen3-30B-A3B's experts, `--experts` adds DeepSeek-V3's), the engine without the codes kernel's decoded form
 (session 75's), raw codes at 128-row blocks, and the decoded form on three tilings. Every variant is checked against
-`quant_linear_ref` / `quant_moe_ref` before it is timed.
+`quant_linear_ref` / `quant_moe_ref` before it is timed. `--moe-sweep` times the MoE's two decoded GEMMs apart over
+tiles instead (`moe_sweep`).
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_prefill.py --out $OUT/w4a16_prefill_h200.json
+    PYTHONPATH=$PWD python benchmarks/bench_w4a16_prefill.py --out $OUT/moe_sweep.json --rows "" --shapes "" --experts qwen3-30b-a3b,deepseek-v3 --moe-sweep
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ftransformers.kernels import triton_fused_moe as tfm
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels.launch import cdiv
 from ftransformers.kernels.quant_formats import QuantizedWeight, dequantize, quant_linear_ref, quant_moe_ref
+from ftransformers.kernels.triton_fused_moe_codes import moe_gemm_codes
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
 from ftransformers.kernels.triton_w4a16_codes import rows_split
 
@@ -180,6 +183,72 @@ def moe(rep: Report, tokens: list[int], rate: float, experts: list[str]) -> list
     return results
 
 
+# (BLOCK_N, warps, stages) of the decoded form's gate-up (two accumulators: SiLU(gate) * up) and down GEMMs
+UP_TILES = ((64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4))
+DOWN_TILES = ((64, 4, 3), (128, 4, 3), (128, 8, 3), (128, 8, 4), (256, 8, 3))
+
+
+def _tile_call(kernel: Any, group_m: int, tile: tuple[int, int, int]) -> None:
+    block_n, warps, stages = tile
+    kernel(block_n, group_m, warps, stages)
+
+
+def _tile_label(tile: tuple[int, int, int]) -> str:
+    return "n{} w{} s{}".format(*tile)
+
+
+def moe_sweep(rep: Report, tokens: list[int], rate: float, experts: list[str]) -> list[dict[str, Any]]:
+    """The int4 MoE's two GEMMs apart on the codes kernel's decoded form, at the engine's row blocks, over UP_TILES
+    and DOWN_TILES; each checked against the engine's own tiles' output (which `moe` checks against quant_moe_ref)."""
+    results = []
+    for name in experts:
+        d, inter, e, top_k = EXPERTS[name]
+        w13 = random_qw("int4", 128, True, e, 2 * inter, d)
+        w2 = random_qw("int4", 128, True, e, d, inter)
+        for t in tokens:
+            h = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+            tw, ids = routings(t, e, top_k, 1)[0]
+            weights = tw.reshape(-1).to(torch.float32).contiguous()
+            cfg = w4.aligned_config(t, w13, w2, top_k)
+            align = tfm.moe_align(ids, e, cfg.block_m)
+            act = torch.empty(t * top_k, inter, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(t * top_k, d, device="cuda", dtype=torch.bfloat16)
+            gemms = {  # name: (the kernel up to its tiles, the engine's tiles, tiles swept, FLOPs)
+                "gate_up": (partial(moe_gemm_codes, h, w13.qweight, w13.scales, w13.zeros, 128, act, align, top_k,
+                                    cfg.block_m, decoded=True),
+                            (cfg.up_n, cfg.num_warps, cfg.num_stages), UP_TILES, 2 * t * top_k * 2 * inter * d),
+                "down": (partial(moe_gemm_codes, act, w2.qweight, w2.scales, w2.zeros, 128, y, align, 1, cfg.block_m,
+                                 weights=weights, decoded=True),
+                         (cfg.down_n, cfg.num_warps, cfg.num_stages), DOWN_TILES, 2 * t * top_k * d * inter),
+            }  # fmt: skip
+            for gemm, (kernel, engine, tiles, flops) in gemms.items():
+                out = act if gemm == "gate_up" else y
+                _tile_call(kernel, cfg.group_m, engine)
+                ref = out.clone()
+                flop_ms = flops / rate * 1e3
+                row: dict[str, Any] = {"experts": name, "tokens": t, "gemm": gemm, "block_m": cfg.block_m,
+                                       "engine": list(engine), "flop_floor_ms": flop_ms, "ms": {}, "errors": {}}  # fmt: skip
+                for tile in dict.fromkeys((engine, *tiles)):
+                    label = _tile_label(tile)
+                    call = partial(_tile_call, kernel, cfg.group_m, tile)
+                    try:
+                        out.zero_()
+                        call()
+                        err = rel_err(out, ref)
+                        row["errors"][label] = err
+                        row["ms"][label] = (
+                            do_bench(call, warmup=25, rep=100, return_mode="median") if err < 1e-2 else None
+                        )
+                    except Exception as ex:  # noqa: BLE001 - a tile the GPU cannot hold (shared memory, registers)
+                        row["errors"][label] = f"{type(ex).__name__}: {str(ex)[:160]}"
+                results.append(row)
+                timed = sorted(((ms, lb) for lb, ms in row["ms"].items() if ms), key=lambda x: x[0])
+                parts = "  ".join(f"{lb} {_us(ms)} ({flop_ms / ms:.0%})" for ms, lb in timed)
+                rep.log(f"MoE {name} T={t:<5} {gemm:<7} block_m {cfg.block_m}, engine {_tile_label(engine)}, flop floor "
+                        f"{flop_ms * 1e3:7.1f} us | {parts}")  # fmt: skip
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -187,6 +256,7 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(DENSE))
     p.add_argument("--moe-tokens", default="1024,8192")
     p.add_argument("--experts", default="qwen3-30b-a3b", help=f"comma-separated, of {', '.join(EXPERTS)}")
+    p.add_argument("--moe-sweep", action="store_true", help="the MoE's decoded GEMMs apart over tiles, not `moe`")
     args = p.parse_args()
     rep = Report("cuda", command=" ".join(sys.argv))
     rate = matmul_rate("cuda") * 1e12
@@ -195,7 +265,8 @@ def main() -> None:
     rows = [int(x) for x in args.rows.split(",") if x]
     rep.out["dense"] = dense(rep, rows, rate, [s for s in args.shapes.split(",") if s])
     rep.save(args.out)
-    rep.out["moe"] = moe(rep, [int(x) for x in args.moe_tokens.split(",") if x], rate, args.experts.split(","))
+    tokens, experts = [int(x) for x in args.moe_tokens.split(",") if x], args.experts.split(",")
+    rep.out["moe"] = (moe_sweep if args.moe_sweep else moe)(rep, tokens, rate, experts)
     rep.save(args.out)
 
 
