@@ -2,7 +2,8 @@
 and a long context, beside its floor, for the reference backend's one-query path and SDPA
 (`torch_native.CPU_ONE_QUERY`) in the same process. The floor is the larger of the bytes the step reads (the weights
 and the KV cache) over the copy bandwidth of a 512 MiB copy (past the caches; ceilings' 32 MiB CPU copy is not) and
-the step's FLOPs (2 a weight, 4 a head and key) over the bf16 matmul rate, both measured in the same run.
+the step's FLOPs (2 a weight, 4 a head and key) over the matmul rate (ceilings.matmul_rate: on the CPU the faster of
+bf16 and float32), both measured in the same run.
 
 A token's time is (the time of a request generating 2 + N tokens - the time of one generating 2) / N, on a prompt
 whose prefix is already cached, median of `--repeats`.
@@ -62,7 +63,7 @@ def main() -> None:
     report = Report("cpu", command=" ".join(sys.argv), threads=torch.get_num_threads(), rows=[])
     dram_gbs = report.out["dram_copy_gbs"] = dram_copy_gbs()
     tflops = report.out["matmul_tflops"] = matmul_rate("cpu")
-    report.log(f"512 MiB copy {dram_gbs:.1f} GB/s, bf16 matmul {tflops * 1e3:.0f} GFLOP/s")
+    report.log(f"512 MiB copy {dram_gbs:.1f} GB/s, matmul (the faster of bf16, float32) {tflops * 1e3:.0f} GFLOP/s")
     llm = LLM(str(ensure_demo_model()), device="cpu")
     model, pool = llm.runner.model, llm.runner.kv_pool
     weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
