@@ -64,10 +64,11 @@ from ftransformers.kernels.w4_tiles import (
 # path at every T <= 16 with top-8 for both Qwen3-30B-A3B and DeepSeek-V3 shapes and every format
 # (benchmarks/results/moe_w4_h100.json, "pair" vs "aligned" columns).
 W4_PAIR_MAX_PAIRS = 128
-# The aligned path runs int4 experts on the codes kernel for row blocks of up to this many rows: decode-shaped 16,
-# and since session 75 the 64-row blocks of 17-128 pairs an expert (Qwen3-30B-A3B int4 at 1024 tokens 737.5 ->
-# 605.1 us on the H200, benchmarks/results/w4a16_prefill2_s75_h200.*). 128-row blocks keep the dequantizing kernel
-# (at 8192 tokens the codes kernel took 3712.6 us against its 2784.3).
+# The aligned path runs int4 experts on the codes kernel for row blocks of up to this many rows (with the codes tiles
+# of default_w4_config): decode-shaped 16, and since session 75 the 64-row blocks of 17-128 pairs an expert
+# (Qwen3-30B-A3B int4 at 1024 tokens 737.5 -> 605.1 us on the H200, benchmarks/results/w4a16_prefill2_s75_h200.*).
+# Where DECODED_FROM_BLOCK_M also takes a block (64 rows since session 76) the decoded form runs, else raw codes; on
+# raw codes 128-row blocks were slower than the dequantizing kernel (at 8192 tokens 3712.6 us against 2784.3).
 CODES_MAX_BLOCK_M = 64
 # Row blocks from which int4 experts run the codes kernel's decoded form instead (each tile decoded with its scale
 # and zero into the wgmma's A operand, as the dense products past 16 rows do; kernels/triton_fused_moe_codes.py),
@@ -468,8 +469,8 @@ def fused_moe_w4(
     T*K <= W4_PAIR_MAX_PAIRS the pair path (or for a W4PairConfig);
     else
     the aligned path, whose int4 GEMMs run on the codes kernel (kernels/triton_fused_moe_codes.py) where the group
-    holds whole K tiles: on raw codes in blocks of <= CODES_MAX_BLOCK_M rows, decoded from DECODED_FROM_BLOCK_M
-    rows; unless `codes` is False (the dequantizing kernel and its tiles, for comparison)."""
+    holds whole K tiles: decoded in blocks of DECODED_FROM_BLOCK_M rows and more, else on raw codes in blocks of
+    <= CODES_MAX_BLOCK_M rows; unless `codes` is False (the dequantizing kernel and its tiles, for comparison)."""
     t, d = hidden.shape
     inter, top_k = w2.in_features, topk_ids.shape[1]
     _check(w13, "w13", 2 * inter, d)
