@@ -135,12 +135,16 @@ def _us(t: float | None) -> str:
     return f"{t * 1e3:8.1f}" if t else "    -   "
 
 
+def int4_experts(name: str) -> tuple[int, int, int, int, QuantizedWeight, QuantizedWeight]:
+    """EXPERTS[name]'s (D, I, E, top-k) and random asymmetric int4 g128 w13 [E, 2I, D] and w2 [E, D, I]."""
+    d, inter, e, top_k = EXPERTS[name]
+    return d, inter, e, top_k, random_qw("int4", 128, True, e, 2 * inter, d), random_qw("int4", 128, True, e, d, inter)
+
+
 def moe(rep: Report, tokens: list[int], rate: float, experts: list[str]) -> list[dict[str, Any]]:
     results = []
     for name in experts:
-        d, inter, e, top_k = EXPERTS[name]
-        w13 = random_qw("int4", 128, True, e, 2 * inter, d)
-        w2 = random_qw("int4", 128, True, e, d, inter)
+        d, inter, e, top_k, w13, w2 = int4_experts(name)
         # one expert at a time: DeepSeek-V3's whole float32 w13 alone is 30 GB
         b13, b2 = (torch.stack([dequantize(w.expert(i)).to(torch.bfloat16) for i in range(e)]) for w in (w13, w2))
         for t in tokens:
@@ -199,12 +203,11 @@ def _tile_label(tile: tuple[int, int, int]) -> str:
 
 def moe_sweep(rep: Report, tokens: list[int], rate: float, experts: list[str]) -> list[dict[str, Any]]:
     """The int4 MoE's two GEMMs apart on the codes kernel's decoded form, at the engine's row blocks, over UP_TILES
-    and DOWN_TILES; each checked against the engine's own tiles' output (which `moe` checks against quant_moe_ref)."""
+    and DOWN_TILES: the engine's tiles' two GEMMs (summed over the slots) checked against quant_moe_ref, then each
+    tile's output against the engine's."""
     results = []
     for name in experts:
-        d, inter, e, top_k = EXPERTS[name]
-        w13 = random_qw("int4", 128, True, e, 2 * inter, d)
-        w2 = random_qw("int4", 128, True, e, d, inter)
+        d, inter, e, top_k, w13, w2 = int4_experts(name)
         for t in tokens:
             h = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
             tw, ids = routings(t, e, top_k, 1)[0]
@@ -221,13 +224,26 @@ def moe_sweep(rep: Report, tokens: list[int], rate: float, experts: list[str]) -
                                  weights=weights, decoded=True),
                          (cfg.down_n, cfg.num_warps, cfg.num_stages), DOWN_TILES, 2 * t * top_k * d * inter),
             }  # fmt: skip
-            for gemm, (kernel, engine, tiles, flops) in gemms.items():
-                out = act if gemm == "gate_up" else y
+            refs = []  # the engine's tiles' act and y, their sum over the slots checked against quant_moe_ref
+            for kernel, engine, _, _ in gemms.values():
                 _tile_call(kernel, cfg.group_m, engine)
-                ref = out.clone()
+                refs.append((act if not refs else y).clone())
+            engine_err = rel_err(
+                tfm.moe_sum(y.view(t, top_k, d), torch.empty_like(h)), quant_moe_ref(h, w13, w2, tw, ids)
+            )
+            for (gemm, (kernel, engine, tiles, flops)), ref in zip(gemms.items(), refs, strict=True):
+                out = act if gemm == "gate_up" else y
+                act.copy_(refs[0])  # the down's input, whatever the gate-up variants left there
                 flop_ms = flops / rate * 1e3
                 row: dict[str, Any] = {"experts": name, "tokens": t, "gemm": gemm, "block_m": cfg.block_m,
-                                       "engine": list(engine), "flop_floor_ms": flop_ms, "ms": {}, "errors": {}}  # fmt: skip
+                                       "engine": list(engine), "engine_error": engine_err, "flop_floor_ms": flop_ms,
+                                       "ms": {}, "errors": {}}  # fmt: skip
+                if engine_err > 2e-2:
+                    rep.log(
+                        f"MoE {name} T={t} {gemm}: the engine's tiles off quant_moe_ref by {engine_err:.1e}; not timed"
+                    )
+                    results.append(row)
+                    continue
                 for tile in dict.fromkeys((engine, *tiles)):
                     label = _tile_label(tile)
                     call = partial(_tile_call, kernel, cfg.group_m, tile)
