@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_w4 import random_qw, routings
 from ceilings import Report, graph_ms, matmul_rate, module_values
 
+from ftransformers.kernels import gluon_w4a16_ws as ws
 from ftransformers.kernels import triton_fused_moe as tfm
 from ftransformers.kernels import triton_fused_moe_w4 as w4
 from ftransformers.kernels.launch import cdiv
@@ -44,6 +45,8 @@ DENSE = {  # (N, K) of the int4 linears
     "qwen3-8b down": (4096, 12288), "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
 }  # fmt: skip
 EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}  # D, I, E, top-k
+WS_CONFIGS = [ws.WsConfig(), ws.WsConfig(128, 256, 64, 2), ws.WsConfig(128, 128, 64, 4, producer_regs=128),
+              ws.WsConfig(128, 128, 64, 5, producer_regs=128)]  # fmt: skip
 L2_BYTES = 256 << 20  # weight copies a timed graph cycles through, so that no call finds its weight in L2
 
 
@@ -72,6 +75,9 @@ def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]
             cfg = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": split,
                    "GROUP_M": 8, "num_warps": warps, "num_stages": stages}  # fmt: skip
             out[f"decoded {bm}x{bn}x128 w{warps} s{stages} split{split}"] = cfg
+    if m > 64:  # the warp-specialised kernel (kernels/gluon_w4a16_ws.py): the decode beside the wgmmas
+        for cfg in WS_CONFIGS:
+            out[f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages} p{cfg.producer_regs}"] = ws.as_dict(cfg)
     return out
 
 

@@ -49,6 +49,7 @@ import triton.language as tl
 
 from ftransformers.kernels import gluon_w4a16_mma as mma_path
 from ftransformers.kernels import gluon_w4a16_wgmma as wgmma_path
+from ftransformers.kernels import gluon_w4a16_ws as ws_path
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
 from ftransformers.kernels.pdl import pdl_enter, pdl_launch
 from ftransformers.kernels.quant_formats import FOUR_BIT_FORMATS, SCALE_ZERO_ROWS, QuantizedWeight, scale_zero_copy
@@ -529,6 +530,14 @@ def w4a16_linear(
         y = mma_path.w4a16_mma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_mma)
         return y.reshape(*lead, N)
     cfg = dict(config or w4a16_config(M, N, K, qw.fmt, qw.group_size, x.dtype != torch.float32))
+    if cfg.get("WS"):  # the warp-specialised kernel (kernels/gluon_w4a16_ws.py)
+        ws_cfg = ws_path.from_dict(cfg)
+        if qw.fmt != "int4" or not ws_path.supported(x, qw.qweight, qw.group_size, ws_cfg):
+            raise ValueError(
+                f"w4a16_linear: the warp-specialised kernel takes int4 on a Hopper GPU, 16-bit x and K tiles inside a "
+                f"group; got {qw.fmt}, {x.dtype} on {x.device}, group {qw.group_size}, {ws_cfg}"
+            )
+        return ws_path.w4a16_ws(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, ws_cfg).reshape(*lead, N)
     if cfg.get("CODES"):
         if not codes_supported(M, K, qw.group_size, qw.fmt, x.dtype, cfg["BLOCK_K"], bool(cfg.get("DEQUANT"))):
             got = f"{qw.fmt}, {x.dtype}, M={M}, group {qw.group_size}, BLOCK_K {cfg['BLOCK_K']}"

@@ -1,0 +1,310 @@
+"""int4 weight x 16-bit activation products at prefill sizes on Hopper, warp-specialised: a producer partition decodes
+the weight tiles into shared memory ahead of the consumer's asynchronous wgmmas. y[M, N] = x[M, K] @ W[N, K]^T (+ bias)
+for the "int4" layout of kernels/quant_formats.py, W[n, k] = (code - zero[n, g]) * scale[n, g].
+
+Why: past 64 rows the Triton codes kernel's decoded form (kernels/triton_w4a16_codes.py) decodes each weight tile in
+the warps that then wait for its wgmma, so the decode and the tensor cores take turns; sessions 75-76 measured every
+tiling Triton's dot offers at 39-46% of the bf16 matmul rate on the MoE's experts and 40-70% on dense weights, where
+cuBLAS on a bf16 copy reaches 59-75% (docs/performance.md). Here the two run side by side, as Marlin-class kernels do:
+
+- The consumer (the default partition, CONSUMER_WARPS = 8: two warpgroups, 64 rows of x each) waits for a stage,
+  issues y_tile += x_tile @ W_tile^T as one asynchronous wgmma chain (A = x [BM, BK] and B = the decoded W [BN, BK]^T,
+  both in 128-byte-swizzled shared memory), keeps one tile's wgmmas in flight and hands the stage before back
+  (`empty`). Its epilogue adds the bias and stores y from the accumulator.
+- The producer (a worker partition of PRODUCER_WARPS = 4 warps) fills stage i % STAGES once it is free: x's tile by
+  16-byte cp.async (each thread's copies arrive on the stage's `ready` barrier when they land), then the weight tile:
+  words, scales and zeros read from global memory two tiles ahead into registers, decoded in PTX as the codes kernel's
+  decoded form does (LOP3 makes offset + code, one 16-bit FMA removes offset + zero exactly, one multiplies by the
+  scale rounded to x's dtype: one rounding, as a 16-bit copy of the weight would have), stored to shared memory in K
+  order, then fenced for the async proxy and signalled on `ready` (one arrival).
+- A K tile never crosses a quantization group (GROUP % BK == 0), so a tile has one scale and zero a row; K % BK == 0.
+- Tiles are walked in bands of GROUP_M row tiles (`grouped_tile`'s order), so a weight tile's decode serves the band's
+  row tiles from L2. One program a tile, no split of K: the kernel is for products of many tiles (prefill); the codes
+  kernel keeps the few-tile products (`w4a16_config`).
+
+Shared memory: STAGES x (BM + BN) x BK x 2 bytes (128 x 256 x 64, 3 stages: 144 KB), one program an SM.
+tests/test_gluon_w4a16_ws.py checks it against quant_linear_ref on a Hopper GPU; tests/test_gluon_ws_compile.py its
+offline sm_90 build (both operands from shared memory, no spills, no serialised wgmma).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, pdl_enter
+from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability
+from ftransformers.kernels.launch import cached_launch, cdiv
+from ftransformers.kernels.pdl import pdl_launch
+
+CONSUMER_WARPS = 8  # two warpgroups: 64 rows of x each
+PRODUCER_WARPS = 4
+# registers a producer thread (setmaxnreg; 256-column tiles spill under 128 with Triton 3.9's ptxas); the consumer
+# warps take the rest of the SM's 64K (176 at 8 + 4 warps)
+PRODUCER_REGS = 152
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    """A program's tile: BM rows of x, BN rows of W (output columns), K tiles of BK, a ring of STAGES stages, and
+    bands of GROUP_M row tiles."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    stages: int = 3
+    group_m: int = 8
+    producer_warps: int = PRODUCER_WARPS
+    producer_regs: int = PRODUCER_REGS
+
+    def shared_bytes(self) -> int:  # the ring and the epilogue's tile of y
+        return (self.stages * (self.bm + self.bn) * self.bk + self.bm * self.bn) * 2
+
+
+MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room for barriers and the compiler's own
+
+
+def from_dict(cfg: dict[str, int]) -> WsConfig:
+    """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PREGS]) as a WsConfig."""
+    return WsConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["STAGES"], cfg.get("GROUP_M", 8),
+                    producer_regs=cfg.get("PREGS", PRODUCER_REGS))  # fmt: skip
+
+
+def as_dict(cfg: WsConfig) -> dict[str, int]:
+    """cfg as the dict w4a16_linear takes (`config=`)."""
+    return {"WS": 1, "BLOCK_M": cfg.bm, "BLOCK_N": cfg.bn, "BLOCK_K": cfg.bk, "STAGES": cfg.stages,
+            "GROUP_M": cfg.group_m, "PREGS": cfg.producer_regs}  # fmt: skip
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig) -> bool:
+    """Whether the kernel takes x [M, K] @ W^T for this int4 qweight [N, K // 8]: a Hopper GPU (compute capability
+    9.x: wgmma, setmaxnreg), bf16 / fp16 x with unit stride along K, K tiles inside a group, and the ring fits."""
+    if x.device.type != "cuda" or x.dtype not in MAGIC or x.stride(1) != 1:
+        return False
+    if _capability(x.device.index or 0)[0] != 9:
+        return False
+    k = x.shape[1]
+    return group % cfg.bk == 0 and k % group == 0 and cfg.shared_bytes() <= MAX_SHARED and qweight.shape[1] * 8 == k
+
+
+_DQ_BODY = """{ .reg .b32 t<4>, one, nzero;
+mov.b32 one, ONE; mov.b32 nzero, 0x80008000;
+lop3.b32 t0, $4, 0x000F000F, $7, 0xEA;
+shr.u32 t1, $4, 4; lop3.b32 t1, t1, 0x000F000F, $7, 0xEA;
+shr.u32 t2, $4, 8; lop3.b32 t2, t2, 0x000F000F, $7, 0xEA;
+shr.u32 t3, $4, 12; lop3.b32 t3, t3, 0x000F000F, $7, 0xEA;
+FMA t0, t0, one, $5; FMA $0, t0, $6, nzero;
+FMA t1, t1, one, $5; FMA $1, t1, $6, nzero;
+FMA t2, t2, one, $5; FMA $2, t2, $6, nzero;
+FMA t3, t3, one, $5; FMA $3, t3, $6, nzero; }"""
+# $0-$3: the pairs (nibble i, nibble i + 4) of word $4 decoded, i = 0..3; $5 = -(offset + zero) and $6 = the scale,
+# each twice in one register; $7 the magic (kernels/triton_w4a16_codes.py's _DQ_BODY, the same arithmetic)
+_DQ_BF16: gl.constexpr = gl.constexpr(_DQ_BODY.replace("ONE", "0x3F803F80").replace("FMA", "fma.rn.bf16x2"))
+_DQ_F16: gl.constexpr = gl.constexpr(_DQ_BODY.replace("ONE", "0x3C003C00").replace("FMA", "fma.rn.f16x2"))
+
+
+@gluon.jit
+def _twice(v):
+    # [BN] 16-bit -> [BN, 1] int32 holding v's bits in both halves
+    b = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return gl.expand_dims(b | (b << 16), 1)
+
+
+@gluon.jit
+def _halves(t, DT: gl.constexpr):
+    return t.to(gl.int16).to(DT, bitcast=True), (t >> 16).to(gl.int16).to(DT, bitcast=True)
+
+
+@gluon.jit
+def _decode(q, scale, nzoff, magic, DT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    # q [BN, BK / 8] words, scale and nzoff = -(offset + zero) [BN] in DT -> [BN, BK] DT weights in K order
+    asm: gl.constexpr = _DQ_BF16 if DT == gl.bfloat16 else _DQ_F16
+    p0, p1, p2, p3 = gl.inline_asm_elementwise(
+        asm, "=r,=r,=r,=r,r,r,r,r", [q, q * 0 + _twice(nzoff), q * 0 + _twice(scale), q * 0 + magic],
+        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+    l0, h0 = _halves(p0, DT)
+    l1, h1 = _halves(p1, DT)
+    l2, h2 = _halves(p2, DT)
+    l3, h3 = _halves(p3, DT)
+    # [BN, BK / 8, c, b, a] holds nibble 4c + 2b + a of each word: k = 8 w + 4c + 2b + a once flattened
+    w = gl.join(gl.join(gl.join(l0, h0), gl.join(l2, h2)), gl.join(gl.join(l1, h1), gl.join(l3, h3)))
+    return gl.reshape(w, [BN, BK])
+
+
+@gluon.jit
+def _group_params(s_ptrs, z_ptrs, g, offset, HAS_ZEROS: gl.constexpr, DT: gl.constexpr):
+    # [BN] scale and -(offset + zero) of group g in DT (both exact in DT for zeros 0..15 and offsets 128 / 1024)
+    scale = gl.load(s_ptrs + g).to(DT)
+    if HAS_ZEROS:
+        nz = -(gl.load(z_ptrs + g).to(gl.float32) + offset)
+    else:
+        nz = gl.zeros_like(scale.to(gl.float32)) - (8.0 + offset)
+    return scale, nz.to(DT)
+
+
+@gluon.jit
+def _producer(x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
+              stride_xm, stride_qn, stride_sn, stride_zn,
+              GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, PW: gl.constexpr):  # fmt: skip
+    # The producer partition (module docstring): stage i % STAGES gets x's tile i by cp.async and W's tile i decoded
+    DT: gl.constexpr = xs.dtype
+    BW: gl.constexpr = BK // 8  # words of a row a tile
+    x_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // BW, BW], [PW, 1], [1, 0])  # [BM, BK]: 16-byte vectors
+    q_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BW, BW // 4], [PW, 1], [1, 0])  # [BN, BW]: 16 bytes
+    rows_x = gl.minimum(m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_l)), M - 1)  # past M: row M - 1, not stored
+    cols_x = gl.arange(0, BK, layout=gl.SliceLayout(0, x_l))
+    x_ptrs = x_ptr + gl.expand_dims(rows_x.to(gl.int64) * stride_xm, 1) + gl.expand_dims(cols_x, 0)
+    rows_q = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l)), N - 1)  # past N: row N - 1, not stored
+    cols_q = gl.arange(0, BW, layout=gl.SliceLayout(0, q_l))
+    q_ptrs = q_ptr + gl.expand_dims(rows_q.to(gl.int64) * stride_qn, 1) + gl.expand_dims(cols_q, 0)
+    s_ptrs = s_ptr + rows_q.to(gl.int64) * stride_sn
+    z_ptrs = z_ptr + rows_q.to(gl.int64) * stride_zn
+    # words, scales and zeros of tiles i and i + 1 in registers while tile i is decoded (DRAM's round trip is longer
+    # than a tile's wgmmas)
+    q0 = gl.load(q_ptrs)
+    s0, z0 = _group_params(s_ptrs, z_ptrs, 0, offset, HAS_ZEROS, DT)
+    t1 = gl.minimum(1, k_tiles - 1)
+    q1 = gl.load(q_ptrs + t1 * BW)
+    s1, z1 = _group_params(s_ptrs, z_ptrs, t1 * BK // GROUP, offset, HAS_ZEROS, DT)
+    for i in range(k_tiles):
+        st = i % STAGES
+        q, sc, nz = q0, s0, z0
+        t2 = gl.minimum(i + 2, k_tiles - 1)
+        q0, s0, z0 = q1, s1, z1
+        q1 = gl.load(q_ptrs + t2 * BW)
+        s1, z1 = _group_params(s_ptrs, z_ptrs, t2 * BK // GROUP, offset, HAS_ZEROS, DT)
+        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        _cp_async(xs.index(st), x_ptrs + i * BK)
+        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        ws.index(st).store(_decode(q, sc, nz, magic, DT, BN, BK))
+        fence_async_shared()  # the decoded tile's generic-proxy stores, before the wgmma's async-proxy reads
+        _cta_barrier()  # every producer thread's share of the tile
+        mbarrier.arrive(ready.index(st))
+
+
+@gluon.jit
+def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym,
+              HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              CW: gl.constexpr):  # fmt: skip
+    # The default partition: the wgmmas, one tile's in flight, and the epilogue
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1], instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, mma)
+    for i in range(k_tiles):
+        st = i % STAGES
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)  # x's copies landed and W's tile is stored
+        fence_async_shared()  # cp.async writes are generic-proxy; the wgmma reads through the async proxy
+        acc = warpgroup_mma(xs.index(st), ws.index(st).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[acc])  # tile i - 1's wgmmas are done
+        if i > 0:
+            _cta_barrier()  # both warpgroups past tile i - 1
+            mbarrier.arrive(empty.index((i - 1) % STAGES))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    # through shared memory, so that y leaves in 16-byte row vectors with few address registers
+    DT: gl.constexpr = c_smem.dtype
+    c_smem.store(acc.to(DT))
+    _cta_barrier()
+    RB: gl.constexpr = 16  # rows a store
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BN, BN // 8], [CW, 1], [1, 0]) if BN <= 256 else None
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+    if HAS_BIAS:
+        bias = gl.expand_dims(gl.load(b_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+    for r in gl.static_range(BM // RB):
+        rows = m0 + r * RB + gl.arange(0, RB, layout=gl.SliceLayout(1, out_l))
+        out = c_smem.slice(r * RB, RB).load(out_l)
+        if HAS_BIAS:
+            out = (out.to(gl.float32) + bias).to(DT)
+        y_ptrs = y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0)
+        gl.store(y_ptrs, out, mask=gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0))
+
+
+@cached_launch
+@gluon.jit
+def _w4a16_ws_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, magic, offset, M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_ym,
+    GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+    CW: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    DT: gl.constexpr = x_ptr.dtype.element_ty
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    pid = gl.program_id(0)
+    width = GROUP_M * num_n  # grouped_tile's bands (kernels/tiling.py)
+    first_m = (pid // width) * GROUP_M
+    band = gl.minimum(num_m - first_m, GROUP_M)
+    m0 = (first_m + (pid % width) % band) * BM
+    n0 = ((pid % width) // band) * BN
+    k_tiles = K // BK
+    xs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], DT))
+    ws = gl.allocate_shared_memory(DT, [STAGES, BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], DT))
+    c_smem = gl.allocate_shared_memory(DT, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], DT))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=PW * 32 + 1)  # a noinc cp.async arrival a producer thread, then W's
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    pdl_enter(USE_PDL)
+    gl.warp_specialize(
+        [
+            (_consumer, (xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym, HAS_BIAS, BM, BN,
+                         STAGES, CW)),
+            (_producer, (x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
+                         stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW)),
+        ],
+        [PW],
+        [PREGS],
+    )  # fmt: skip
+
+
+def maxnreg(cfg: WsConfig | None = None) -> int:
+    """Registers a thread at launch: the SM's 64K over the consumer and producer warps, a multiple of 8 (the producer
+    then gives back all but PRODUCER_REGS to the consumer warps)."""
+    pw = cfg.producer_warps if cfg else PRODUCER_WARPS
+    return 65536 // ((CONSUMER_WARPS + pw) * 32) // 8 * 8
+
+
+def constexprs(group: int, has_zeros: bool, has_bias: bool, cfg: WsConfig) -> dict:
+    """The kernel's compile-time arguments."""
+    return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
+            "STAGES": cfg.stages, "GROUP_M": cfg.group_m, "CW": CONSUMER_WARPS, "PW": cfg.producer_warps,
+            "PREGS": cfg.producer_regs}  # fmt: skip
+
+
+def w4a16_ws(
+    x: torch.Tensor,  # [M, K] bf16 / fp16, unit stride along K
+    qweight: torch.Tensor,  # int32 [N, K // 8]
+    scales: torch.Tensor,  # [N, K // G]
+    zeros: torch.Tensor | None,  # uint8 [N, K // G] or None (zero 8)
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+    cfg: WsConfig | None = None,
+) -> torch.Tensor:  # [M, N] x.dtype
+    cfg = cfg or WsConfig()
+    assert supported(x, qweight, group, cfg), (tuple(x.shape), group, cfg)
+    assert qweight.stride(1) == 1 and scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    magic, offset = MAGIC[x.dtype]
+    _w4a16_ws_kernel[(cdiv(m, cfg.bm) * cdiv(n, cfg.bn),)](
+        x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        magic, offset, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0, y.stride(0),
+        **constexprs(group, zeros is not None, bias is not None, cfg),
+        num_warps=CONSUMER_WARPS, maxnreg=maxnreg(cfg), **pdl_launch(x.device),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,63 @@
+"""The warp-specialised int4 product (kernels/gluon_w4a16_ws.py) vs quant_linear_ref, fresh random inputs.
+
+Hopper only (compute capability 9.x; Gluon kernels do not run in Triton's interpreter). Int4 with group 64, 128 and
+256, zeros absent and present, float16 / bfloat16 scales; x bf16 and fp16; M and N that leave partial tiles; with and
+without bias; rings of 2-5 stages (the barriers' parity over many K tiles), 128- and 256-column tiles. Tolerance as
+tests/test_triton_w4a16.py's decoded form: the weights are (code - zero) * scale rounded once to x's dtype, as a
+16-bit copy of the weight would be, so ||y - ref|| / ||ref|| stays under `tol` (1e-2 for 16-bit x).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("wgmma kernels need a Hopper GPU (compute capability 9.x)", allow_module_level=True)
+
+from test_triton_w4a16 import random_weight, rel_err, tol
+
+from ftransformers.kernels import gluon_w4a16_ws as ws
+from ftransformers.kernels.quant_formats import quant_linear_ref
+from ftransformers.kernels.triton_w4a16 import w4a16_linear
+
+CONFIGS = [ws.WsConfig(), ws.WsConfig(128, 128, 64, 4, producer_regs=128), ws.WsConfig(128, 128, 64, 2, 1),
+           ws.WsConfig(128, 128, 64, 5, 4, producer_regs=128)]  # fmt: skip
+# (M, N, K, group, zeros, scale dtype is x's): partial row and column tiles, 2 .. 192 K tiles, one row
+CASES = [(300, 5120, 2048, 128, True, True), (1024, 2048 + 128, 4096, 64, False, False),
+         (129, 1029, 1024, 256, True, False), (1, 4096, 12288, 128, True, True),
+         (2048, 6144, 4096, 128, False, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"{c.bm}x{c.bn}x{c.bk}s{c.stages}" for c in CONFIGS])
+def test_ws_matches_reference(cfg: ws.WsConfig, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(77)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    for m, n, k, group, zeros, same in CASES:
+        qw = random_weight("int4", n, k, gen, group, zeros, dtype if same else other)
+        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+        for b in (None, torch.randn(n, generator=gen).to("cuda", dtype)):
+            y = w4a16_linear(x, qw, b, config=ws.as_dict(cfg))
+            assert rel_err(y, quant_linear_ref(x, qw, b)) < tol(dtype), (m, n, k, group, zeros, cfg)
+
+
+def test_ws_equals_decoded_codes_form() -> None:
+    """The same decoded weights as the codes kernel's decoded form: the two differ by summation order only."""
+    gen = torch.Generator().manual_seed(78)
+    qw = random_weight("int4", 4096, 4096, gen, 128, True, torch.bfloat16)
+    x = torch.randn(512, 4096, generator=gen).to("cuda", torch.bfloat16)
+    codes = {"CODES": 1, "DEQUANT": 1, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "GROUP_M": 8,
+             "num_warps": 4, "num_stages": 3}  # fmt: skip
+    got = w4a16_linear(x, qw, config=ws.as_dict(ws.WsConfig())).float()
+    want = w4a16_linear(x, qw, config=codes).float()
+    assert ((got - want).norm() / want.norm()).item() < 4e-3
+
+
+def test_ws_rejects_what_it_cannot_take() -> None:
+    gen = torch.Generator().manual_seed(79)
+    qw = random_weight("int4", 256, 1024, gen, 32, True, torch.bfloat16)  # group 32 < the K tile of 64
+    x = torch.randn(256, 1024, generator=gen).to("cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="warp-specialised"):
+        w4a16_linear(x, qw, config=ws.as_dict(ws.WsConfig()))
