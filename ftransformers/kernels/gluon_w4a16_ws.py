@@ -66,6 +66,8 @@ class WsConfig:
     group_m: int = 8
     producer_warps: int = PRODUCER_WARPS
     producer_regs: int = PRODUCER_REGS
+    in_flight: int = 1  # tiles of wgmmas left in flight (0: each tile's waited before its stage is handed back)
+    diag: int = 0  # timing experiments only, wrong results: 1 = no decode (W's stages keep what they hold), 2 = no wgmma
 
     def shared_bytes(self) -> int:  # the ring and the epilogue's tile of y
         return (self.stages * (self.bm + self.bn) * self.bk + self.bm * self.bn) * 2
@@ -77,13 +79,13 @@ MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room
 def from_dict(cfg: dict[str, int]) -> WsConfig:
     """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PREGS]) as a WsConfig."""
     return WsConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["STAGES"], cfg.get("GROUP_M", 8),
-                    producer_regs=cfg.get("PREGS", PRODUCER_REGS))  # fmt: skip
+                    producer_regs=cfg.get("PREGS", PRODUCER_REGS), in_flight=cfg.get("IN_FLIGHT", 1))  # fmt: skip
 
 
 def as_dict(cfg: WsConfig) -> dict[str, int]:
     """cfg as the dict w4a16_linear takes (`config=`)."""
     return {"WS": 1, "BLOCK_M": cfg.bm, "BLOCK_N": cfg.bn, "BLOCK_K": cfg.bk, "STAGES": cfg.stages,
-            "GROUP_M": cfg.group_m, "PREGS": cfg.producer_regs}  # fmt: skip
+            "GROUP_M": cfg.group_m, "PREGS": cfg.producer_regs, "IN_FLIGHT": cfg.in_flight}  # fmt: skip
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig) -> bool:
@@ -157,7 +159,7 @@ def _group_params(s_ptrs, z_ptrs, g, offset, HAS_ZEROS: gl.constexpr, DT: gl.con
 def _producer(x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
               stride_xm, stride_qn, stride_sn, stride_zn,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, PW: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, PW: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
     # The producer partition (module docstring): stage i % STAGES gets x's tile i by cp.async and W's tile i decoded
     DT: gl.constexpr = xs.dtype
     BW: gl.constexpr = BK // 8  # words of a row a tile
@@ -188,7 +190,8 @@ def _producer(x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_
         mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         _cp_async(xs.index(st), x_ptrs + i * BK)
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
-        ws.index(st).store(_decode(q, sc, nz, magic, DT, BN, BK))
+        if DIAG != 1:
+            ws.index(st).store(_decode(q, sc, nz, magic, DT, BN, BK))
         fence_async_shared()  # the decoded tile's generic-proxy stores, before the wgmma's async-proxy reads
         _cta_barrier()  # every producer thread's share of the tile
         mbarrier.arrive(ready.index(st))
@@ -197,7 +200,7 @@ def _producer(x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_
 @gluon.jit
 def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym,
               HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              CW: gl.constexpr):  # fmt: skip
+              CW: gl.constexpr, IN_FLIGHT: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
     # The default partition: the wgmmas, one tile's in flight, and the epilogue
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1], instr_shape=[16, BN, 16])
     acc = gl.zeros([BM, BN], gl.float32, mma)
@@ -205,11 +208,17 @@ def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles,
         st = i % STAGES
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)  # x's copies landed and W's tile is stored
         fence_async_shared()  # cp.async writes are generic-proxy; the wgmma reads through the async proxy
-        acc = warpgroup_mma(xs.index(st), ws.index(st).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=[acc])  # tile i - 1's wgmmas are done
-        if i > 0:
-            _cta_barrier()  # both warpgroups past tile i - 1
-            mbarrier.arrive(empty.index((i - 1) % STAGES))
+        if DIAG != 2:
+            acc = warpgroup_mma(xs.index(st), ws.index(st).permute((1, 0)), acc, is_async=True)
+        if IN_FLIGHT == 1:
+            acc = warpgroup_mma_wait(1, deps=[acc])  # tile i - 1's wgmmas are done
+            if i > 0:
+                _cta_barrier()  # both warpgroups past tile i - 1
+                mbarrier.arrive(empty.index((i - 1) % STAGES))
+        else:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _cta_barrier()
+            mbarrier.arrive(empty.index(st))
     acc = warpgroup_mma_wait(0, deps=[acc])
     # through shared memory, so that y leaves in 16-byte row vectors with few address registers
     DT: gl.constexpr = c_smem.dtype
@@ -236,7 +245,8 @@ def _w4a16_ws_kernel(
     stride_xm, stride_qn, stride_sn, stride_zn, stride_ym,
     GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-    CW: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, USE_PDL: gl.constexpr = False,
+    CW: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, IN_FLIGHT: gl.constexpr = 1, DIAG: gl.constexpr = 0,
+    USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     DT: gl.constexpr = x_ptr.dtype.element_ty
     num_m = gl.cdiv(M, BM)
@@ -261,9 +271,9 @@ def _w4a16_ws_kernel(
     gl.warp_specialize(
         [
             (_consumer, (xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym, HAS_BIAS, BM, BN,
-                         STAGES, CW)),
+                         STAGES, CW, IN_FLIGHT, DIAG)),
             (_producer, (x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
-                         stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW)),
+                         stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW, DIAG)),
         ],
         [PW],
         [PREGS],
@@ -281,7 +291,7 @@ def constexprs(group: int, has_zeros: bool, has_bias: bool, cfg: WsConfig) -> di
     """The kernel's compile-time arguments."""
     return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
             "STAGES": cfg.stages, "GROUP_M": cfg.group_m, "CW": CONSUMER_WARPS, "PW": cfg.producer_warps,
-            "PREGS": cfg.producer_regs}  # fmt: skip
+            "PREGS": cfg.producer_regs, "IN_FLIGHT": cfg.in_flight, "DIAG": cfg.diag}  # fmt: skip
 
 
 def w4a16_ws(
