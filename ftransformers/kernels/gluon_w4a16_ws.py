@@ -22,7 +22,8 @@ cuBLAS on a bf16 copy reaches 59-75% (docs/performance.md). Here the two run sid
   row tiles from L2. One program a tile, no split of K: the kernel is for products of many tiles (prefill); the codes
   kernel keeps the few-tile products (`w4a16_config`).
 
-Shared memory: STAGES x (BM + BN) x BK x 2 bytes (128 x 256 x 64, 3 stages: 144 KB), one program an SM.
+Shared memory: STAGES x (BM + BN) x BK x 2 bytes, plus BM x BN x 2 for the epilogue's tile of y where x's ring cannot
+hold it (`WsConfig.shared_bytes`); one program an SM.
 tests/test_gluon_w4a16_ws.py checks it against quant_linear_ref on a Hopper GPU; tests/test_gluon_ws_compile.py its
 offline sm_90 build (both operands from shared memory, no spills, no serialised wgmma).
 """
@@ -67,10 +68,14 @@ class WsConfig:
     producer_warps: int = PRODUCER_WARPS
     producer_regs: int = PRODUCER_REGS
     in_flight: int = 1  # tiles of wgmmas left in flight (0: each tile's waited before its stage is handed back)
-    diag: int = 0  # timing experiments only, wrong results: 1 = no decode (W's stages keep what they hold), 2 = no wgmma
+    # timing experiments only, wrong results: 1 = no decode (W's stages keep what they hold), 2 = no wgmma
+    diag: int = 0
 
-    def shared_bytes(self) -> int:  # the ring and the epilogue's tile of y
-        return (self.stages * (self.bm + self.bn) * self.bk + self.bm * self.bn) * 2
+    def reuses_ring(self) -> bool:  # the epilogue's tile of y in x's ring, where it fits (the ring is idle by then)
+        return self.stages * self.bk >= self.bn
+
+    def shared_bytes(self) -> int:  # the ring, and the epilogue's tile of y where the ring cannot hold it
+        return (self.stages * (self.bm + self.bn) * self.bk + (0 if self.reuses_ring() else self.bm * self.bn)) * 2
 
 
 MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room for barriers and the compiler's own
@@ -113,6 +118,20 @@ FMA t3, t3, one, $5; FMA $3, t3, $6, nzero; }"""
 # each twice in one register; $7 the magic (kernels/triton_w4a16_codes.py's _DQ_BODY, the same arithmetic)
 _DQ_BF16: gl.constexpr = gl.constexpr(_DQ_BODY.replace("ONE", "0x3F803F80").replace("FMA", "fma.rn.bf16x2"))
 _DQ_F16: gl.constexpr = gl.constexpr(_DQ_BODY.replace("ONE", "0x3C003C00").replace("FMA", "fma.rn.f16x2"))
+
+
+# a shared buffer seen as another shape and layout (Triton 3.9 names it reinterpret, 3.6 _reinterpret)
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+
+    @gluon.jit
+    def _as_tile(buf, DT: gl.constexpr, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
+        return buf.reinterpret(DT, SHAPE, LAYOUT)
+
+else:
+
+    @gluon.jit
+    def _as_tile(buf, DT: gl.constexpr, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
+        return buf._reinterpret(DT, SHAPE, LAYOUT)
 
 
 @gluon.jit
@@ -260,7 +279,11 @@ def _w4a16_ws_kernel(
     k_tiles = K // BK
     xs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], DT))
     ws = gl.allocate_shared_memory(DT, [STAGES, BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], DT))
-    c_smem = gl.allocate_shared_memory(DT, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], DT))
+    c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], DT)
+    if STAGES * BK >= BN:  # WsConfig.reuses_ring: x's ring is idle once the last wgmma is waited
+        c_smem = _as_tile(xs, DT, [BM, BN], c_l)
+    else:
+        c_smem = gl.allocate_shared_memory(DT, [BM, BN], c_l)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
