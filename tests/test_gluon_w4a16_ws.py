@@ -2,7 +2,8 @@
 
 Hopper only (compute capability 9.x; Gluon kernels do not run in Triton's interpreter). Int4 with group 64, 128 and
 256, zeros absent and present, float16 / bfloat16 scales; x bf16 and fp16; M and N that leave partial tiles; with and
-without bias; rings of 2-5 stages (the barriers' parity over many K tiles), 128- and 256-column tiles. Tolerance as
+without bias; rings of 2-5 stages (the barriers' parity over many K tiles), 128- and 256-column tiles, x by TMA and by
+cp.async, 4 and 8 producer warps. Tolerance as
 tests/test_triton_w4a16.py's decoded form: the weights are (code - zero) * scale rounded once to x's dtype, as a
 16-bit copy of the weight would be, so ||y - ref|| / ||ref|| stays under `tol` (1e-2 for 16-bit x).
 """
@@ -22,8 +23,10 @@ from ftransformers.kernels import gluon_w4a16_ws as ws
 from ftransformers.kernels.quant_formats import quant_linear_ref
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
-CONFIGS = [ws.WsConfig(), ws.WsConfig(128, 128, 64, 4, producer_regs=128), ws.WsConfig(128, 128, 64, 2, 1),
-           ws.WsConfig(128, 128, 64, 5, 4, producer_regs=128)]  # fmt: skip
+# the default (x by TMA, y through x's ring); cp.async x; 256 columns; 8 producer warps; 2 and 5 stages
+CONFIGS = [ws.WsConfig(), ws.WsConfig(256, 128, 64, 3, x_tma=False), ws.WsConfig(128, 256, 64, 3, producer_regs=152),
+           ws.WsConfig(256, 128, 64, 4, producer_warps=8, producer_regs=80), ws.WsConfig(128, 128, 64, 2, 1),
+           ws.WsConfig(128, 128, 64, 5, 4, x_tma=False)]  # fmt: skip
 # (M, N, K, group, zeros, scale dtype is x's): partial row and column tiles, 2 .. 192 K tiles, one row
 CASES = [(300, 5120, 2048, 128, True, True), (1024, 2048 + 128, 4096, 64, False, False),
          (129, 1029, 1024, 256, True, False), (1, 4096, 12288, 128, True, True),
@@ -31,7 +34,8 @@ CASES = [(300, 5120, 2048, 128, True, True), (1024, 2048 + 128, 4096, 64, False,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"{c.bm}x{c.bn}x{c.bk}s{c.stages}" for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"{c.bm}x{c.bn}x{c.bk}s{c.stages}p{c.producer_warps}t{int(c.x_tma)}"
+                                              for c in CONFIGS])  # fmt: skip
 def test_ws_matches_reference(cfg: ws.WsConfig, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(77)
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16

@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -48,11 +49,13 @@ from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability
 from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_launch
 
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (Triton 3.6's name: the second)
+_GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 CONSUMER_WARPS = 8  # two warpgroups: 64 rows of x each
 PRODUCER_WARPS = 4
-# registers a producer thread (setmaxnreg; 256-column tiles spill under 128 with Triton 3.9's ptxas); the consumer
-# warps take the rest of the SM's 64K (176 at 8 + 4 warps)
-PRODUCER_REGS = 152
+# registers a producer thread (setmaxnreg; 256-column tiles need 152 with Triton 3.9's ptxas, 128-column ones 128); the
+# consumer warps take the rest of the SM's 64K (184 at 8 + 4 warps)
+PRODUCER_REGS = 128
 
 
 @dataclass(frozen=True)
@@ -60,15 +63,17 @@ class WsConfig:
     """A program's tile: BM rows of x, BN rows of W (output columns), K tiles of BK, a ring of STAGES stages, and
     bands of GROUP_M row tiles."""
 
-    bm: int = 128
-    bn: int = 256
+    bm: int = 256
+    bn: int = 128
     bk: int = 64
-    stages: int = 3
+    stages: int = 4
     group_m: int = 8
     producer_warps: int = PRODUCER_WARPS
     producer_regs: int = PRODUCER_REGS
+    x_tma: bool = True  # x's tiles by TMA (one thread's copy, rows past M zero-filled); else 16-byte cp.async a thread
     in_flight: int = 1  # tiles of wgmmas left in flight (0: each tile's waited before its stage is handed back)
-    # timing experiments only, wrong results: 1 = no decode (W's stages keep what they hold), 2 = no wgmma
+    # timing experiments only, wrong results: 1 = no decode (W's stages keep what they hold), 2 = no wgmma, 3 = the
+    # decode without its stores, 4 = the stores without the decode
     diag: int = 0
 
     def reuses_ring(self) -> bool:  # the epilogue's tile of y in x's ring, where it fits (the ring is idle by then)
@@ -84,13 +89,15 @@ MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room
 def from_dict(cfg: dict[str, int]) -> WsConfig:
     """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PREGS]) as a WsConfig."""
     return WsConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["STAGES"], cfg.get("GROUP_M", 8),
-                    producer_regs=cfg.get("PREGS", PRODUCER_REGS), in_flight=cfg.get("IN_FLIGHT", 1))  # fmt: skip
+                    producer_regs=cfg.get("PREGS", PRODUCER_REGS), x_tma=bool(cfg.get("X_TMA", 1)),
+                    in_flight=cfg.get("IN_FLIGHT", 1))  # fmt: skip
 
 
 def as_dict(cfg: WsConfig) -> dict[str, int]:
     """cfg as the dict w4a16_linear takes (`config=`)."""
     return {"WS": 1, "BLOCK_M": cfg.bm, "BLOCK_N": cfg.bn, "BLOCK_K": cfg.bk, "STAGES": cfg.stages,
-            "GROUP_M": cfg.group_m, "PREGS": cfg.producer_regs, "IN_FLIGHT": cfg.in_flight}  # fmt: skip
+            "GROUP_M": cfg.group_m, "PREGS": cfg.producer_regs, "X_TMA": int(cfg.x_tma),
+            "IN_FLIGHT": cfg.in_flight}  # fmt: skip
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig) -> bool:
@@ -101,6 +108,8 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig)
     if _capability(x.device.index or 0)[0] != 9:
         return False
     k = x.shape[1]
+    if cfg.x_tma and (x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16):
+        return False  # TMA: a 16-byte aligned base and row stride
     return group % cfg.bk == 0 and k % group == 0 and cfg.shared_bytes() <= MAX_SHARED and qweight.shape[1] * 8 == k
 
 
@@ -175,10 +184,10 @@ def _group_params(s_ptrs, z_ptrs, g, offset, HAS_ZEROS: gl.constexpr, DT: gl.con
 
 
 @gluon.jit
-def _producer(x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
+def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
               stride_xm, stride_qn, stride_sn, stride_zn,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, PW: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, PW: gl.constexpr, X_TMA: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
     # The producer partition (module docstring): stage i % STAGES gets x's tile i by cp.async and W's tile i decoded
     DT: gl.constexpr = xs.dtype
     BW: gl.constexpr = BK // 8  # words of a row a tile
@@ -199,6 +208,8 @@ def _producer(x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_
     t1 = gl.minimum(1, k_tiles - 1)
     q1 = gl.load(q_ptrs + t1 * BW)
     s1, z1 = _group_params(s_ptrs, z_ptrs, t1 * BK // GROUP, offset, HAS_ZEROS, DT)
+    if DIAG == 4:
+        w_first = _decode(q0, s0, z0, magic, DT, BN, BK)
     for i in range(k_tiles):
         st = i % STAGES
         q, sc, nz = q0, s0, z0
@@ -207,10 +218,20 @@ def _producer(x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_
         q1 = gl.load(q_ptrs + t2 * BW)
         s1, z1 = _group_params(s_ptrs, z_ptrs, t2 * BK // GROUP, offset, HAS_ZEROS, DT)
         mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        _cp_async(xs.index(st), x_ptrs + i * BK)
-        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
-        if DIAG != 1:
+        if X_TMA:  # one arrival with the tile's bytes expected, then the copy's
+            mbarrier.expect(ready.index(st), BM * BK * 2)
+            _tma_load(x_desc, [m0, i * BK], ready.index(st), xs.index(st))
+        else:
+            _cp_async(xs.index(st), x_ptrs + i * BK)
+            async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+        if DIAG == 0 or DIAG == 2:
             ws.index(st).store(_decode(q, sc, nz, magic, DT, BN, BK))
+        elif DIAG == 3:  # the decode without its stores (a condition the compiler cannot fold: K >= 0)
+            w = _decode(q, sc, nz, magic, DT, BN, BK)
+            if k_tiles < 0:
+                ws.index(st).store(w)
+        elif DIAG == 4:  # the stores without the decode: tile 0's weights every time
+            ws.index(st).store(w_first)
         fence_async_shared()  # the decoded tile's generic-proxy stores, before the wgmma's async-proxy reads
         _cta_barrier()  # every producer thread's share of the tile
         mbarrier.arrive(ready.index(st))
@@ -260,11 +281,12 @@ def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles,
 @cached_launch
 @gluon.jit
 def _w4a16_ws_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, magic, offset, M, N, K,
+    x_ptr, x_desc, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, magic, offset, M, N, K,
     stride_xm, stride_qn, stride_sn, stride_zn, stride_ym,
     GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-    CW: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, IN_FLIGHT: gl.constexpr = 1, DIAG: gl.constexpr = 0,
+    CW: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, X_TMA: gl.constexpr = False, IN_FLIGHT: gl.constexpr = 1,
+    DIAG: gl.constexpr = 0,
     USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -287,7 +309,8 @@ def _w4a16_ws_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=PW * 32 + 1)  # a noinc cp.async arrival a producer thread, then W's
+        # x's arrival (TMA: the expect; cp.async: a noinc arrival a producer thread), then W's
+        mbarrier.init(ready.index(s), count=2 if X_TMA else PW * 32 + 1)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     pdl_enter(USE_PDL)
@@ -295,8 +318,9 @@ def _w4a16_ws_kernel(
         [
             (_consumer, (xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym, HAS_BIAS, BM, BN,
                          STAGES, CW, IN_FLIGHT, DIAG)),
-            (_producer, (x_ptr, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
-                         stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW, DIAG)),
+            (_producer, (x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
+                         stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW, X_TMA,
+                         DIAG)),
         ],
         [PW],
         [PREGS],
@@ -314,7 +338,15 @@ def constexprs(group: int, has_zeros: bool, has_bias: bool, cfg: WsConfig) -> di
     """The kernel's compile-time arguments."""
     return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
             "STAGES": cfg.stages, "GROUP_M": cfg.group_m, "CW": CONSUMER_WARPS, "PW": cfg.producer_warps,
-            "PREGS": cfg.producer_regs, "IN_FLIGHT": cfg.in_flight, "DIAG": cfg.diag}  # fmt: skip
+            "PREGS": cfg.producer_regs, "X_TMA": cfg.x_tma, "IN_FLIGHT": cfg.in_flight, "DIAG": cfg.diag}  # fmt: skip
+
+
+def x_descriptor(x: torch.Tensor, cfg: WsConfig):  # -> TensorDescriptor
+    """The TMA descriptor of x [M, K] in [BM, BK] boxes, the layout of the kernel's ring."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dt = _GL_DTYPE[x.dtype]
+    return TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk], gl.NVMMASharedLayout.get_default_for([cfg.bm, cfg.bk], dt))
 
 
 def w4a16_ws(
@@ -333,8 +365,9 @@ def w4a16_ws(
     n = qweight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     magic, offset = MAGIC[x.dtype]
+    x_desc = x_descriptor(x, cfg) if cfg.x_tma else x
     _w4a16_ws_kernel[(cdiv(m, cfg.bm) * cdiv(n, cfg.bn),)](
-        x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        x, x_desc, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         magic, offset, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, y.stride(0),
         **constexprs(group, zeros is not None, bias is not None, cfg),
