@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import sys
 import tempfile
@@ -40,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd
+from ceilings import module_settings, set_module_values
 
 IGNORE = ["lm_head"]  # kept in bf16, as the public quantized checkpoints do
 FORMATS: dict[str, dict[str, Any] | None] = {
@@ -271,7 +273,13 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="eager kernel profile at batches <= 8 (PDL runs)")
     p.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch per run")
     p.add_argument("--dry-run", action="store_true", help="CPU smoke test: shapes shrunk 16x, torch_native")
+    p.add_argument("--set", default="", help="MODULE.NAME=V[+..]: module-level values of ftransformers.kernels.* for "
+                   "the whole run (an A/B across runs), e.g. gluon_w4a16_ws.ENGINE_MIN_ROWS=0")  # fmt: skip
     args = p.parse_args()
+    for item in filter(None, args.set.split("+")):
+        mod_name, _, setting = item.partition(".")
+        mod = importlib.import_module(f"ftransformers.kernels.{mod_name}")
+        set_module_values(mod, module_settings(setting, mod))
     bd.DEV = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
         args.no_engine = True

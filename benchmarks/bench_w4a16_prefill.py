@@ -45,8 +45,7 @@ DENSE = {  # (N, K) of the int4 linears
     "qwen3-8b down": (4096, 12288), "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
 }  # fmt: skip
 EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}  # D, I, E, top-k
-WS_CONFIGS = [ws.WsConfig(), ws.WsConfig(128, 256, 64, 2), ws.WsConfig(128, 128, 64, 4, producer_regs=128),
-              ws.WsConfig(128, 128, 64, 5, producer_regs=128)]  # fmt: skip
+WS_CONFIGS = [ws.WsConfig(), ws.WsConfig(128, 128, 64, 4), ws.WsConfig(256, 128, 64, 4, x_tma=False)]
 L2_BYTES = 256 << 20  # weight copies a timed graph cycles through, so that no call finds its weight in L2
 
 
@@ -77,7 +76,7 @@ def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]
             out[f"decoded {bm}x{bn}x128 w{warps} s{stages} split{split}"] = cfg
     if m > 64:  # the warp-specialised kernel (kernels/gluon_w4a16_ws.py): the decode beside the wgmmas
         for cfg in WS_CONFIGS:
-            out[f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages} p{cfg.producer_regs}"] = ws.as_dict(cfg)
+            out[f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages}{'' if cfg.x_tma else ' cp.async'}"] = ws.as_dict(cfg)
     return out
 
 

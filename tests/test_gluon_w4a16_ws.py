@@ -65,3 +65,18 @@ def test_ws_rejects_what_it_cannot_take() -> None:
     x = torch.randn(256, 1024, generator=gen).to("cuda", torch.bfloat16)
     with pytest.raises(ValueError, match="warp-specialised"):
         w4a16_linear(x, qw, config=ws.as_dict(ws.WsConfig()))
+
+
+def test_engine_takes_it_at_prefill_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """w4a16_linear without a config runs the kernel from ENGINE_MIN_ROWS rows (the codes kernel's decoded form below,
+    or with the rule off): both agree with the reference, and the route is the kernel's (its result bit for bit)."""
+    gen = torch.Generator().manual_seed(80)
+    qw = random_weight("int4", 4096, 4096, gen, 128, True, torch.bfloat16)
+    x = torch.randn(1024, 4096, generator=gen).to("cuda", torch.bfloat16)
+    assert ws.engine_config(1024, 4096, 4096, 128) == ws.WsConfig()
+    routed = w4a16_linear(x, qw)
+    assert torch.equal(routed, w4a16_linear(x, qw, config=ws.as_dict(ws.WsConfig())))
+    monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)
+    other = w4a16_linear(x, qw)
+    ref = quant_linear_ref(x, qw)
+    assert rel_err(routed, ref) < tol(torch.bfloat16) and rel_err(other, ref) < tol(torch.bfloat16)

@@ -134,3 +134,20 @@ def test_the_decoded_form_only_where_its_chunk_is_larger() -> None:
     plain = mma.constexprs(16, 1536, 128, True, False, cfg)
     assert plain["KC"] == 64 and not plain["DEQUANT"]
     assert mma.constexprs(16, 1536, 32, True, False, cfg)["DEQUANT"]  # group 32: chunks of 32 -> 64
+
+
+def test_ws_rule_takes_prefill_sizes_with_enough_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warp-specialised kernel's rule (kernels/gluon_w4a16_ws.py, H200 session 77): from ENGINE_MIN_ROWS rows where
+    its 256 x 128 tiles number at least ENGINE_MIN_TILES; never with the rule off; never off a Hopper GPU."""
+    import torch
+
+    from ftransformers.kernels import gluon_w4a16_ws as ws
+
+    assert ws.engine_config(511, 24576, 4096, 128) is None  # under the rows
+    assert ws.engine_config(512, 24576, 4096, 128) == ws.WsConfig()  # 2 x 192 tiles
+    assert ws.engine_config(512, 2048, 4096, 128) is None  # 2 x 16 tiles
+    assert ws.engine_config(8192, 2048, 4096, 128) == ws.WsConfig()  # 32 x 16
+    monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)
+    assert ws.engine_config(8192, 24576, 4096, 128) is None
+    x = torch.randn(1024, 4096, dtype=torch.bfloat16)  # a CPU tensor: the kernel never takes it
+    assert not ws.supported(x, torch.zeros(4096, 512, dtype=torch.int32), 128, ws.WsConfig())

@@ -86,6 +86,22 @@ class WsConfig:
 MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room for barriers and the compiler's own
 
 
+# w4a16_linear (without a config) sends int4 products of ENGINE_MIN_ROWS rows or more here where the default tiles
+# number at least ENGINE_MIN_TILES (the kernel splits no K: fewer tiles leave SMs idle; the codes kernel splits) on a
+# Hopper GPU (0: never). H200, session 77 (diag_w4a16_ws.py, bench_w4a16_prefill.py; docs/performance.md)
+ENGINE_MIN_ROWS = 512
+ENGINE_MIN_TILES = 128
+
+
+def engine_config(m: int, n: int, k: int, group: int) -> WsConfig | None:
+    """The config w4a16_linear runs an int4 [M, K] x [N, K]^T product on here, or None (the rule above; callers then
+    check `supported`)."""
+    cfg = WsConfig()
+    if not ENGINE_MIN_ROWS or m < ENGINE_MIN_ROWS or cdiv(m, cfg.bm) * cdiv(n, cfg.bn) < ENGINE_MIN_TILES:
+        return None
+    return cfg
+
+
 def from_dict(cfg: dict[str, int]) -> WsConfig:
     """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PREGS]) as a WsConfig."""
     return WsConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["STAGES"], cfg.get("GROUP_M", 8),
