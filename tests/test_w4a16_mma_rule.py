@@ -137,15 +137,19 @@ def test_the_decoded_form_only_where_its_chunk_is_larger() -> None:
 
 
 def test_ws_rule_takes_prefill_sizes_with_enough_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The warp-specialised kernel's rule (kernels/gluon_w4a16_ws.py, H200 session 77): from ENGINE_MIN_ROWS rows where
-    its 256 x 128 tiles number at least ENGINE_MIN_TILES; never with the rule off; never off a Hopper GPU."""
+    """The warp-specialised kernel's rule (kernels/gluon_w4a16_ws.py, H200 session 77): from ENGINE_MIN_ROWS rows, in
+    256 x 128 tiles where they number at least ENGINE_MIN_TILES, else 128 x 128 ones where those number at least
+    SMALL_MIN_TILES; never with the rule off; never off a Hopper GPU."""
     import torch
 
     from ftransformers.kernels import gluon_w4a16_ws as ws
 
     assert ws.engine_config(511, 24576, 4096, 128) is None  # under the rows
-    assert ws.engine_config(512, 24576, 4096, 128) == ws.WsConfig()  # 2 x 192 tiles
-    assert ws.engine_config(512, 2048, 4096, 128) is None  # 2 x 16 tiles
+    assert ws.engine_config(512, 24576, 4096, 128) == ws.WsConfig()  # 2 x 192 large tiles
+    assert ws.engine_config(512, 5120, 2048, 128) == ws.WsConfig()  # 2 x 40: Qwen3-30B-A3B qkv
+    assert ws.engine_config(512, 4096, 4096, 128) == ws.SMALL  # 2 x 32 large, 4 x 32 small: Qwen3-8B o
+    assert ws.engine_config(512, 2048, 4096, 128) is None  # 2 x 16 large, 4 x 16 small: Qwen3-30B-A3B o
+    assert ws.engine_config(1024, 2048, 4096, 128) == ws.SMALL  # 4 x 16 large, 8 x 16 small
     assert ws.engine_config(8192, 2048, 4096, 128) == ws.WsConfig()  # 32 x 16
     monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)
     assert ws.engine_config(8192, 24576, 4096, 128) is None

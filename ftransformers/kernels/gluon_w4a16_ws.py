@@ -86,20 +86,27 @@ class WsConfig:
 MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room for barriers and the compiler's own
 
 
-# w4a16_linear (without a config) sends int4 products of ENGINE_MIN_ROWS rows or more here where the default tiles
-# number at least ENGINE_MIN_TILES (the kernel splits no K: fewer tiles leave SMs idle; the codes kernel splits) on a
-# Hopper GPU (0: never). H200, session 77 (diag_w4a16_ws.py, bench_w4a16_prefill.py; docs/performance.md)
+# w4a16_linear (without a config) sends int4 products of ENGINE_MIN_ROWS rows or more here (0: never), on a Hopper GPU:
+# in 256 x 128 tiles where those number at least ENGINE_MIN_TILES, else in 128 x 128 tiles where those number at least
+# SMALL_MIN_TILES (the kernel splits no K: with fewer tiles SMs idle, and the codes kernel, which splits, keeps them).
+# H200, session 77 (bench_w4a16_prefill.py, ws_dense2_s77_h200.*), against the codes kernel's decoded form: 1.14-1.42x
+# at 1024-8192 rows; at 512 rows 1.28-1.46x on 80-96 tiles of 256 x 128 (Qwen3-30B-A3B / Qwen3-8B qkv) and 1.08-1.27x
+# in 128 x 128 tiles where the larger number 64; on 32 large tiles (Qwen3-30B-A3B o at 512 rows) 0.70x, so not taken
 ENGINE_MIN_ROWS = 512
-ENGINE_MIN_TILES = 128
+ENGINE_MIN_TILES = 80
+SMALL_MIN_TILES = 128
+SMALL = WsConfig(128, 128, 64, 4)
 
 
 def engine_config(m: int, n: int, k: int, group: int) -> WsConfig | None:
     """The config w4a16_linear runs an int4 [M, K] x [N, K]^T product on here, or None (the rule above; callers then
     check `supported`)."""
-    cfg = WsConfig()
-    if not ENGINE_MIN_ROWS or m < ENGINE_MIN_ROWS or cdiv(m, cfg.bm) * cdiv(n, cfg.bn) < ENGINE_MIN_TILES:
+    if not ENGINE_MIN_ROWS or m < ENGINE_MIN_ROWS:
         return None
-    return cfg
+    for cfg, least in ((WsConfig(), ENGINE_MIN_TILES), (SMALL, SMALL_MIN_TILES)):
+        if cdiv(m, cfg.bm) * cdiv(n, cfg.bn) >= least:
+            return cfg
+    return None
 
 
 def from_dict(cfg: dict[str, int]) -> WsConfig:
