@@ -4,28 +4,39 @@ for the "int4" layout of kernels/quant_formats.py, W[n, k] = (code - zero[n, g])
 
 Why: past 64 rows the Triton codes kernel's decoded form (kernels/triton_w4a16_codes.py) decodes each weight tile in
 the warps that then wait for its wgmma, so the decode and the tensor cores take turns; sessions 75-76 measured every
-tiling Triton's dot offers at 39-46% of the bf16 matmul rate on the MoE's experts and 40-70% on dense weights, where
-cuBLAS on a bf16 copy reaches 59-75% (docs/performance.md). Here the two run side by side, as Marlin-class kernels do:
+tiling Triton's dot offers at 40-70% of the bf16 matmul rate on dense weights, where cuBLAS on a bf16 copy reaches
+75-100% (docs/performance.md). Here the two run side by side, as Marlin-class kernels do:
 
-- The consumer (the default partition, CONSUMER_WARPS = 8: two warpgroups, 64 rows of x each) waits for a stage,
-  issues y_tile += x_tile @ W_tile^T as one asynchronous wgmma chain (A = x [BM, BK] and B = the decoded W [BN, BK]^T,
-  both in 128-byte-swizzled shared memory), keeps one tile's wgmmas in flight and hands the stage before back
-  (`empty`). Its epilogue adds the bias and stores y from the accumulator.
+- The consumer (the default partition, CONSUMER_WARPS = 8: two warpgroups) waits for a stage, issues y_tile +=
+  x_tile @ W_tile^T as one asynchronous wgmma chain (A = x [BM, BK] and B = the decoded W [BN, BK]^T, both in
+  128-byte-swizzled shared memory), keeps one tile's wgmmas in flight and hands the stage before back (`empty`). Its
+  epilogue stores y through shared memory (x's ring where it holds the tile), adding the bias in 16-byte row vectors.
 - The producer (a worker partition of PRODUCER_WARPS = 4 warps) fills stage i % STAGES once it is free: x's tile by
-  16-byte cp.async (each thread's copies arrive on the stage's `ready` barrier when they land), then the weight tile:
-  words, scales and zeros read from global memory two tiles ahead into registers, decoded in PTX as the codes kernel's
-  decoded form does (LOP3 makes offset + code, one 16-bit FMA removes offset + zero exactly, one multiplies by the
-  scale rounded to x's dtype: one rounding, as a 16-bit copy of the weight would have), stored to shared memory in K
-  order, then fenced for the async proxy and signalled on `ready` (one arrival).
+  TMA (its bytes expected on the stage's `ready` barrier; rows past M zero-filled) or, with `x_tma` off, by 16-byte
+  cp.async (each thread's copies arrive on `ready` when they land); then the weight tile: words, scales and zeros read
+  from global memory two tiles ahead into registers, decoded in PTX as the codes kernel's decoded form does (LOP3
+  makes offset + code, one 16-bit FMA removes offset + zero exactly, one multiplies by the scale rounded to x's
+  dtype: one rounding, as a 16-bit copy of the weight would have), stored to shared memory in K order, fenced for the
+  async proxy and signalled on `ready` (one arrival).
 - A K tile never crosses a quantization group (GROUP % BK == 0), so a tile has one scale and zero a row; K % BK == 0.
 - Tiles are walked in bands of GROUP_M row tiles (`grouped_tile`'s order), so a weight tile's decode serves the band's
-  row tiles from L2. One program a tile, no split of K: the kernel is for products of many tiles (prefill); the codes
-  kernel keeps the few-tile products (`w4a16_config`).
+  row tiles from L2. One program a tile, no split of K: the kernel is for products of many tiles (prefill; the rule
+  `engine_config`); the codes kernel, which splits K, keeps the few-tile products.
+
+Measured on the H200 (session 77, benchmarks/diag_w4a16_ws.py and bench_w4a16_prefill.py; docs/performance.md): the
+default 256 x 128 x 64 tiles on 4 stages run Qwen3-8B's int4 gate_up at 8192 rows in 2916 us (82% of the matmul rate;
+cuBLAS on the bf16 weight 2371, the codes kernel's decoded form 3380), and 1.14-1.42x the decoded form over Qwen3-8B's
+and Qwen3-30B-A3B's dense weights at 1024-8192 rows. Each half alone runs at cuBLAS's pace (`diag` 1, no decode: 2018
+us; `diag` 2, no wgmma: 1950); together they contend (the wgmmas read both operands from shared memory while the
+producer writes x and W there): both cost 44% over neither; in the cp.async form the decode without its stores cost
+10%, the stores without the decode 17%, both 57%.
+x by cp.async instead of TMA was 10-25% slower; 8 producer warps, 3 stages and no wgmma left in flight level or slower;
+128 x 256 tiles (twice the decode a FLOP) 1.2-1.5x slower.
 
 Shared memory: STAGES x (BM + BN) x BK x 2 bytes, plus BM x BN x 2 for the epilogue's tile of y where x's ring cannot
-hold it (`WsConfig.shared_bytes`); one program an SM.
+hold it (`WsConfig.shared_bytes`; the default 192 KB); one program an SM.
 tests/test_gluon_w4a16_ws.py checks it against quant_linear_ref on a Hopper GPU; tests/test_gluon_ws_compile.py its
-offline sm_90 build (both operands from shared memory, no spills, no serialised wgmma).
+offline sm_90 build (both operands from shared memory, at most a few words spilled, no serialised wgmma).
 """
 
 from __future__ import annotations
