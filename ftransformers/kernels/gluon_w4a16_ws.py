@@ -25,9 +25,9 @@ tiling Triton's dot offers at 40-70% of the bf16 matmul rate on dense weights, w
 
 Measured on the H200 (session 77, benchmarks/diag_w4a16_ws.py and bench_w4a16_prefill.py; docs/performance.md): the
 default 256 x 128 x 64 tiles on 4 stages run Qwen3-8B's int4 gate_up at 8192 rows in 2916 us (82% of the matmul rate;
-cuBLAS on the bf16 weight 2371, the codes kernel's decoded form 3380), and 1.14-1.42x the decoded form over Qwen3-8B's
-and Qwen3-30B-A3B's dense weights at 1024-8192 rows. Each half alone runs at cuBLAS's pace (`diag` 1, no decode: 2018
-us; `diag` 2, no wgmma: 1950); together they contend (the wgmmas read both operands from shared memory while the
+cuBLAS on the bf16 weight 2371, the codes kernel's decoded form 3380), and 1.1-1.5x the decoded form's best tiling
+over Qwen3-8B's and Qwen3-30B-A3B's dense weights at 1024-8192 rows. Each half alone runs at cuBLAS's pace (`diag`
+1, no decode: 2018 us; `diag` 2, no wgmma: 1950); together they contend (the wgmmas read both operands from shared memory while the
 producer writes x and W there): both cost 44% over neither; in the cp.async form the decode without its stores cost
 10%, the stores without the decode 17%, both 57%.
 x by cp.async instead of TMA was 10-25% slower; 8 producer warps, 3 stages and no wgmma left in flight level or slower;
@@ -100,7 +100,7 @@ MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room
 # w4a16_linear (without a config) sends int4 products of ENGINE_MIN_ROWS rows or more here (0: never), on a Hopper GPU:
 # in 256 x 128 tiles where those number at least ENGINE_MIN_TILES, else in 128 x 128 tiles where those number at least
 # SMALL_MIN_TILES (the kernel splits no K: with fewer tiles SMs idle, and the codes kernel, which splits, keeps them).
-# H200, session 77 (bench_w4a16_prefill.py, ws_dense2_s77_h200.*), against the codes kernel's decoded form: 1.14-1.42x
+# H200, session 77 (bench_w4a16_prefill.py, ws_dense2_s77_h200.*), against the codes kernel's decoded form: 1.1-1.5x
 # at 1024-8192 rows; at 512 rows 1.28-1.46x on 80-96 tiles of 256 x 128 (Qwen3-30B-A3B / Qwen3-8B qkv) and 1.08-1.27x
 # in 128 x 128 tiles where the larger number 64; on 32 large tiles (Qwen3-30B-A3B o at 512 rows) 0.70x, so not taken
 ENGINE_MIN_ROWS = 512
