@@ -27,9 +27,9 @@ Measured on the H200 (session 77, benchmarks/diag_w4a16_ws.py and bench_w4a16_pr
 default 256 x 128 x 64 tiles on 4 stages run Qwen3-8B's int4 gate_up at 8192 rows in 2916 us (82% of the matmul rate;
 cuBLAS on the bf16 weight 2371, the codes kernel's decoded form 3380), and 1.1-1.5x the decoded form's best tiling
 over Qwen3-8B's and Qwen3-30B-A3B's dense weights at 1024-8192 rows. Each half alone runs at cuBLAS's pace (`diag`
-1, no decode: 2018 us; `diag` 2, no wgmma: 1950); together they contend (the wgmmas read both operands from shared memory while the
-producer writes x and W there): both cost 44% over neither; in the cp.async form the decode without its stores cost
-10%, the stores without the decode 17%, both 57%.
+1, no decode: 2018 us; `diag` 2, no wgmma: 1950); together they contend (the wgmmas read both operands from shared
+memory while the producer writes x and W there): both cost 44% over neither; in the cp.async form the decode without
+its stores cost 10%, the stores without the decode 17%, both 57%.
 x by cp.async instead of TMA was 10-25% slower; 8 producer warps, 3 stages and no wgmma left in flight level or slower;
 128 x 256 tiles (twice the decode a FLOP) 1.2-1.5x slower.
 
