@@ -59,6 +59,7 @@ from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, pdl_
 from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability
 from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.triton_w4a16_codes import _DQ_BF16, _DQ_F16  # the decoded form's PTX, $0-$7 as there
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (Triton 3.6's name: the second)
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -147,20 +148,6 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig)
     return group % cfg.bk == 0 and k % group == 0 and cfg.shared_bytes() <= MAX_SHARED and qweight.shape[1] * 8 == k
 
 
-_DQ_BODY = """{ .reg .b32 t<4>, one, nzero;
-mov.b32 one, ONE; mov.b32 nzero, 0x80008000;
-lop3.b32 t0, $4, 0x000F000F, $7, 0xEA;
-shr.u32 t1, $4, 4; lop3.b32 t1, t1, 0x000F000F, $7, 0xEA;
-shr.u32 t2, $4, 8; lop3.b32 t2, t2, 0x000F000F, $7, 0xEA;
-shr.u32 t3, $4, 12; lop3.b32 t3, t3, 0x000F000F, $7, 0xEA;
-FMA t0, t0, one, $5; FMA $0, t0, $6, nzero;
-FMA t1, t1, one, $5; FMA $1, t1, $6, nzero;
-FMA t2, t2, one, $5; FMA $2, t2, $6, nzero;
-FMA t3, t3, one, $5; FMA $3, t3, $6, nzero; }"""
-# $0-$3: the pairs (nibble i, nibble i + 4) of word $4 decoded, i = 0..3; $5 = -(offset + zero) and $6 = the scale,
-# each twice in one register; $7 the magic (kernels/triton_w4a16_codes.py's _DQ_BODY, the same arithmetic)
-_DQ_BF16: gl.constexpr = gl.constexpr(_DQ_BODY.replace("ONE", "0x3F803F80").replace("FMA", "fma.rn.bf16x2"))
-_DQ_F16: gl.constexpr = gl.constexpr(_DQ_BODY.replace("ONE", "0x3C003C00").replace("FMA", "fma.rn.f16x2"))
 
 
 # a shared buffer seen as another shape and layout (Triton 3.9 names it reinterpret, 3.6 _reinterpret)
