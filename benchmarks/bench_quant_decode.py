@@ -278,8 +278,11 @@ def main() -> None:
     args = p.parse_args()
     for item in filter(None, args.set.split("+")):
         mod_name, _, setting = item.partition(".")
-        mod = importlib.import_module(f"ftransformers.kernels.{mod_name}")
-        set_module_values(mod, module_settings(setting, mod))
+        try:
+            mod = importlib.import_module(f"ftransformers.kernels.{mod_name}")
+            set_module_values(mod, module_settings(setting, mod))
+        except (ImportError, ValueError) as e:
+            raise SystemExit(f"bench_quant_decode: --set takes MODULE.NAME=V of ftransformers.kernels; {item!r}: {e}")
     bd.DEV = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
         args.no_engine = True
