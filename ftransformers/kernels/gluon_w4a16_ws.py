@@ -310,6 +310,7 @@ def _w4a16_ws_kernel(
     DIAG: gl.constexpr = 0,
     USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # first (tests/test_pdl.py): nothing of another kernel's is read or written before it
     DT: gl.constexpr = x_ptr.dtype.element_ty
     num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
@@ -334,7 +335,6 @@ def _w4a16_ws_kernel(
         mbarrier.init(ready.index(s), count=2 if X_TMA else PW * 32 + 1)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
-    pdl_enter(USE_PDL)
     gl.warp_specialize(
         [
             (_consumer, (xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym, HAS_BIAS, BM, BN,
