@@ -155,3 +155,12 @@ def test_ws_rule_takes_prefill_sizes_with_enough_tiles(monkeypatch: pytest.Monke
     assert ws.engine_config(8192, 24576, 4096, 128) is None
     x = torch.randn(1024, 4096, dtype=torch.bfloat16)  # a CPU tensor: the kernel never takes it
     assert not ws.supported(x, torch.zeros(4096, 512, dtype=torch.int32), 128, ws.WsConfig())
+
+
+def test_ws_config_round_trips_through_the_linear_dict() -> None:
+    """w4a16_linear's config dict carries every field of the warp-specialised kernel's config but `diag` (session 77's
+    first form dropped the producer warps, so a test of 8 producer warps ran 4)."""
+    from ftransformers.kernels import gluon_w4a16_ws as ws
+
+    for cfg in (ws.WsConfig(), ws.SMALL, ws.WsConfig(256, 128, 64, 3, 4, 8, 80, False, 0)):
+        assert ws.from_dict(ws.as_dict(cfg)) == cfg

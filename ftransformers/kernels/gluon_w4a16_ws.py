@@ -122,16 +122,17 @@ def engine_config(m: int, n: int, k: int, group: int) -> WsConfig | None:
 
 
 def from_dict(cfg: dict[str, int]) -> WsConfig:
-    """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PREGS]) as a WsConfig."""
+    """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PW, PREGS, X_TMA,
+    IN_FLIGHT]) as a WsConfig."""
     return WsConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["STAGES"], cfg.get("GROUP_M", 8),
-                    producer_regs=cfg.get("PREGS", PRODUCER_REGS), x_tma=bool(cfg.get("X_TMA", 1)),
-                    in_flight=cfg.get("IN_FLIGHT", 1))  # fmt: skip
+                    cfg.get("PW", PRODUCER_WARPS), cfg.get("PREGS", PRODUCER_REGS), bool(cfg.get("X_TMA", 1)),
+                    cfg.get("IN_FLIGHT", 1))  # fmt: skip
 
 
 def as_dict(cfg: WsConfig) -> dict[str, int]:
     """cfg as the dict w4a16_linear takes (`config=`)."""
     return {"WS": 1, "BLOCK_M": cfg.bm, "BLOCK_N": cfg.bn, "BLOCK_K": cfg.bk, "STAGES": cfg.stages,
-            "GROUP_M": cfg.group_m, "PREGS": cfg.producer_regs, "X_TMA": int(cfg.x_tma),
+            "GROUP_M": cfg.group_m, "PW": cfg.producer_warps, "PREGS": cfg.producer_regs, "X_TMA": int(cfg.x_tma),
             "IN_FLIGHT": cfg.in_flight}  # fmt: skip
 
 
@@ -146,8 +147,6 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig)
     if cfg.x_tma and (x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16):
         return False  # TMA: a 16-byte aligned base and row stride
     return group % cfg.bk == 0 and k % group == 0 and cfg.shared_bytes() <= MAX_SHARED and qweight.shape[1] * 8 == k
-
-
 
 
 # a shared buffer seen as another shape and layout (Triton 3.9 names it reinterpret, 3.6 _reinterpret)
