@@ -208,7 +208,8 @@ def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, 
               stride_xm, stride_qn, stride_sn, stride_zn,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, PW: gl.constexpr, X_TMA: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
-    # The producer partition (module docstring): stage i % STAGES gets x's tile i by cp.async and W's tile i decoded
+    # The producer partition (module docstring): stage i % STAGES gets x's tile i (TMA or cp.async) and W's tile i
+    # decoded
     DT: gl.constexpr = xs.dtype
     BW: gl.constexpr = BK // 8  # words of a row a tile
     x_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // BW, BW], [PW, 1], [1, 0])  # [BM, BK]: 16-byte vectors
@@ -221,8 +222,8 @@ def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, 
     q_ptrs = q_ptr + gl.expand_dims(rows_q.to(gl.int64) * stride_qn, 1) + gl.expand_dims(cols_q, 0)
     s_ptrs = s_ptr + rows_q.to(gl.int64) * stride_sn
     z_ptrs = z_ptr + rows_q.to(gl.int64) * stride_zn
-    # words, scales and zeros of tiles i and i + 1 in registers while tile i is decoded (DRAM's round trip is longer
-    # than a tile's wgmmas)
+    # words, scales and zeros of tiles i + 1 and i + 2 in registers while tile i is decoded (DRAM's round trip is
+    # longer than a tile's wgmmas)
     q0 = gl.load(q_ptrs)
     s0, z0 = _group_params(s_ptrs, z_ptrs, 0, offset, HAS_ZEROS, DT)
     t1 = gl.minimum(1, k_tiles - 1)
@@ -280,7 +281,8 @@ def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles,
             _cta_barrier()
             mbarrier.arrive(empty.index(st))
     acc = warpgroup_mma_wait(0, deps=[acc])
-    # through shared memory, so that y leaves in 16-byte row vectors with few address registers
+    # through shared memory, so that y leaves in 16-byte row vectors with few address registers; a bias is added to y
+    # rounded to x's dtype (two roundings, where the codes kernel adds it in float32: within 16-bit tolerance)
     DT: gl.constexpr = c_smem.dtype
     c_smem.store(acc.to(DT))
     _cta_barrier()
