@@ -144,15 +144,15 @@ def test_ws_rule_takes_prefill_sizes_with_enough_tiles(monkeypatch: pytest.Monke
 
     from ftransformers.kernels import gluon_w4a16_ws as ws
 
-    assert ws.engine_config(511, 24576, 4096, 128) is None  # under the rows
-    assert ws.engine_config(512, 24576, 4096, 128) == ws.WsConfig()  # 2 x 192 large tiles
-    assert ws.engine_config(512, 5120, 2048, 128) == ws.WsConfig()  # 2 x 40: Qwen3-30B-A3B qkv
-    assert ws.engine_config(512, 4096, 4096, 128) == ws.SMALL  # 2 x 32 large, 4 x 32 small: Qwen3-8B o
-    assert ws.engine_config(512, 2048, 4096, 128) is None  # 2 x 16 large, 4 x 16 small: Qwen3-30B-A3B o
-    assert ws.engine_config(1024, 2048, 4096, 128) == ws.SMALL  # 4 x 16 large, 8 x 16 small
-    assert ws.engine_config(8192, 2048, 4096, 128) == ws.WsConfig()  # 32 x 16
+    assert ws.engine_config(511, 24576) is None  # under the rows
+    assert ws.engine_config(512, 24576) == ws.WsConfig()  # 2 x 192 large tiles
+    assert ws.engine_config(512, 5120) == ws.WsConfig()  # 2 x 40: Qwen3-30B-A3B qkv
+    assert ws.engine_config(512, 4096) == ws.SMALL  # 2 x 32 large, 4 x 32 small: Qwen3-8B o
+    assert ws.engine_config(512, 2048) is None  # 2 x 16 large, 4 x 16 small: Qwen3-30B-A3B o
+    assert ws.engine_config(1024, 2048) == ws.SMALL  # 4 x 16 large, 8 x 16 small
+    assert ws.engine_config(8192, 2048) == ws.WsConfig()  # 32 x 16
     monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)
-    assert ws.engine_config(8192, 24576, 4096, 128) is None
+    assert ws.engine_config(8192, 24576) is None
     x = torch.randn(1024, 4096, dtype=torch.bfloat16)  # a CPU tensor: the kernel never takes it
     assert not ws.supported(x, torch.zeros(4096, 512, dtype=torch.int32), 128, ws.WsConfig())
 

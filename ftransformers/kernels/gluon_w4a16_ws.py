@@ -110,9 +110,9 @@ SMALL_MIN_TILES = 128
 SMALL = WsConfig(128, 128, 64, 4)
 
 
-def engine_config(m: int, n: int, k: int, group: int) -> WsConfig | None:
-    """The config w4a16_linear runs an int4 [M, K] x [N, K]^T product on here, or None (the rule above; callers then
-    check `supported`)."""
+def engine_config(m: int, n: int) -> WsConfig | None:
+    """The config w4a16_linear runs an int4 [M, K] x [N, K]^T product on here, or None (the rule above, by M and N
+    alone; callers then check `supported`, which sees K, the group and the device)."""
     if not ENGINE_MIN_ROWS or m < ENGINE_MIN_ROWS:
         return None
     for cfg, least in ((WsConfig(), ENGINE_MIN_TILES), (SMALL, SMALL_MIN_TILES)):
@@ -124,9 +124,10 @@ def engine_config(m: int, n: int, k: int, group: int) -> WsConfig | None:
 def from_dict(cfg: dict[str, int]) -> WsConfig:
     """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PW, PREGS, X_TMA,
     IN_FLIGHT]) as a WsConfig."""
-    return WsConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["STAGES"], cfg.get("GROUP_M", 8),
-                    cfg.get("PW", PRODUCER_WARPS), cfg.get("PREGS", PRODUCER_REGS), bool(cfg.get("X_TMA", 1)),
-                    cfg.get("IN_FLIGHT", 1))  # fmt: skip
+    return WsConfig(bm=cfg["BLOCK_M"], bn=cfg["BLOCK_N"], bk=cfg["BLOCK_K"], stages=cfg["STAGES"],
+                    group_m=cfg.get("GROUP_M", 8), producer_warps=cfg.get("PW", PRODUCER_WARPS),
+                    producer_regs=cfg.get("PREGS", PRODUCER_REGS), x_tma=bool(cfg.get("X_TMA", 1)),
+                    in_flight=cfg.get("IN_FLIGHT", 1))  # fmt: skip
 
 
 def as_dict(cfg: WsConfig) -> dict[str, int]:
@@ -349,11 +350,10 @@ def _w4a16_ws_kernel(
     )  # fmt: skip
 
 
-def maxnreg(cfg: WsConfig | None = None) -> int:
+def maxnreg(cfg: WsConfig) -> int:
     """Registers a thread at launch: the SM's 64K over the consumer and producer warps, a multiple of 8 (the producer
-    then gives back all but PRODUCER_REGS to the consumer warps)."""
-    pw = cfg.producer_warps if cfg else PRODUCER_WARPS
-    return 65536 // ((CONSUMER_WARPS + pw) * 32) // 8 * 8
+    then gives back all but its `producer_regs` to the consumer warps)."""
+    return 65536 // ((CONSUMER_WARPS + cfg.producer_warps) * 32) // 8 * 8
 
 
 def constexprs(group: int, has_zeros: bool, has_bias: bool, cfg: WsConfig) -> dict:
