@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,21 @@ DENSE = {  # (N, K) of the int4 linears
     "qwen3-8b down": (4096, 12288), "qwen3-30b-a3b qkv": (5120, 2048), "qwen3-30b-a3b o": (2048, 4096),
 }  # fmt: skip
 EXPERTS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}  # D, I, E, top-k
-WS_CONFIGS = [ws.WsConfig(), ws.WsConfig(128, 128, 64, 4), ws.WsConfig(256, 128, 64, 4, x_tma=False)]
+WS_CONFIGS = "256x128x64:4,128x128x64:4,256x128x64:4:x_tma=0"  # --ws's default
 L2_BYTES = 256 << 20  # weight copies a timed graph cycles through, so that no call finds its weight in L2
 
 
-def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]:
+def parse_ws_config(text: str) -> ws.WsConfig:
+    """'BMxBNxBK:stages[:key=value..]' (WsConfig's fields), e.g. 128x256x64:3:producer_regs=152:diag=1."""
+    tile, stages, *extra = text.split(":")
+    bm, bn, bk = (int(v) for v in tile.split("x"))
+    cfg = ws.WsConfig(bm, bn, bk, int(stages))
+    return replace(cfg, **{k: int(v) for k, v in (e.split("=") for e in extra)})
+
+
+def dense_configs(
+    m: int, n: int, k: int, sms: int, ws_configs: list[ws.WsConfig]
+) -> dict[str, dict[str, int]]:
     """Candidate tiles of the dequantizing GEMM, (BM, BN, BK, warps, stages), K split to two programs an SM where the
     tiles are fewer (to 256 rows); then the codes kernel's decoded form (kernels/triton_w4a16_codes.py, `DEQUANT`:
     the weight tile decoded in PTX as the wgmma's A operand) over row tiles of 64-256, which the engine runs past 64
@@ -75,8 +86,9 @@ def dense_configs(m: int, n: int, k: int, sms: int) -> dict[str, dict[str, int]]
                    "GROUP_M": 8, "num_warps": warps, "num_stages": stages}  # fmt: skip
             out[f"decoded {bm}x{bn}x128 w{warps} s{stages} split{split}"] = cfg
     if m > 64:  # the warp-specialised kernel (kernels/gluon_w4a16_ws.py): the decode beside the wgmmas
-        for cfg in WS_CONFIGS:
-            out[f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages}{'' if cfg.x_tma else ' cp.async'}"] = ws.as_dict(cfg)
+        for cfg in ws_configs:
+            label = f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages}{'' if cfg.x_tma else ' cp.async'}"
+            out[label + (f" split{cfg.split}" if getattr(cfg, "split", 1) > 1 else "")] = ws.as_dict(cfg)
     return out
 
 
@@ -84,7 +96,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def dense(rep: Report, rows: list[int], rate: float, shapes: list[str]) -> list[dict[str, Any]]:
+def dense(
+    rep: Report, rows: list[int], rate: float, shapes: list[str], ws_configs: list[ws.WsConfig]
+) -> list[dict[str, Any]]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for name in shapes:
@@ -113,7 +127,7 @@ def dense(rep: Report, rows: list[int], rate: float, shapes: list[str]) -> list[
                 return w4a16_linear(xs[i % c], qs[i % c], config=cfg)
 
             row["ms"]["cublas bf16"] = graph_ms(cublas, copies)
-            variants: dict[str, dict[str, int] | None] = {"engine": None, **dense_configs(m, n, k, sms)}
+            variants: dict[str, dict[str, int] | None] = {"engine": None, **dense_configs(m, n, k, sms, ws_configs)}
             for label, cfg in variants.items():
                 try:
                     err = rel_err(w4a16_linear(xs[0], qws[0], config=cfg), ref)
@@ -277,6 +291,8 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(DENSE))
     p.add_argument("--moe-tokens", default="1024,8192")
     p.add_argument("--experts", default="qwen3-30b-a3b", help=f"comma-separated, of {', '.join(EXPERTS)}")
+    p.add_argument("--ws", default=WS_CONFIGS, help="the warp-specialised kernel's configs past 64 rows, "
+                   "comma-separated BMxBNxBK:stages[:field=value..]")
     p.add_argument("--moe-sweep", action="store_true", help="the MoE's decoded GEMMs apart over tiles, not `moe`")
     args = p.parse_args()
     rep = Report("cuda", command=" ".join(sys.argv))
@@ -284,7 +300,8 @@ def main() -> None:
     rep.log(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     rep.out["matmul_tflops"] = rate / 1e12
     rows = [int(x) for x in args.rows.split(",") if x]
-    rep.out["dense"] = dense(rep, rows, rate, [s for s in args.shapes.split(",") if s])
+    ws_configs = [parse_ws_config(c) for c in args.ws.split(",") if c]
+    rep.out["dense"] = dense(rep, rows, rate, [s for s in args.shapes.split(",") if s], ws_configs)
     rep.save(args.out)
     tokens, experts = [int(x) for x in args.moe_tokens.split(",") if x], args.experts.split(",")
     rep.out["moe"] = (moe_sweep if args.moe_sweep else moe)(rep, tokens, rate, experts)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,19 +19,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_w4 import random_qw
 from bench_w4a16_prefill import DENSE, rel_err
+from bench_w4a16_prefill import parse_ws_config as parse_config
 from ceilings import Report, graph_ms, matmul_rate
 
 from ftransformers.kernels import gluon_w4a16_ws as ws
 from ftransformers.kernels.quant_formats import QuantizedWeight, dequantize, quant_linear_ref
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
-
-
-def parse_config(text: str) -> ws.WsConfig:
-    """'BMxBNxBK:stages[:key=value..]' (WsConfig's fields), e.g. 128x256x64:3:producer_regs=152:diag=1."""
-    tile, stages, *extra = text.split(":")
-    bm, bn, bk = (int(v) for v in tile.split("x"))
-    cfg = ws.WsConfig(bm, bn, bk, int(stages))
-    return replace(cfg, **{k: int(v) for k, v in (e.split("=") for e in extra)})
 
 
 def run_case(rep: Report, name: str, m: int, rate: float, configs: list[str]) -> dict:
