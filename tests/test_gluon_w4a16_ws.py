@@ -3,12 +3,14 @@
 Hopper only (compute capability 9.x; Gluon kernels do not run in Triton's interpreter). Int4 with group 64, 128 and
 256, zeros absent and present, float16 / bfloat16 scales; x bf16 and fp16; M and N that leave partial tiles; with and
 without bias; rings of 2-5 stages (the barriers' parity over many K tiles), 128- and 256-column tiles, x by TMA and by
-cp.async, 4 and 8 producer warps. Tolerance as
+cp.async, 4 and 8 producer warps, K split 3 and 4 ways (parts starting inside a group). Tolerance as
 tests/test_triton_w4a16.py's decoded form: the weights are (code - zero) * scale rounded once to x's dtype, as a
 16-bit copy of the weight would be, so ||y - ref|| / ||ref|| stays under `tol` (1e-2 for 16-bit x).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,12 +23,15 @@ from test_triton_w4a16 import random_weight, rel_err, tol
 
 from ftransformers.kernels import gluon_w4a16_ws as ws
 from ftransformers.kernels.quant_formats import quant_linear_ref
+from ftransformers.kernels.tickets import POOL_SIZE, ticket_counters
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
-# the default (x by TMA, y through x's ring); cp.async x; 256 columns; 8 producer warps; 2 and 5 stages
+# the default (x by TMA, y through x's ring); cp.async x; 256 columns; 8 producer warps; 2 and 5 stages; K split 3
+# ways (16 K tiles: parts of 6, 6 and 4, the second starting inside a group of 256) and 4 ways on 64 columns
 CONFIGS = [ws.WsConfig(), ws.WsConfig(256, 128, 64, 3, x_tma=False), ws.WsConfig(128, 256, 64, 3, producer_regs=152),
            ws.WsConfig(256, 128, 64, 4, producer_warps=8, producer_regs=80), ws.WsConfig(128, 128, 64, 2, 1),
-           ws.WsConfig(128, 128, 64, 5, 4, x_tma=False)]  # fmt: skip
+           ws.WsConfig(128, 128, 64, 5, 4, x_tma=False), ws.WsConfig(128, 128, 64, 4, split=3),
+           ws.WsConfig(128, 64, 64, 4, x_tma=False, split=4)]  # fmt: skip
 # (M, N, K, group, zeros, scale dtype is x's): partial row and column tiles, 2 .. 192 K tiles, one row
 CASES = [(300, 5120, 2048, 128, True, True), (1024, 2048 + 128, 4096, 64, False, False),
          (129, 1029, 1024, 256, True, False), (1, 4096, 12288, 128, True, True),
@@ -34,8 +39,9 @@ CASES = [(300, 5120, 2048, 128, True, True), (1024, 2048 + 128, 4096, 64, False,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"{c.bm}x{c.bn}x{c.bk}s{c.stages}p{c.producer_warps}t{int(c.x_tma)}"
-                                              for c in CONFIGS])  # fmt: skip
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[
+    f"{c.bm}x{c.bn}x{c.bk}s{c.stages}p{c.producer_warps}t{int(c.x_tma)}k{c.split}" for c in CONFIGS
+])  # fmt: skip
 def test_ws_matches_reference(cfg: ws.WsConfig, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(77)
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
@@ -57,6 +63,39 @@ def test_ws_equals_decoded_codes_form() -> None:
     got = w4a16_linear(x, qw, config=ws.as_dict(ws.WsConfig())).float()
     want = w4a16_linear(x, qw, config=codes).float()
     assert ((got - want).norm() / want.norm()).item() < 4e-3
+
+
+def test_ws_split_k_is_deterministic_and_leaves_its_counters_zero() -> None:
+    """A tile's K parts are added in split order by whichever ends last: the same bits every call, within summation
+    order of the unsplit product; the ticket counters are back to zero after each launch (tickets.py's invariant)."""
+    gen = torch.Generator().manual_seed(81)
+    qw = random_weight("int4", 4096, 12288, gen, 128, True, torch.bfloat16)
+    x = torch.randn(256, 12288, generator=gen).to("cuda", torch.bfloat16)
+    cfg = ws.WsConfig(128, 128, 64, 4, split=4)
+    first = w4a16_linear(x, qw, config=ws.as_dict(cfg))
+    for _ in range(3):
+        assert torch.equal(w4a16_linear(x, qw, config=ws.as_dict(cfg)), first)
+    unsplit = w4a16_linear(x, qw, config=ws.as_dict(replace(cfg, split=1))).float()
+    assert ((first.float() - unsplit).norm() / unsplit.norm()).item() < 4e-3
+    torch.cuda.synchronize()
+    assert int(ticket_counters(x.device, "w4a16_ws", POOL_SIZE).abs().sum()) == 0
+
+
+def test_ws_split_k_replays_in_a_cuda_graph() -> None:
+    """Captured once the counters exist, the split launch replays on new inputs (its partials in the graph's pool)."""
+    gen = torch.Generator().manual_seed(82)
+    qw = random_weight("int4", 2048, 4096, gen, 128, True, torch.bfloat16)
+    x = torch.randn(192, 4096, generator=gen).to("cuda", torch.bfloat16)
+    cfg = ws.WsConfig(128, 128, 64, 4, split=4)
+    w4a16_linear(x, qw, config=ws.as_dict(cfg))  # compiles, and makes the counters before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_linear(x, qw, config=ws.as_dict(cfg))
+    for _ in range(2):
+        x.copy_(torch.randn(192, 4096, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, quant_linear_ref(x, qw)) < tol(torch.bfloat16)
 
 
 def test_ws_rejects_what_it_cannot_take() -> None:

@@ -20,11 +20,11 @@ pytest.importorskip("triton.experimental.gluon._runtime")
 
 from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
 
-# (BM, BN, BK, stages, producer warps and registers, x by TMA, zeros and bias, x dtype): the default; cp.async x;
-# 256 columns (y's own tile); 8 producer warps; fp16 x
-JOBS = [(256, 128, 64, 4, 4, 128, True, True, "bf16"), (256, 128, 64, 3, 4, 128, False, False, "bf16"),
-        (128, 256, 64, 2, 4, 152, True, True, "bf16"), (256, 128, 64, 4, 8, 80, True, False, "bf16"),
-        (128, 128, 64, 5, 4, 128, False, True, "fp16")]  # fmt: skip
+# (BM, BN, BK, stages, producer warps and registers, x by TMA, zeros and bias, x dtype, K parts): the default;
+# cp.async x; 256 columns (y's own tile); 8 producer warps; fp16 x; K split 4 ways on 64 columns
+JOBS = [(256, 128, 64, 4, 4, 128, True, True, "bf16", 1), (256, 128, 64, 3, 4, 128, False, False, "bf16", 1),
+        (128, 256, 64, 2, 4, 152, True, True, "bf16", 1), (256, 128, 64, 4, 8, 80, True, False, "bf16", 1),
+        (128, 128, 64, 5, 4, 128, False, True, "fp16", 1), (128, 64, 64, 4, 4, 128, True, True, "bf16", 4)]  # fmt: skip
 
 
 def _compile() -> list[dict]:  # in this process, per job: its name, config, PTX and ptxas log
@@ -33,15 +33,15 @@ def _compile() -> list[dict]:  # in this process, per job: its name, config, PTX
     from ftransformers.kernels import gluon_w4a16_ws as ws
 
     out = []
-    for bm, bn, bk, stages, warps, regs, x_tma, zb, dt in JOBS:
-        cfg = ws.WsConfig(bm, bn, bk, stages, producer_warps=warps, producer_regs=regs, x_tma=x_tma)
+    for bm, bn, bk, stages, warps, regs, x_tma, zb, dt, split in JOBS:
+        cfg = ws.WsConfig(bm, bn, bk, stages, producer_warps=warps, producer_regs=regs, x_tma=x_tma, split=split)
         box = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16 if dt == "bf16" else gl.float16)
-        types = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "b_ptr": f"*{dt}",
+        types = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "b_ptr": f"*{dt}", "part_ptr": "*fp32", "cnt_ptr": "*i32",
                  "x_desc": f"tensordesc<{dt}[{bm}, {bk}],{box!r}>" if x_tma else f"*{dt}"}  # fmt: skip
         res = compile_for_hopper(ws._w4a16_ws_kernel, ws.constexprs(128, zb, zb, cfg), ws.CONSUMER_WARPS,
                                  ws.maxnreg(cfg), types)  # fmt: skip
         out.append({"name": f"{cfg} zeros/bias {zb} {dt}", "bn": bn, "regs": regs, "dt": dt, "tma": x_tma,
-                    "bytes": cfg.shared_bytes(), **res})  # fmt: skip
+                    "split": split, "bytes": cfg.shared_bytes(), **res})  # fmt: skip
     return out
 
 
@@ -72,3 +72,11 @@ def test_ws_kernel_compiles_for_hopper(kernels: list[dict]) -> None:
         assert spilled and max(map(int, spilled.groups())) <= 32, (name, log)
         assert not re.search(r"C751\d", log), (name, log)
         assert k["bytes"] <= k["shared"] <= k["bytes"] + 1024, (name, k["shared"])
+        # split K: one thread's acq_rel ticket between two of the consumer partition's own (named, 256-thread)
+        # barriers, the partials read back from L2 (.cg); unsplit: no atomics at all
+        no_bar = r"(?:(?!bar\.sync).)*"
+        ticket = rf"bar\.sync\s+0, 256;{no_bar}atom\.global\.gpu\.acq_rel\.add\.u32{no_bar}bar\.sync\s+0, 256;"
+        if k["split"] > 1:
+            assert re.search(ticket, ptx, re.DOTALL) and "ld.global.cg" in ptx, name
+        else:
+            assert "atom." not in ptx, name

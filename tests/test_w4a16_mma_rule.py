@@ -162,5 +162,20 @@ def test_ws_config_round_trips_through_the_linear_dict() -> None:
     first form dropped the producer warps, so a test of 8 producer warps ran 4)."""
     from ftransformers.kernels import gluon_w4a16_ws as ws
 
-    for cfg in (ws.WsConfig(), ws.SMALL, ws.WsConfig(256, 128, 64, 3, 4, 8, 80, False, 0)):
+    for cfg in (ws.WsConfig(), ws.SMALL, ws.WsConfig(256, 128, 64, 3, 4, 8, 80, False, 0, split=3)):
         assert ws.from_dict(ws.as_dict(cfg)) == cfg
+
+
+def test_ws_split_leaves_no_part_empty() -> None:
+    """The kernel gives each of a tile's parts cdiv(k_tiles, parts) K tiles, the last the rest: the split it runs
+    (`effective_split`) is never more than asked or than the K tiles, and every part gets at least one tile."""
+    from ftransformers.kernels import gluon_w4a16_ws as ws
+    from ftransformers.kernels.launch import cdiv
+
+    assert ws.effective_split(64, 4) == 4 and ws.effective_split(64, 1) == 1 and ws.effective_split(3, 8) == 3
+    assert ws.effective_split(10, 6) == 5  # parts of 2: six would leave the sixth empty
+    for k_tiles in range(1, 70):
+        for asked in range(1, 12):
+            parts = ws.effective_split(k_tiles, asked)
+            per = cdiv(k_tiles, parts)
+            assert 1 <= parts <= min(asked, k_tiles) and (parts - 1) * per < k_tiles <= parts * per

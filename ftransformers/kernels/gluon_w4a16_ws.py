@@ -41,7 +41,7 @@ offline sm_90 build (both operands from shared memory, at most a few words spill
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.experimental import gluon
@@ -59,6 +59,7 @@ from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, pdl_
 from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability
 from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.tickets import split_scratch
 from ftransformers.kernels.triton_w4a16_codes import _DQ_BF16, _DQ_F16  # the decoded form's PTX, $0-$7 as there
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (Triton 3.6's name: the second)
@@ -84,6 +85,7 @@ class WsConfig:
     producer_regs: int = PRODUCER_REGS
     x_tma: bool = True  # x's tiles by TMA (one thread's copy, rows past M zero-filled); else 16-byte cp.async a thread
     in_flight: int = 1  # tiles of wgmmas left in flight (0: each tile's waited before its stage is handed back)
+    split: int = 1  # K parts a tile (programs a tile; the last one out adds their float32 partials in split order)
     # timing experiments only, wrong results: 1 = no decode (W's stages keep what they hold), 2 = no wgmma, 3 = the
     # decode without its stores, 4 = the stores without the decode
     diag: int = 0
@@ -123,18 +125,18 @@ def engine_config(m: int, n: int) -> WsConfig | None:
 
 def from_dict(cfg: dict[str, int]) -> WsConfig:
     """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PW, PREGS, X_TMA,
-    IN_FLIGHT]) as a WsConfig."""
+    IN_FLIGHT, SPLIT_K]) as a WsConfig."""
     return WsConfig(bm=cfg["BLOCK_M"], bn=cfg["BLOCK_N"], bk=cfg["BLOCK_K"], stages=cfg["STAGES"],
                     group_m=cfg.get("GROUP_M", 8), producer_warps=cfg.get("PW", PRODUCER_WARPS),
                     producer_regs=cfg.get("PREGS", PRODUCER_REGS), x_tma=bool(cfg.get("X_TMA", 1)),
-                    in_flight=cfg.get("IN_FLIGHT", 1))  # fmt: skip
+                    in_flight=cfg.get("IN_FLIGHT", 1), split=cfg.get("SPLIT_K", 1))  # fmt: skip
 
 
 def as_dict(cfg: WsConfig) -> dict[str, int]:
     """cfg as the dict w4a16_linear takes (`config=`)."""
     return {"WS": 1, "BLOCK_M": cfg.bm, "BLOCK_N": cfg.bn, "BLOCK_K": cfg.bk, "STAGES": cfg.stages,
             "GROUP_M": cfg.group_m, "PW": cfg.producer_warps, "PREGS": cfg.producer_regs, "X_TMA": int(cfg.x_tma),
-            "IN_FLIGHT": cfg.in_flight}  # fmt: skip
+            "IN_FLIGHT": cfg.in_flight, "SPLIT_K": cfg.split}  # fmt: skip
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig) -> bool:
@@ -205,11 +207,11 @@ def _group_params(s_ptrs, z_ptrs, g, offset, HAS_ZEROS: gl.constexpr, DT: gl.con
 
 
 @gluon.jit
-def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
+def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k0, k_tiles, magic, offset,
               stride_xm, stride_qn, stride_sn, stride_zn,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, PW: gl.constexpr, X_TMA: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
-    # The producer partition (module docstring): stage i % STAGES gets x's tile i (TMA or cp.async) and W's tile i
+    # The producer partition (module docstring): stage i % STAGES gets x's K tile k0 + i (TMA or cp.async) and W's,
     # decoded
     DT: gl.constexpr = xs.dtype
     BW: gl.constexpr = BK // 8  # words of a row a tile
@@ -217,19 +219,19 @@ def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, 
     q_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BW, BW // 4], [PW, 1], [1, 0])  # [BN, BW]: 16 bytes
     rows_x = gl.minimum(m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, x_l)), M - 1)  # past M: row M - 1, not stored
     cols_x = gl.arange(0, BK, layout=gl.SliceLayout(0, x_l))
-    x_ptrs = x_ptr + gl.expand_dims(rows_x.to(gl.int64) * stride_xm, 1) + gl.expand_dims(cols_x, 0)
+    x_ptrs = x_ptr + gl.expand_dims(rows_x.to(gl.int64) * stride_xm, 1) + gl.expand_dims(cols_x + k0 * BK, 0)
     rows_q = gl.minimum(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, q_l)), N - 1)  # past N: row N - 1, not stored
     cols_q = gl.arange(0, BW, layout=gl.SliceLayout(0, q_l))
-    q_ptrs = q_ptr + gl.expand_dims(rows_q.to(gl.int64) * stride_qn, 1) + gl.expand_dims(cols_q, 0)
+    q_ptrs = q_ptr + gl.expand_dims(rows_q.to(gl.int64) * stride_qn, 1) + gl.expand_dims(cols_q + k0 * BW, 0)
     s_ptrs = s_ptr + rows_q.to(gl.int64) * stride_sn
     z_ptrs = z_ptr + rows_q.to(gl.int64) * stride_zn
     # words, scales and zeros of tiles i + 1 and i + 2 in registers while tile i is decoded (DRAM's round trip is
     # longer than a tile's wgmmas)
     q0 = gl.load(q_ptrs)
-    s0, z0 = _group_params(s_ptrs, z_ptrs, 0, offset, HAS_ZEROS, DT)
+    s0, z0 = _group_params(s_ptrs, z_ptrs, k0 * BK // GROUP, offset, HAS_ZEROS, DT)
     t1 = gl.minimum(1, k_tiles - 1)
     q1 = gl.load(q_ptrs + t1 * BW)
-    s1, z1 = _group_params(s_ptrs, z_ptrs, t1 * BK // GROUP, offset, HAS_ZEROS, DT)
+    s1, z1 = _group_params(s_ptrs, z_ptrs, (k0 + t1) * BK // GROUP, offset, HAS_ZEROS, DT)
     if DIAG == 4:
         w_first = _decode(q0, s0, z0, magic, DT, BN, BK)
     for i in range(k_tiles):
@@ -238,11 +240,11 @@ def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, 
         t2 = gl.minimum(i + 2, k_tiles - 1)
         q0, s0, z0 = q1, s1, z1
         q1 = gl.load(q_ptrs + t2 * BW)
-        s1, z1 = _group_params(s_ptrs, z_ptrs, t2 * BK // GROUP, offset, HAS_ZEROS, DT)
+        s1, z1 = _group_params(s_ptrs, z_ptrs, (k0 + t2) * BK // GROUP, offset, HAS_ZEROS, DT)
         mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         if X_TMA:  # one arrival with the tile's bytes expected, then the copy's
             mbarrier.expect(ready.index(st), BM * BK * 2)
-            _tma_load(x_desc, [m0, i * BK], ready.index(st), xs.index(st))
+            _tma_load(x_desc, [m0, (k0 + i) * BK], ready.index(st), xs.index(st))
         else:
             _cp_async(xs.index(st), x_ptrs + i * BK)
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
@@ -260,10 +262,11 @@ def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, 
 
 
 @gluon.jit
-def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym,
+def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, part_ptr, cnt_ptr, tile, part, m0, n0, M, N, k_tiles,
+              stride_ym, part_rows, part_cols,
               HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              CW: gl.constexpr, IN_FLIGHT: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
-    # The default partition: the wgmmas, one tile's in flight, and the epilogue
+              CW: gl.constexpr, IN_FLIGHT: gl.constexpr, SPLIT: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
+    # The default partition: the wgmmas, one tile's in flight, and the epilogue (split K: the last one out's)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CW, 1], instr_shape=[16, BN, 16])
     acc = gl.zeros([BM, BN], gl.float32, mma)
     for i in range(k_tiles):
@@ -282,6 +285,29 @@ def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles,
             _cta_barrier()
             mbarrier.arrive(empty.index(st))
     acc = warpgroup_mma_wait(0, deps=[acc])
+    if SPLIT == 1:
+        _store_y(acc, c_smem, y_ptr, b_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BM, BN, CW)
+    else:
+        # publish this part's float32 tile in the accumulator's own layout (partials [SPLIT, part_rows, part_cols],
+        # padded to whole tiles: no masks), take a ticket (kernels/tickets.py's protocol); the last one out adds the
+        # SPLIT partials in split order (the same sum whichever part ends last) and stores y
+        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        offs = gl.expand_dims((m0 + rows).to(gl.int64) * part_cols, 1) + gl.expand_dims(n0 + cols, 0)
+        plane = part_rows.to(gl.int64) * part_cols
+        gl.store(part_ptr + part * plane + offs, acc)
+        _cta_barrier()  # every thread's partial stores are ordered before the release ticket
+        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            gl.store(cnt_ptr + tile, 0)  # zero between launches
+            total = gl.load(part_ptr + offs, cache_modifier=".cg")
+            for s in gl.static_range(1, SPLIT):
+                total += gl.load(part_ptr + s * plane + offs, cache_modifier=".cg")  # L2: where the tickets made
+            _store_y(total, c_smem, y_ptr, b_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BM, BN, CW)  # them visible
+
+
+@gluon.jit
+def _store_y(acc, c_smem, y_ptr, b_ptr, m0, n0, M, N, stride_ym,
+             HAS_BIAS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, CW: gl.constexpr):  # fmt: skip
     # through shared memory, so that y leaves in 16-byte row vectors with few address registers; a bias is added to y
     # rounded to x's dtype (two roundings, where the codes kernel adds it in float32: within 16-bit tolerance)
     DT: gl.constexpr = c_smem.dtype
@@ -304,25 +330,30 @@ def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles,
 @cached_launch
 @gluon.jit
 def _w4a16_ws_kernel(
-    x_ptr, x_desc, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, magic, offset, M, N, K,
-    stride_xm, stride_qn, stride_sn, stride_zn, stride_ym,
+    x_ptr, x_desc, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_zn, stride_ym, part_rows, part_cols,
     GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
     CW: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, X_TMA: gl.constexpr = False, IN_FLIGHT: gl.constexpr = 1,
-    DIAG: gl.constexpr = 0,
+    SPLIT: gl.constexpr = 1, DIAG: gl.constexpr = 0,
     USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)  # first (tests/test_pdl.py): nothing of another kernel's is read or written before it
     DT: gl.constexpr = x_ptr.dtype.element_ty
     num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
-    pid = gl.program_id(0)
+    tile = gl.program_id(0) // SPLIT  # a tile's SPLIT programs are neighbours: they end at about the same time
+    part = gl.program_id(0) % SPLIT
+    pid = tile
     width = GROUP_M * num_n  # grouped_tile's bands (kernels/tiling.py)
     first_m = (pid // width) * GROUP_M
     band = gl.minimum(num_m - first_m, GROUP_M)
     m0 = (first_m + (pid % width) % band) * BM
     n0 = ((pid % width) // band) * BN
-    k_tiles = K // BK
+    k_all = K // BK
+    per = gl.cdiv(k_all, SPLIT)  # K tiles a part (the host makes none empty)
+    k0 = part * per
+    k_tiles = gl.minimum(per, k_all - k0)
     xs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], DT))
     ws = gl.allocate_shared_memory(DT, [STAGES, BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], DT))
     c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], DT)
@@ -339,15 +370,23 @@ def _w4a16_ws_kernel(
     fence_async_shared()
     gl.warp_specialize(
         [
-            (_consumer, (xs, ws, c_smem, ready, empty, y_ptr, b_ptr, m0, n0, M, N, k_tiles, stride_ym, HAS_BIAS, BM, BN,
-                         STAGES, CW, IN_FLIGHT, DIAG)),
-            (_producer, (x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k_tiles, magic, offset,
-                         stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW, X_TMA,
+            (_consumer, (xs, ws, c_smem, ready, empty, y_ptr, b_ptr, part_ptr, cnt_ptr, tile, part, m0, n0, M, N,
+                         k_tiles, stride_ym, part_rows, part_cols, HAS_BIAS, BM, BN, STAGES, CW, IN_FLIGHT, SPLIT,
                          DIAG)),
+            (_producer, (x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k0, k_tiles, magic,
+                         offset, stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW,
+                         X_TMA, DIAG)),
         ],
         [PW],
         [PREGS],
     )  # fmt: skip
+
+
+def effective_split(k_tiles: int, split: int) -> int:
+    """The K parts a tile takes for `split` asked over k_tiles K tiles: at most one a K tile, and as many as leave no
+    part empty (the kernel gives each part cdiv(k_tiles, parts) tiles, the last the rest)."""
+    split = max(1, min(split, k_tiles))
+    return cdiv(k_tiles, cdiv(k_tiles, split))
 
 
 def maxnreg(cfg: WsConfig) -> int:
@@ -360,7 +399,8 @@ def constexprs(group: int, has_zeros: bool, has_bias: bool, cfg: WsConfig) -> di
     """The kernel's compile-time arguments."""
     return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
             "STAGES": cfg.stages, "GROUP_M": cfg.group_m, "CW": CONSUMER_WARPS, "PW": cfg.producer_warps,
-            "PREGS": cfg.producer_regs, "X_TMA": cfg.x_tma, "IN_FLIGHT": cfg.in_flight, "DIAG": cfg.diag}  # fmt: skip
+            "PREGS": cfg.producer_regs, "X_TMA": cfg.x_tma, "IN_FLIGHT": cfg.in_flight, "SPLIT": cfg.split,
+            "DIAG": cfg.diag}  # fmt: skip
 
 
 def x_descriptor(x: torch.Tensor, cfg: WsConfig):  # -> TensorDescriptor
@@ -388,10 +428,17 @@ def w4a16_ws(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     magic, offset = MAGIC[x.dtype]
     x_desc = x_descriptor(x, cfg) if cfg.x_tma else x
-    _w4a16_ws_kernel[(cdiv(m, cfg.bm) * cdiv(n, cfg.bn),)](
+    m_tiles, n_tiles = cdiv(m, cfg.bm), cdiv(n, cfg.bn)
+    split = effective_split(k // cfg.bk, cfg.split)
+    split, counters, parts = split_scratch(x.device, "w4a16_ws", m_tiles * n_tiles, split, m_tiles * cfg.bm,
+                                           n_tiles * cfg.bn)  # fmt: skip
+    if split != cfg.split:
+        cfg = replace(cfg, split=split)
+    _w4a16_ws_kernel[(m_tiles * n_tiles * split,)](
         x, x_desc, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        parts if parts is not None else y, counters if counters is not None else qweight,
         magic, offset, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0, y.stride(0),
+        zeros.stride(0) if zeros is not None else 0, y.stride(0), m_tiles * cfg.bm, n_tiles * cfg.bn,
         **constexprs(group, zeros is not None, bias is not None, cfg),
         num_warps=CONSUMER_WARPS, maxnreg=maxnreg(cfg), **pdl_launch(x.device),
     )  # fmt: skip
