@@ -3,7 +3,8 @@
 Hopper only (compute capability 9.x; Gluon kernels do not run in Triton's interpreter). Int4 with group 64, 128 and
 256, zeros absent and present, float16 / bfloat16 scales; x bf16 and fp16; M and N that leave partial tiles; with and
 without bias; rings of 2-5 stages (the barriers' parity over many K tiles), 128- and 256-column tiles, x by TMA and by
-cp.async, 4 and 8 producer warps, K split 3 and 4 ways (parts starting inside a group). Tolerance as
+cp.async, 4 and 8 producer warps, K split 3 and 4 ways (parts starting inside a group), the weight's words in
+registers or through a ring in shared memory. Tolerance as
 tests/test_triton_w4a16.py's decoded form: the weights are (code - zero) * scale rounded once to x's dtype, as a
 16-bit copy of the weight would be, so ||y - ref|| / ||ref|| stays under `tol` (1e-2 for 16-bit x).
 """
@@ -27,11 +28,13 @@ from ftransformers.kernels.tickets import POOL_SIZE, ticket_counters
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
 # the default (x by TMA, y through x's ring); cp.async x; 256 columns; 8 producer warps; 2 and 5 stages; K split 3
-# ways (16 K tiles: parts of 6, 6 and 4, the second starting inside a group of 256) and 4 ways on 64 columns
+# ways (16 K tiles: parts of 6, 6 and 4, the second starting inside a group of 256) and 4 ways on 64 columns; the
+# words through a shared ring 7 and 2 tiles ahead
 CONFIGS = [ws.WsConfig(), ws.WsConfig(256, 128, 64, 3, x_tma=False), ws.WsConfig(128, 256, 64, 3, producer_regs=152),
            ws.WsConfig(256, 128, 64, 4, producer_warps=8, producer_regs=80), ws.WsConfig(128, 128, 64, 2, 1),
            ws.WsConfig(128, 128, 64, 5, 4, x_tma=False), ws.WsConfig(128, 128, 64, 4, split=3),
-           ws.WsConfig(128, 64, 64, 4, x_tma=False, split=4)]  # fmt: skip
+           ws.WsConfig(128, 64, 64, 4, x_tma=False, split=4), ws.WsConfig(128, 128, 64, 4, split=2, words_ahead=8),
+           ws.WsConfig(256, 128, 64, 4, words_ahead=3)]  # fmt: skip
 # (M, N, K, group, zeros, scale dtype is x's): partial row and column tiles, 2 .. 192 K tiles, one row
 CASES = [(300, 5120, 2048, 128, True, True), (1024, 2048 + 128, 4096, 64, False, False),
          (129, 1029, 1024, 256, True, False), (1, 4096, 12288, 128, True, True),
@@ -40,7 +43,7 @@ CASES = [(300, 5120, 2048, 128, True, True), (1024, 2048 + 128, 4096, 64, False,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[
-    f"{c.bm}x{c.bn}x{c.bk}s{c.stages}p{c.producer_warps}t{int(c.x_tma)}k{c.split}" for c in CONFIGS
+    f"{c.bm}x{c.bn}x{c.bk}s{c.stages}p{c.producer_warps}t{int(c.x_tma)}k{c.split}q{c.words_ahead}" for c in CONFIGS
 ])  # fmt: skip
 def test_ws_matches_reference(cfg: ws.WsConfig, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(77)

@@ -86,6 +86,9 @@ class WsConfig:
     x_tma: bool = True  # x's tiles by TMA (one thread's copy, rows past M zero-filled); else 16-byte cp.async a thread
     in_flight: int = 1  # tiles of wgmmas left in flight (0: each tile's waited before its stage is handed back)
     split: int = 1  # K parts a tile (programs a tile; the last one out adds their float32 partials in split order)
+    # the weight's words: 0 = read two tiles ahead into registers, else a ring of that many tiles in shared memory
+    # (filled one fewer ahead; x by TMA only: x's cp.async arrivals would wait for the words' copies)
+    words_ahead: int = 0
     # timing experiments only, wrong results: 1 = no decode (W's stages keep what they hold), 2 = no wgmma, 3 = the
     # decode without its stores, 4 = the stores without the decode
     diag: int = 0
@@ -93,8 +96,9 @@ class WsConfig:
     def reuses_ring(self) -> bool:  # the epilogue's tile of y in x's ring, where it fits (the ring is idle by then)
         return self.stages * self.bk >= self.bn
 
-    def shared_bytes(self) -> int:  # the ring, and the epilogue's tile of y where the ring cannot hold it
-        return (self.stages * (self.bm + self.bn) * self.bk + (0 if self.reuses_ring() else self.bm * self.bn)) * 2
+    def shared_bytes(self) -> int:  # the rings, and the epilogue's tile of y where x's ring cannot hold it
+        ring = self.stages * (self.bm + self.bn) * self.bk + (0 if self.reuses_ring() else self.bm * self.bn)
+        return ring * 2 + self.words_ahead * self.bn * self.bk // 2
 
 
 MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room for barriers and the compiler's own
@@ -125,18 +129,19 @@ def engine_config(m: int, n: int) -> WsConfig | None:
 
 def from_dict(cfg: dict[str, int]) -> WsConfig:
     """A w4a16_linear config dict with WS set (BLOCK_M, BLOCK_N, BLOCK_K, STAGES[, GROUP_M, PW, PREGS, X_TMA,
-    IN_FLIGHT, SPLIT_K]) as a WsConfig."""
+    IN_FLIGHT, SPLIT_K, WORDS_AHEAD]) as a WsConfig."""
     return WsConfig(bm=cfg["BLOCK_M"], bn=cfg["BLOCK_N"], bk=cfg["BLOCK_K"], stages=cfg["STAGES"],
                     group_m=cfg.get("GROUP_M", 8), producer_warps=cfg.get("PW", PRODUCER_WARPS),
                     producer_regs=cfg.get("PREGS", PRODUCER_REGS), x_tma=bool(cfg.get("X_TMA", 1)),
-                    in_flight=cfg.get("IN_FLIGHT", 1), split=cfg.get("SPLIT_K", 1))  # fmt: skip
+                    in_flight=cfg.get("IN_FLIGHT", 1), split=cfg.get("SPLIT_K", 1),
+                    words_ahead=cfg.get("WORDS_AHEAD", 0))  # fmt: skip
 
 
 def as_dict(cfg: WsConfig) -> dict[str, int]:
     """cfg as the dict w4a16_linear takes (`config=`)."""
     return {"WS": 1, "BLOCK_M": cfg.bm, "BLOCK_N": cfg.bn, "BLOCK_K": cfg.bk, "STAGES": cfg.stages,
             "GROUP_M": cfg.group_m, "PW": cfg.producer_warps, "PREGS": cfg.producer_regs, "X_TMA": int(cfg.x_tma),
-            "IN_FLIGHT": cfg.in_flight, "SPLIT_K": cfg.split}  # fmt: skip
+            "IN_FLIGHT": cfg.in_flight, "SPLIT_K": cfg.split, "WORDS_AHEAD": cfg.words_ahead}  # fmt: skip
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig) -> bool:
@@ -149,6 +154,8 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: WsConfig)
     k = x.shape[1]
     if cfg.x_tma and (x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16):
         return False  # TMA: a 16-byte aligned base and row stride
+    if cfg.words_ahead and (not cfg.x_tma or qweight.data_ptr() % 16 or qweight.stride(0) % 4):
+        return False  # the words' 16-byte cp.asyncs; x by TMA (the class's note)
     return group % cfg.bk == 0 and k % group == 0 and cfg.shared_bytes() <= MAX_SHARED and qweight.shape[1] * 8 == k
 
 
@@ -207,10 +214,11 @@ def _group_params(s_ptrs, z_ptrs, g, offset, HAS_ZEROS: gl.constexpr, DT: gl.con
 
 
 @gluon.jit
-def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k0, k_tiles, magic, offset,
-              stride_xm, stride_qn, stride_sn, stride_zn,
+def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, qring, ready, empty, m0, n0, M, N, k0, k_tiles, magic,
+              offset, stride_xm, stride_qn, stride_sn, stride_zn,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, PW: gl.constexpr, X_TMA: gl.constexpr, DIAG: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, PW: gl.constexpr, X_TMA: gl.constexpr, QA: gl.constexpr,
+              DIAG: gl.constexpr):  # fmt: skip
     # The producer partition (module docstring): stage i % STAGES gets x's K tile k0 + i (TMA or cp.async) and W's,
     # decoded
     DT: gl.constexpr = xs.dtype
@@ -225,21 +233,37 @@ def _producer(x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, 
     q_ptrs = q_ptr + gl.expand_dims(rows_q.to(gl.int64) * stride_qn, 1) + gl.expand_dims(cols_q + k0 * BW, 0)
     s_ptrs = s_ptr + rows_q.to(gl.int64) * stride_sn
     z_ptrs = z_ptr + rows_q.to(gl.int64) * stride_zn
-    # words, scales and zeros of tiles i + 1 and i + 2 in registers while tile i is decoded (DRAM's round trip is
-    # longer than a tile's wgmmas)
-    q0 = gl.load(q_ptrs)
+    # scales and zeros of tiles i + 1 and i + 2 in registers while tile i is decoded (DRAM's round trip is longer than
+    # a tile's wgmmas); the words too (QA = 0), or from a ring of QA tiles in shared memory that 16-byte cp.asyncs fill
+    # QA - 1 tiles ahead, each thread copying the very words it reads back (so its own wait_group orders them)
+    if QA > 0:
+        for t in gl.static_range(QA - 1):
+            _cp_async(qring.index(t), q_ptrs + gl.minimum(t, k_tiles - 1) * BW)
+            async_copy.commit_group()
+    else:
+        q0 = gl.load(q_ptrs)
+        q1 = gl.load(q_ptrs + gl.minimum(1, k_tiles - 1) * BW)
     s0, z0 = _group_params(s_ptrs, z_ptrs, k0 * BK // GROUP, offset, HAS_ZEROS, DT)
     t1 = gl.minimum(1, k_tiles - 1)
-    q1 = gl.load(q_ptrs + t1 * BW)
     s1, z1 = _group_params(s_ptrs, z_ptrs, (k0 + t1) * BK // GROUP, offset, HAS_ZEROS, DT)
     if DIAG == 4:
-        w_first = _decode(q0, s0, z0, magic, DT, BN, BK)
+        w_first = _decode(gl.load(q_ptrs), s0, z0, magic, DT, BN, BK)
     for i in range(k_tiles):
         st = i % STAGES
-        q, sc, nz = q0, s0, z0
         t2 = gl.minimum(i + 2, k_tiles - 1)
-        q0, s0, z0 = q1, s1, z1
-        q1 = gl.load(q_ptrs + t2 * BW)
+        if QA > 0:
+            # into the slot of tile i - 1, read (into registers, and decoded) last iteration; then tile i has landed
+            # once at most QA - 1 groups are left in flight
+            _cp_async(qring.index((i + QA - 1) % QA), q_ptrs + gl.minimum(i + QA - 1, k_tiles - 1) * BW)
+            async_copy.commit_group()
+            async_copy.wait_group(QA - 1)
+            q = qring.index(i % QA).load(q_l)
+        else:
+            q = q0
+            q0 = q1
+            q1 = gl.load(q_ptrs + t2 * BW)
+        sc, nz = s0, z0
+        s0, z0 = s1, z1
         s1, z1 = _group_params(s_ptrs, z_ptrs, (k0 + t2) * BK // GROUP, offset, HAS_ZEROS, DT)
         mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         if X_TMA:  # one arrival with the tile's bytes expected, then the copy's
@@ -335,7 +359,7 @@ def _w4a16_ws_kernel(
     GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
     CW: gl.constexpr, PW: gl.constexpr, PREGS: gl.constexpr, X_TMA: gl.constexpr = False, IN_FLIGHT: gl.constexpr = 1,
-    SPLIT: gl.constexpr = 1, DIAG: gl.constexpr = 0,
+    SPLIT: gl.constexpr = 1, QA: gl.constexpr = 0, DIAG: gl.constexpr = 0,
     USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)  # first (tests/test_pdl.py): nothing of another kernel's is read or written before it
@@ -361,6 +385,10 @@ def _w4a16_ws_kernel(
         c_smem = _as_tile(xs, DT, [BM, BN], c_l)
     else:
         c_smem = gl.allocate_shared_memory(DT, [BM, BN], c_l)
+    if QA > 0:  # the words' ring (the producer's own: no barriers)
+        qring = gl.allocate_shared_memory(gl.int32, [QA, BN, BK // 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    else:
+        qring = ws
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -373,9 +401,9 @@ def _w4a16_ws_kernel(
             (_consumer, (xs, ws, c_smem, ready, empty, y_ptr, b_ptr, part_ptr, cnt_ptr, tile, part, m0, n0, M, N,
                          k_tiles, stride_ym, part_rows, part_cols, HAS_BIAS, BM, BN, STAGES, CW, IN_FLIGHT, SPLIT,
                          DIAG)),
-            (_producer, (x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, ready, empty, m0, n0, M, N, k0, k_tiles, magic,
-                         offset, stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK, STAGES, PW,
-                         X_TMA, DIAG)),
+            (_producer, (x_ptr, x_desc, q_ptr, s_ptr, z_ptr, xs, ws, qring, ready, empty, m0, n0, M, N, k0, k_tiles,
+                         magic, offset, stride_xm, stride_qn, stride_sn, stride_zn, GROUP, HAS_ZEROS, BM, BN, BK,
+                         STAGES, PW, X_TMA, QA, DIAG)),
         ],
         [PW],
         [PREGS],
@@ -400,7 +428,7 @@ def constexprs(group: int, has_zeros: bool, has_bias: bool, cfg: WsConfig) -> di
     return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "BM": cfg.bm, "BN": cfg.bn, "BK": cfg.bk,
             "STAGES": cfg.stages, "GROUP_M": cfg.group_m, "CW": CONSUMER_WARPS, "PW": cfg.producer_warps,
             "PREGS": cfg.producer_regs, "X_TMA": cfg.x_tma, "IN_FLIGHT": cfg.in_flight, "SPLIT": cfg.split,
-            "DIAG": cfg.diag}  # fmt: skip
+            "QA": cfg.words_ahead, "DIAG": cfg.diag}  # fmt: skip
 
 
 def x_descriptor(x: torch.Tensor, cfg: WsConfig):  # -> TensorDescriptor
