@@ -88,7 +88,8 @@ def dense_configs(
     if m > 64:  # the warp-specialised kernel (kernels/gluon_w4a16_ws.py): the decode beside the wgmmas
         for cfg in ws_configs:
             label = f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages}{'' if cfg.x_tma else ' cp.async'}"
-            out[label + (f" split{cfg.split}" if getattr(cfg, "split", 1) > 1 else "")] = ws.as_dict(cfg)
+            label += f" split{cfg.split}" if cfg.split > 1 else ""
+            out[label + (f" words{cfg.words_ahead}" if cfg.words_ahead else "")] = ws.as_dict(cfg)
     return out
 
 
