@@ -89,7 +89,8 @@ def dense_configs(
         for cfg in ws_configs:
             label = f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages}{'' if cfg.x_tma else ' cp.async'}"
             label += f" split{cfg.split}" if cfg.split > 1 else ""
-            out[label + (f" words{cfg.words_ahead}" if cfg.words_ahead else "")] = ws.as_dict(cfg)
+            label += f" words{cfg.words_ahead}" if cfg.words_ahead else ""
+            out[label + (f" p{cfg.producer_warps}" if cfg.producer_warps != ws.PRODUCER_WARPS else "")] = ws.as_dict(cfg)
     return out
 
 

@@ -115,7 +115,7 @@ def test_engine_takes_it_at_prefill_sizes(monkeypatch: pytest.MonkeyPatch) -> No
     gen = torch.Generator().manual_seed(80)
     qw = random_weight("int4", 4096, 4096, gen, 128, True, torch.bfloat16)
     x = torch.randn(1024, 4096, generator=gen).to("cuda", torch.bfloat16)
-    assert ws.engine_config(1024, 4096) == ws.WsConfig()
+    assert ws.engine_config(1024, 4096, 4096) == ws.WsConfig()
     routed = w4a16_linear(x, qw)
     assert torch.equal(routed, w4a16_linear(x, qw, config=ws.as_dict(ws.WsConfig())))
     monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)

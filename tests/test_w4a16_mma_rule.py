@@ -5,6 +5,8 @@ Qwen3-8B, DeepSeek-V3 with its dense layers), 1-16 rows, groups 32-128. CPU only
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("triton.experimental.gluon")
@@ -137,22 +139,35 @@ def test_the_decoded_form_only_where_its_chunk_is_larger() -> None:
 
 
 def test_ws_rule_takes_prefill_sizes_with_enough_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The warp-specialised kernel's rule (kernels/gluon_w4a16_ws.py, H200 session 77): from ENGINE_MIN_ROWS rows, in
+    """The warp-specialised kernel's rule (kernels/gluon_w4a16_ws.py, H200 sessions 77-78): from ENGINE_MIN_ROWS rows, in
     256 x 128 tiles where they number at least ENGINE_MIN_TILES, else 128 x 128 ones where those number at least
-    SMALL_MIN_TILES; never with the rule off; never off a Hopper GPU."""
+    SMALL_MIN_TILES; at FEW_MIN_ROWS-511 rows where those leave a product, the few-tile form with K split to one wave;
+    never with the rules off; never off a Hopper GPU."""
     import torch
 
     from ftransformers.kernels import gluon_w4a16_ws as ws
 
-    assert ws.engine_config(511, 24576) is None  # under the rows
-    assert ws.engine_config(512, 24576) == ws.WsConfig()  # 2 x 192 large tiles
-    assert ws.engine_config(512, 5120) == ws.WsConfig()  # 2 x 40: Qwen3-30B-A3B qkv
-    assert ws.engine_config(512, 4096) == ws.SMALL  # 2 x 32 large, 4 x 32 small: Qwen3-8B o
-    assert ws.engine_config(512, 2048) is None  # 2 x 16 large, 4 x 16 small: Qwen3-30B-A3B o
-    assert ws.engine_config(1024, 2048) == ws.SMALL  # 4 x 16 large, 8 x 16 small
-    assert ws.engine_config(8192, 2048) == ws.WsConfig()  # 32 x 16
+    assert ws.engine_config(255, 24576, 4096) is None  # under the rows; 384 few tiles would take two waves
+    assert ws.engine_config(256, 24576, 4096) == ws.WsConfig()  # 192 large tiles: Qwen3-8B gate_up
+    assert ws.engine_config(384, 6144, 4096) == ws.WsConfig()  # 2 x 48: Qwen3-8B qkv
+    assert ws.engine_config(256, 6144, 4096) is None  # 48 large, 96 small or few, no split fits: codes kernel
+    assert ws.engine_config(512, 5120, 2048) == ws.WsConfig()  # 2 x 40: Qwen3-30B-A3B qkv
+    assert ws.engine_config(512, 4096, 4096) == ws.SMALL  # 2 x 32 large, 4 x 32 small: Qwen3-8B o
+    assert ws.engine_config(512, 2048, 4096) is None  # 2 x 16 large, 4 x 16 small: Qwen3-30B-A3B o
+    assert ws.engine_config(1024, 2048, 4096) == ws.SMALL  # 4 x 16 large, 8 x 16 small
+    assert ws.engine_config(8192, 2048, 4096) == ws.WsConfig()  # 32 x 16
+    # few tiles at 128-511 rows: K split to one wave of 100-132 programs
+    few = ws.WsConfig(ws.FEW_BM, ws.FEW_BN, ws.FEW_BK, ws.FEW_STAGES, words_ahead=ws.FEW_WORDS)
+    assert ws.engine_config(128, 4096, 4096) == replace(few, split=4)  # Qwen3-8B o: 32 tiles
+    assert ws.engine_config(256, 4096, 12288) == replace(few, split=2)  # Qwen3-8B down: 64 tiles
+    assert ws.engine_config(128, 2048, 4096) == replace(few, split=8)  # Qwen3-30B-A3B o: 16 tiles
+    assert ws.engine_config(128, 4096, 1024) is None  # 16 K tiles: parts of 8 at most 2, 64 programs
+    assert ws.engine_config(384, 4096, 4096) is None  # 96 tiles, unsplit: under FEW_MIN_PROGRAMS
+    assert ws.engine_config(127, 2048, 4096) is None  # under FEW_MIN_ROWS
+    monkeypatch.setattr(ws, "FEW_MIN_ROWS", 0)
+    assert ws.engine_config(128, 4096, 4096) is None
     monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)
-    assert ws.engine_config(8192, 24576) is None
+    assert ws.engine_config(8192, 24576, 4096) is None
     x = torch.randn(1024, 4096, dtype=torch.bfloat16)  # a CPU tensor: the kernel never takes it
     assert not ws.supported(x, torch.zeros(4096, 512, dtype=torch.int32), 128, ws.WsConfig())
 

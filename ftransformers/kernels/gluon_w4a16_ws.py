@@ -106,25 +106,44 @@ MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room
 
 # w4a16_linear (without a config) sends int4 products of ENGINE_MIN_ROWS rows or more here (0: never), on a Hopper GPU:
 # in 256 x 128 tiles where those number at least ENGINE_MIN_TILES, else in 128 x 128 tiles where those number at least
-# SMALL_MIN_TILES (the kernel splits no K: with fewer tiles SMs idle, and the codes kernel, which splits, keeps them).
-# H200, session 77 (bench_w4a16_prefill.py, ws_dense2_s77_h200.*), against the codes kernel's decoded form: 1.1-1.5x
-# at 1024-8192 rows; at 512 rows 1.28-1.46x on 80-96 tiles of 256 x 128 (Qwen3-30B-A3B / Qwen3-8B qkv) and 1.08-1.27x
-# in 128 x 128 tiles where the larger number 64; on 32 large tiles (Qwen3-30B-A3B o at 512 rows) 0.70x, so not taken
-ENGINE_MIN_ROWS = 512
+# SMALL_MIN_TILES. H200, session 77 (bench_w4a16_prefill.py, ws_dense2_s77_h200.*), against the codes kernel's decoded
+# form: 1.1-1.5x at 1024-8192 rows; at 512 rows 1.28-1.46x on 80-96 tiles of 256 x 128 (Qwen3-30B-A3B / Qwen3-8B qkv)
+# and 1.08-1.27x in 128 x 128 tiles where the larger number 64; on 32 large tiles (Qwen3-30B-A3B o at 512 rows) 0.70x,
+# so not taken. Session 78 (ws_words_s78_h200.*) lowered the rows to 256: Qwen3-8B gate_up at 256 / 384 rows 112.5 /
+# 192.3 us against 133.6 / 215.7, its qkv at 384 60.7 against 68.5, Qwen3-30B-A3B's qkv at 384 29.4 against 34.7.
+ENGINE_MIN_ROWS = 256
 ENGINE_MIN_TILES = 80
 SMALL_MIN_TILES = 128
 SMALL = WsConfig(128, 128, 64, 4)
+# Products of FEW_MIN_ROWS to 511 rows that the rule above leaves (few tiles: Qwen3-8B's o and down, Qwen3-30B-A3B's o)
+# run in FEW_BM x FEW_BN x FEW_BK tiles with the words ring (FEW_WORDS tiles), K split in 2, 4 or 8 to fill FEW_PROGRAMS
+# programs (one an SM of an H100 / H200: a program holds an SM) and taken where tiles x split come to FEW_MIN_PROGRAMS
+# or more: one wave of programs that each walk a long stretch of K. (The split keeps at least FEW_MIN_K_TILES K tiles a
+# part.) H200, session 78 (ws_words_s78_h200.*, ws_few_s78_h200.*): see docs/performance.md.
+FEW_MIN_ROWS = 128
+FEW_BM, FEW_BN, FEW_BK, FEW_STAGES, FEW_WORDS = 128, 128, 64, 4, 8
+FEW_PROGRAMS = 132
+FEW_MIN_PROGRAMS = 100
+FEW_MIN_K_TILES = 8
 
 
-def engine_config(m: int, n: int) -> WsConfig | None:
-    """The config w4a16_linear runs an int4 [M, K] x [N, K]^T product on here, or None (the rule above, by M and N
-    alone; callers then check `supported`, which sees K, the group and the device)."""
-    if not ENGINE_MIN_ROWS or m < ENGINE_MIN_ROWS:
+def engine_config(m: int, n: int, k: int) -> WsConfig | None:
+    """The config w4a16_linear runs an int4 [M, K] x [N, K]^T product on here, or None (the rules above, by M, N and
+    K alone; callers then check `supported`, which sees the group, the strides and the device)."""
+    if ENGINE_MIN_ROWS and m >= ENGINE_MIN_ROWS:
+        for cfg, least in ((WsConfig(), ENGINE_MIN_TILES), (SMALL, SMALL_MIN_TILES)):
+            if cdiv(m, cfg.bm) * cdiv(n, cfg.bn) >= least:
+                return cfg
+    if not FEW_MIN_ROWS or not FEW_MIN_ROWS <= m < 512:
         return None
-    for cfg, least in ((WsConfig(), ENGINE_MIN_TILES), (SMALL, SMALL_MIN_TILES)):
-        if cdiv(m, cfg.bm) * cdiv(n, cfg.bn) >= least:
-            return cfg
-    return None
+    few = WsConfig(FEW_BM, FEW_BN, FEW_BK, FEW_STAGES, words_ahead=FEW_WORDS)
+    tiles, k_tiles = cdiv(m, few.bm) * cdiv(n, few.bn), k // few.bk
+    split = 1
+    while split < 8 and tiles * split * 2 <= FEW_PROGRAMS and k_tiles >= split * 2 * FEW_MIN_K_TILES:
+        split *= 2
+    if not FEW_MIN_PROGRAMS <= tiles * split <= FEW_PROGRAMS:
+        return None
+    return replace(few, split=split)
 
 
 def from_dict(cfg: dict[str, int]) -> WsConfig:

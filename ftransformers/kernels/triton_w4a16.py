@@ -525,7 +525,7 @@ def w4a16_linear(
     if cfg_wg is not None and wgmma_path.runs_now(x, qw.qweight, qw.group_size, cfg_wg):  # 9-16 rows (its module)
         y = wgmma_path.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_wg)
         return y.reshape(*lead, N)
-    cfg_ws = ws_path.engine_config(M, N) if config is None and qw.fmt == "int4" else None
+    cfg_ws = ws_path.engine_config(M, N, K) if config is None and qw.fmt == "int4" else None
     if cfg_ws is not None and ws_path.supported(x, qw.qweight, qw.group_size, cfg_ws):  # prefill sizes (its module)
         return ws_path.w4a16_ws(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_ws).reshape(*lead, N)
     cfg_mma = mma_rows_config(qw, M) if config is None else None
