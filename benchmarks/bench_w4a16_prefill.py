@@ -58,9 +58,7 @@ def parse_ws_config(text: str) -> ws.WsConfig:
     return replace(cfg, **{k: int(v) for k, v in (e.split("=") for e in extra)})
 
 
-def dense_configs(
-    m: int, n: int, k: int, sms: int, ws_configs: list[ws.WsConfig]
-) -> dict[str, dict[str, int]]:
+def dense_configs(m: int, n: int, k: int, sms: int, ws_configs: list[ws.WsConfig]) -> dict[str, dict[str, int]]:
     """Candidate tiles of the dequantizing GEMM, (BM, BN, BK, warps, stages), K split to two programs an SM where the
     tiles are fewer (to 256 rows); then the codes kernel's decoded form (kernels/triton_w4a16_codes.py, `DEQUANT`:
     the weight tile decoded in PTX as the wgmma's A operand) over row tiles of 64-256, which the engine runs past 64
@@ -90,7 +88,8 @@ def dense_configs(
             label = f"ws {cfg.bm}x{cfg.bn}x{cfg.bk} s{cfg.stages}{'' if cfg.x_tma else ' cp.async'}"
             label += f" split{cfg.split}" if cfg.split > 1 else ""
             label += f" words{cfg.words_ahead}" if cfg.words_ahead else ""
-            out[label + (f" p{cfg.producer_warps}" if cfg.producer_warps != ws.PRODUCER_WARPS else "")] = ws.as_dict(cfg)
+            label += f" p{cfg.producer_warps}" if cfg.producer_warps != ws.PRODUCER_WARPS else ""
+            out[label] = ws.as_dict(cfg)
     return out
 
 
@@ -293,8 +292,11 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(DENSE))
     p.add_argument("--moe-tokens", default="1024,8192")
     p.add_argument("--experts", default="qwen3-30b-a3b", help=f"comma-separated, of {', '.join(EXPERTS)}")
-    p.add_argument("--ws", default=WS_CONFIGS, help="the warp-specialised kernel's configs past 64 rows, "
-                   "comma-separated BMxBNxBK:stages[:field=value..]")
+    p.add_argument(
+        "--ws",
+        default=WS_CONFIGS,
+        help="the warp-specialised kernel's configs past 64 rows, comma-separated BMxBNxBK:stages[:field=value..]",
+    )
     p.add_argument("--moe-sweep", action="store_true", help="the MoE's decoded GEMMs apart over tiles, not `moe`")
     args = p.parse_args()
     rep = Report("cuda", command=" ".join(sys.argv))
