@@ -156,14 +156,19 @@ def test_ws_rule_takes_prefill_sizes_with_enough_tiles(monkeypatch: pytest.Monke
     assert ws.engine_config(512, 2048, 4096) is None  # 2 x 16 large, 4 x 16 small: Qwen3-30B-A3B o
     assert ws.engine_config(1024, 2048, 4096) == ws.SMALL  # 4 x 16 large, 8 x 16 small
     assert ws.engine_config(8192, 2048, 4096) == ws.WsConfig()  # 32 x 16
-    # few tiles at 128-511 rows: K split to one wave of 100-132 programs
-    few = ws.WsConfig(ws.FEW_BM, ws.FEW_BN, ws.FEW_BK, ws.FEW_STAGES, words_ahead=ws.FEW_WORDS)
-    assert ws.engine_config(128, 4096, 4096) == replace(few, split=4)  # Qwen3-8B o: 32 tiles
-    assert ws.engine_config(256, 4096, 12288) == replace(few, split=2)  # Qwen3-8B down: 64 tiles
-    assert ws.engine_config(128, 2048, 4096) == replace(few, split=8)  # Qwen3-30B-A3B o: 16 tiles
-    assert ws.engine_config(128, 4096, 1024) is None  # 16 K tiles: parts of 8 at most 2, 64 programs
-    assert ws.engine_config(384, 4096, 4096) is None  # 96 tiles, unsplit: under FEW_MIN_PROGRAMS
+    # few tiles at 128-511 rows: one wave of 100-132 programs, the form and split of least few_cost
+    narrow, wide = (t for t, _ in ws.FEW_TILES)
+    assert ws.engine_config(128, 4096, 4096) == replace(narrow, split=2)  # Qwen3-8B o: 64 narrow tiles
+    assert ws.engine_config(128, 4096, 12288) == replace(narrow, split=2)  # Qwen3-8B down
+    assert ws.engine_config(256, 4096, 12288) == replace(wide, split=2)  # 128 narrow tiles would walk all 96 K tiles
+    assert ws.engine_config(256, 4096, 4096) == narrow  # 128 narrow tiles, 32 K tiles each
+    assert ws.engine_config(128, 2048, 4096) == replace(narrow, split=4)  # Qwen3-30B-A3B o: 32 narrow tiles
+    assert ws.engine_config(128, 2048, 1024) is None  # 8 K tiles: 32 narrow tiles split 2 at most, 64 programs
+    assert ws.engine_config(384, 4096, 4096) is None  # 192 narrow tiles (two waves), 96 wide ones (under a wave)
     assert ws.engine_config(127, 2048, 4096) is None  # under FEW_MIN_ROWS
+    costs = [ws.few_cost(replace(narrow, split=s), 96, 0.82) for s in (1, 2, 4, 8)]
+    assert costs == sorted(costs, reverse=True)  # splitting a long K pays for its partials
+    assert ws.few_cost(replace(wide, split=2), 8, 1.37) > ws.few_cost(wide, 8, 1.37) - 4 * 1.37  # short K: partials
     monkeypatch.setattr(ws, "FEW_MIN_ROWS", 0)
     assert ws.engine_config(128, 4096, 4096) is None
     monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)

@@ -116,15 +116,25 @@ ENGINE_MIN_TILES = 80
 SMALL_MIN_TILES = 128
 SMALL = WsConfig(128, 128, 64, 4)
 # Products of FEW_MIN_ROWS to 511 rows that the rule above leaves (few tiles: Qwen3-8B's o and down, Qwen3-30B-A3B's o)
-# run in FEW_BM x FEW_BN x FEW_BK tiles with the words ring (FEW_WORDS tiles), K split in 2, 4 or 8 to fill FEW_PROGRAMS
-# programs (one an SM of an H100 / H200: a program holds an SM) and taken where tiles x split come to FEW_MIN_PROGRAMS
-# or more: one wave of programs that each walk a long stretch of K. (The split keeps at least FEW_MIN_K_TILES K tiles a
-# part.) H200, session 78 (ws_words_s78_h200.*, ws_few_s78_h200.*): see docs/performance.md.
+# run in one wave: of the FEW_TILES forms (the words ring on, x by TMA) and K splits of 1, 2, 4 or 8 that make
+# FEW_MIN_PROGRAMS to FEW_PROGRAMS programs (one an SM of an H100 / H200: a program holds an SM), with at least
+# FEW_MIN_K_TILES K tiles a part, the one of least `few_cost`. Its constants are fitted to the H200 (session 78,
+# ws_few_s78_h200.* and ws_words_s78_h200.*: within 8% of the 9 measured points): FEW_FIXED_US a launch, FEW_PART_US a
+# KB of float32 partials (written, then added by the last one out), and each form's us a K tile a program. Fewer
+# programs than a wave (under 100 of 132) lost to the codes kernel's decoded form, as did two waves.
 FEW_MIN_ROWS = 128
-FEW_BM, FEW_BN, FEW_BK, FEW_STAGES, FEW_WORDS = 128, 128, 64, 4, 8
+FEW_TILES = ((WsConfig(128, 64, 128, 3, words_ahead=6), 0.82), (WsConfig(128, 128, 128, 2, words_ahead=4), 1.37))
 FEW_PROGRAMS = 132
 FEW_MIN_PROGRAMS = 100
-FEW_MIN_K_TILES = 8
+FEW_MIN_K_TILES = 4
+FEW_FIXED_US = 5.0
+FEW_PART_US = 0.037
+
+
+def few_cost(cfg: WsConfig, k_tiles: int, per_k_tile_us: float) -> float:
+    """Estimated us of a few-tile product in one wave: a launch, the split's partials, one program's walk of K."""
+    partials_kb = cfg.split * cfg.bm * cfg.bn * 4 / 1024 if cfg.split > 1 else 0.0
+    return FEW_FIXED_US + FEW_PART_US * partials_kb + cdiv(k_tiles, cfg.split) * per_k_tile_us
 
 
 def engine_config(m: int, n: int, k: int) -> WsConfig | None:
@@ -136,14 +146,16 @@ def engine_config(m: int, n: int, k: int) -> WsConfig | None:
                 return cfg
     if not FEW_MIN_ROWS or not FEW_MIN_ROWS <= m < 512:
         return None
-    few = WsConfig(FEW_BM, FEW_BN, FEW_BK, FEW_STAGES, words_ahead=FEW_WORDS)
-    tiles, k_tiles = cdiv(m, few.bm) * cdiv(n, few.bn), k // few.bk
-    split = 1
-    while split < 8 and tiles * split * 2 <= FEW_PROGRAMS and k_tiles >= split * 2 * FEW_MIN_K_TILES:
-        split *= 2
-    if not FEW_MIN_PROGRAMS <= tiles * split <= FEW_PROGRAMS:
-        return None
-    return replace(few, split=split)
+    best: tuple[float, WsConfig] | None = None
+    for tile, per_k_tile_us in FEW_TILES:
+        tiles, k_tiles = cdiv(m, tile.bm) * cdiv(n, tile.bn), k // tile.bk
+        for split in (1, 2, 4, 8):
+            cfg = replace(tile, split=split)
+            if FEW_MIN_PROGRAMS <= tiles * split <= FEW_PROGRAMS and k_tiles >= split * FEW_MIN_K_TILES:
+                cost = few_cost(cfg, k_tiles, per_k_tile_us)
+                if best is None or cost < best[0]:
+                    best = (cost, cfg)
+    return best[1] if best else None
 
 
 def from_dict(cfg: dict[str, int]) -> WsConfig:
