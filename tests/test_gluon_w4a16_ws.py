@@ -101,6 +101,30 @@ def test_ws_split_k_replays_in_a_cuda_graph() -> None:
         assert rel_err(y, quant_linear_ref(x, qw)) < tol(torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_few_tile_forms_match_reference(dtype: torch.dtype) -> None:
+    """The rule's few-tile forms (FEW_TILES: K tiles of 128, the words ring) unsplit and split 2 and 4 ways, on partial
+    row and column tiles, with zeros and bias; and the engine's route at 128 and 256 rows is the rule's config."""
+    gen = torch.Generator().manual_seed(83)
+    for m, n, k, group in ((200, 2112, 4096, 128), (130, 1000, 3072, 256)):
+        qw = random_weight("int4", n, k, gen, group, True, dtype)
+        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+        b = torch.randn(n, generator=gen).to("cuda", dtype)
+        ref = quant_linear_ref(x, qw, b)
+        for tile, _ in ws.FEW_TILES:
+            for split in (1, 2, 4):
+                y = w4a16_linear(x, qw, b, config=ws.as_dict(replace(tile, split=split)))
+                assert rel_err(y, ref) < tol(dtype), (m, n, k, tile, split)
+    for m, n, k in ((128, 4096, 4096), (256, 4096, 12288)):
+        qw = random_weight("int4", n, k, gen, 128, True, dtype)
+        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+        cfg = ws.engine_config(m, n, k)
+        assert cfg is not None and cfg.words_ahead and cfg.split > 1
+        routed = w4a16_linear(x, qw)
+        assert torch.equal(routed, w4a16_linear(x, qw, config=ws.as_dict(cfg)))
+        assert rel_err(routed, quant_linear_ref(x, qw)) < tol(dtype)
+
+
 def test_ws_rejects_what_it_cannot_take() -> None:
     gen = torch.Generator().manual_seed(79)
     qw = random_weight("int4", 256, 1024, gen, 32, True, torch.bfloat16)  # group 32 < the K tile of 64
