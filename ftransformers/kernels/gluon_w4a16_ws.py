@@ -20,8 +20,11 @@ tiling Triton's dot offers at 40-70% of the bf16 matmul rate on dense weights, w
   async proxy and signalled on `ready` (one arrival).
 - A K tile never crosses a quantization group (GROUP % BK == 0), so a tile has one scale and zero a row; K % BK == 0.
 - Tiles are walked in bands of GROUP_M row tiles (`grouped_tile`'s order), so a weight tile's decode serves the band's
-  row tiles from L2. One program a tile, no split of K: the kernel is for products of many tiles (prefill; the rule
-  `engine_config`); the codes kernel, which splits K, keeps the few-tile products.
+  row tiles from L2. A tile's K can be split into `split` parts, one program each: each stores its float32 partial
+  tile, takes a ticket (kernels/tickets.py), and the last one out adds the parts in split order and stores y (so the
+  sum does not depend on which part ends last). That lets products of few tiles (128-511 rows) fill one wave.
+- The weight's words are read two tiles ahead into registers, or (`words_ahead`) through a ring in shared memory that
+  16-byte cp.asyncs fill several tiles ahead: 128-row tiles' decode otherwise waits on the words' round trip.
 
 Measured on the H200 (session 77, benchmarks/diag_w4a16_ws.py and bench_w4a16_prefill.py; docs/performance.md): the
 default 256 x 128 x 64 tiles on 4 stages run Qwen3-8B's int4 gate_up at 8192 rows in 2916 us (82% of the matmul rate;
@@ -32,6 +35,8 @@ memory while the producer writes x and W there): both cost 44% over neither; in 
 its stores cost 10%, the stores without the decode 17%, both 57%.
 x by cp.async instead of TMA was 10-25% slower; 8 producer warps, 3 stages and no wgmma left in flight level or slower;
 128 x 256 tiles (twice the decode a FLOP) 1.2-1.5x slower.
+At 128 rows (session 78, diag_words_s78_h200.*) a 128 x 128 tile's K tile takes 0.8 us against 0.4 of wgmma: the
+producer alone takes 0.67 (0.54 with the words ring), the consumer alone 0.41; 8 producer warps were slower.
 
 Shared memory: STAGES x (BM + BN) x BK x 2 bytes, plus BM x BN x 2 for the epilogue's tile of y where x's ring cannot
 hold it (`WsConfig.shared_bytes`; the default 192 KB); one program an SM.
@@ -119,9 +124,11 @@ SMALL = WsConfig(128, 128, 64, 4)
 # run in one wave: of the FEW_TILES forms (the words ring on, x by TMA) and K splits of 1, 2, 4 or 8 that make
 # FEW_MIN_PROGRAMS to FEW_PROGRAMS programs (one an SM of an H100 / H200: a program holds an SM), with at least
 # FEW_MIN_K_TILES K tiles a part, the one of least `few_cost`. Its constants are fitted to the H200 (session 78,
-# ws_few_s78_h200.* and ws_words_s78_h200.*: within 8% of the 9 measured points): FEW_FIXED_US a launch, FEW_PART_US a
-# KB of float32 partials (written, then added by the last one out), and each form's us a K tile a program. Fewer
-# programs than a wave (under 100 of 132) lost to the codes kernel's decoded form, as did two waves.
+# ws_few_s78_h200.*: within 7% of its 16 points of one wave or less, all split 2 or 4 ways; the unsplit cost is
+# extrapolated): FEW_FIXED_US a launch, FEW_PART_US a KB of float32 partials (written, then added by the last one out),
+# and each form's us a K tile a program. Fewer programs than a wave (under 100 of 132) lost to the codes kernel's
+# decoded form there, as did two waves. In a step (ab_few_{8b,30b}_s78_h200.*) the rule made Qwen3-8B W4A16 at
+# B=128 / 256 10.528 -> 10.010 / 17.018 -> 16.091 ms.
 FEW_MIN_ROWS = 128
 FEW_TILES = ((WsConfig(128, 64, 128, 3, words_ahead=6), 0.82), (WsConfig(128, 128, 128, 2, words_ahead=4), 1.37))
 FEW_PROGRAMS = 132
