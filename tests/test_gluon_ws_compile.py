@@ -20,11 +20,13 @@ pytest.importorskip("triton.experimental.gluon._runtime")
 
 from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
 
-# (BM, BN, BK, stages, producer warps and registers, x by TMA, zeros and bias, x dtype, K parts): the default;
-# cp.async x; 256 columns (y's own tile); 8 producer warps; fp16 x; K split 4 ways on 64 columns
-JOBS = [(256, 128, 64, 4, 4, 128, True, True, "bf16", 1), (256, 128, 64, 3, 4, 128, False, False, "bf16", 1),
-        (128, 256, 64, 2, 4, 152, True, True, "bf16", 1), (256, 128, 64, 4, 8, 80, True, False, "bf16", 1),
-        (128, 128, 64, 5, 4, 128, False, True, "fp16", 1), (128, 64, 64, 4, 4, 128, True, True, "bf16", 4)]  # fmt: skip
+# (BM, BN, BK, stages, producer warps and registers, x by TMA, zeros and bias, x dtype, K parts, words ring): the
+# default; cp.async x; 256 columns (y's own tile); 8 producer warps; fp16 x; K split 4 ways on 64 columns; the rule's
+# two few-tile forms (kernels/gluon_w4a16_ws.py's FEW_TILES), split
+JOBS = [(256, 128, 64, 4, 4, 128, True, True, "bf16", 1, 0), (256, 128, 64, 3, 4, 128, False, False, "bf16", 1, 0),
+        (128, 256, 64, 2, 4, 152, True, True, "bf16", 1, 0), (256, 128, 64, 4, 8, 80, True, False, "bf16", 1, 0),
+        (128, 128, 64, 5, 4, 128, False, True, "fp16", 1, 0), (128, 64, 64, 4, 4, 128, True, True, "bf16", 4, 0),
+        (128, 64, 128, 3, 4, 128, True, True, "bf16", 2, 6), (128, 128, 128, 2, 4, 128, True, False, "fp16", 4, 4)]  # fmt: skip
 
 
 def _compile() -> list[dict]:  # in this process, per job: its name, config, PTX and ptxas log
@@ -33,15 +35,16 @@ def _compile() -> list[dict]:  # in this process, per job: its name, config, PTX
     from ftransformers.kernels import gluon_w4a16_ws as ws
 
     out = []
-    for bm, bn, bk, stages, warps, regs, x_tma, zb, dt, split in JOBS:
-        cfg = ws.WsConfig(bm, bn, bk, stages, producer_warps=warps, producer_regs=regs, x_tma=x_tma, split=split)
+    for bm, bn, bk, stages, warps, regs, x_tma, zb, dt, split, words in JOBS:
+        cfg = ws.WsConfig(bm, bn, bk, stages, producer_warps=warps, producer_regs=regs, x_tma=x_tma, split=split,
+                          words_ahead=words)  # fmt: skip
         box = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16 if dt == "bf16" else gl.float16)
         types = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "b_ptr": f"*{dt}", "part_ptr": "*fp32", "cnt_ptr": "*i32",
                  "x_desc": f"tensordesc<{dt}[{bm}, {bk}],{box!r}>" if x_tma else f"*{dt}"}  # fmt: skip
         res = compile_for_hopper(ws._w4a16_ws_kernel, ws.constexprs(128, zb, zb, cfg), ws.CONSUMER_WARPS,
                                  ws.maxnreg(cfg), types)  # fmt: skip
         out.append({"name": f"{cfg} zeros/bias {zb} {dt}", "bn": bn, "regs": regs, "dt": dt, "tma": x_tma,
-                    "split": split, "bytes": cfg.shared_bytes(), **res})  # fmt: skip
+                    "split": split, "words": words, "bytes": cfg.shared_bytes(), **res})  # fmt: skip
     return out
 
 
@@ -60,7 +63,7 @@ def test_ws_kernel_compiles_for_hopper(kernels: list[dict]) -> None:
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, name
         if k["tma"]:  # x by one bulk tensor copy a tile, its bytes expected on the stage's barrier
             assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.arrive.expect_tx" in ptx, name
-            assert "cp.async.cg.shared.global" not in ptx, name
+            assert k["words"] or "cp.async.cg.shared.global" not in ptx, name  # (the words ring's own, below)
         else:
             assert "cp.async.mbarrier.arrive.noinc.shared.b64" in ptx and "cp.async.cg.shared.global" in ptx, name
         fma = "fma.rn.bf16x2" if k["dt"] == "bf16" else "fma.rn.f16x2"
@@ -80,3 +83,9 @@ def test_ws_kernel_compiles_for_hopper(kernels: list[dict]) -> None:
             assert re.search(ticket, ptx, re.DOTALL) and "ld.global.cg" in ptx, name
         else:
             assert "atom." not in ptx, name
+        # the words ring: 16-byte cp.asyncs into shared memory, waited down to words - 1 groups in flight
+        if k["words"]:
+            assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10, 0x10;", ptx), name
+            assert f"cp.async.wait_group \t{k['words'] - 1};" in ptx, name
+        else:
+            assert "cp.async.wait_group" not in ptx, name
