@@ -26,6 +26,7 @@ def test_lengths_follow_context_chunk_and_pool() -> None:
     assert warmup.warmup_lengths(args, 10**6, 100) == [1, 2, 3, 4, 5, 7, 8, 9]
     big = warmup.warmup_lengths(ServerArgs(model_path="unused"), 40960, 10**6)
     assert big[-4:] == [8191, 8192, 8193, 8209] and {4095, 4096, 4097, 100, 1000} <= set(big)
+    assert {257, 384, 448, 511} <= set(big)  # both divisibilities by 16 in the int4 rule's 257-384 and 385-511 bands
     unchunked = warmup.warmup_lengths(ServerArgs(model_path="unused", chunked_prefill_size=-1), 40960, 10**6)
     assert unchunked[-1] == 16385
 

@@ -6,7 +6,7 @@ attention, rope + KV store, MoE alignment and GEMMs at new token counts, the sam
 2.6 s (docs/performance.md, session 73). A Triton kernel specializes on constexprs that follow the token count (a
 MoE tile chosen by bucket, the alignment's block count rounded to a power of two) and on Triton's own integer rules
 (equal to 1, divisible by 16), so the warmup prefills a ladder of prompt lengths (every length up to 64, then both
-sides of each power of two), each alone and all together (mixed prefill and decode steps), greedy and sampled, then
+sides of each power of two, and a few lengths between where a rule picks by band), each alone and all together (mixed prefill and decode steps), greedy and sampled, then
 again behind a cached prefix, and decodes sampled batches of several sizes up to the most requests running at once;
 the sampling kernel is then launched directly at each specialization its row counts meet. Whatever it misses is
 logged when it compiles (kernels/compile_log.py).
@@ -34,8 +34,12 @@ from ftransformers.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 # prompt lengths at every power-of-two bucket boundary of the prefill kernels' tiles (n - 1, n, n + 1: both sides
-# of it, odd and even, divisible by 16 and not), capped by the prefill chunk and the context
-LADDER = tuple(sorted({m for n in (1 << i for i in range(15)) for m in (n - 1, n, n + 1) if m > 0} | {100, 1000}))
+# of it, odd and even, divisible by 16 and not), capped by the prefill chunk and the context; and a multiple of 16 in
+# each 128-row band of 257-511 rows, where the int4 products' rule (kernels/gluon_w4a16_ws.py, few-tile forms) picks
+# by the band: the ladder holds only 257 and 511 there
+LADDER = tuple(
+    sorted({m for n in (1 << i for i in range(15)) for m in (n - 1, n, n + 1) if m > 0} | {100, 1000, 384, 448})
+)
 # every prompt length up to here as well, where the pool allows: the int4 MoE's grouped kernels choose variants at
 # token counts that are no power of two (40 and 46 for Qwen3-30B-A3B's experts, kernels/gluon_moe_w4_mma.py) and
 # pass two integers (pairs, a group bound) whose divisibility by 16 varies apart, all within 2-64 tokens
