@@ -6,9 +6,10 @@ attention, rope + KV store, MoE alignment and GEMMs at new token counts, the sam
 2.6 s (docs/performance.md, session 73). A Triton kernel specializes on constexprs that follow the token count (a
 MoE tile chosen by bucket, the alignment's block count rounded to a power of two) and on Triton's own integer rules
 (equal to 1, divisible by 16), so the warmup prefills a ladder of prompt lengths (every length up to 64, then both
-sides of each power of two, and a few lengths between where a rule picks by band), each alone and all together (mixed prefill and decode steps), greedy and sampled, then
-again behind a cached prefix, and decodes sampled batches of several sizes up to the most requests running at once;
-the sampling kernel is then launched directly at each specialization its row counts meet. Whatever it misses is
+sides of each power of two, and a few lengths between where a rule picks by band), each alone and all together
+(mixed prefill and decode steps), greedy and sampled, then again behind a cached prefix, and decodes sampled batches
+of several sizes up to the most requests running at once; the sampling kernel is then launched directly at each
+specialization its row counts meet. Whatever it misses is
 logged when it compiles (kernels/compile_log.py).
 
 The throwaway scheduler owns its KV slots and radix tree; discarding it frees them all, so serving starts with an
