@@ -146,14 +146,28 @@ def _split_store_y(y, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, tok, M, N, stri
         _store_y(y, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS)
     else:
         part = part_ptr + tok.to(gl.int64) * N + n_idx
-        gl.store(part + gl.program_id(1) * M * N, y, mask=tok < M)
-        _cta_barrier()  # every warp's partial is stored before the release ticket
-        if gl.atomic_add(cnt_ptr + gl.program_id(0), 1, sem="acq_rel") == SPLIT - 1:
-            gl.store(cnt_ptr + gl.program_id(0), 0)
-            total = gl.load(part, mask=tok < M, other=0.0, cache_modifier=".cg")
-            for sp in gl.static_range(1, SPLIT):
-                total += gl.load(part + sp * M * N, mask=tok < M, other=0.0, cache_modifier=".cg")
+        last, total = publish_and_sum(y, part, M * N, tok < M, 0.0, cnt_ptr + gl.program_id(0), gl.program_id(1),
+                                      SPLIT)  # fmt: skip
+        if last:
             _store_y(total, y_ptr, bias_ptr, n_idx, tok, M, stride_ym, HAS_BIAS)
+
+
+@gluon.jit
+def publish_and_sum(acc, part, plane, mask, other, counter, index, SPLIT: gl.constexpr):
+    """kernels/tickets.py's publish_and_sum in Gluon, for a program's float32 `acc` in any layout: store it at
+    part + index * plane (where `mask`; `other` 0.0 with a mask, None without), take an acq_rel ticket on `counter`;
+    the program holding the last ticket resets the counter and adds the SPLIT partials in split order (the same sum
+    whichever ends last). Returns (is_last, the sum; `acc` itself on the other programs)."""
+    gl.store(part + index * plane, acc, mask=mask)
+    _cta_barrier()  # every warp's partial is stored before the release ticket
+    last = gl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1
+    total = acc
+    if last:
+        gl.store(counter, 0)
+        total = gl.load(part, mask=mask, other=other, cache_modifier=".cg")
+        for sp in gl.static_range(1, SPLIT):  # from L2, where the tickets made them visible
+            total += gl.load(part + sp * plane, mask=mask, other=other, cache_modifier=".cg")
+    return last, total
 
 
 @gluon.jit

@@ -62,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ftransformers.kernels.gluon_mla_decode import _cp_async, _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability
+from ftransformers.kernels.gluon_w4a16_mma import publish_and_sum
 from ftransformers.kernels.launch import cached_launch, cdiv
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
@@ -350,21 +351,16 @@ def _consumer(xs, ws, c_smem, ready, empty, y_ptr, b_ptr, part_ptr, cnt_ptr, til
     if SPLIT == 1:
         _store_y(acc, c_smem, y_ptr, b_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BM, BN, CW)
     else:
-        # publish this part's float32 tile in the accumulator's own layout (partials [SPLIT, part_rows, part_cols],
-        # padded to whole tiles: no masks), take a ticket (kernels/tickets.py's protocol); the last one out adds the
-        # SPLIT partials in split order (the same sum whichever part ends last) and stores y
-        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-        offs = gl.expand_dims((m0 + rows).to(gl.int64) * part_cols, 1) + gl.expand_dims(n0 + cols, 0)
+        # this part's float32 tile, in the accumulator's own layout, into partials [SPLIT, part_rows, part_cols] padded
+        # to whole tiles (no masks: a mask over the tile cost the 128 x 128 form 340 bytes of spills); the last part
+        # out adds them in split order and stores y
+        rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        offs = gl.expand_dims(rows.to(gl.int64) * part_cols, 1) + gl.expand_dims(cols, 0)
         plane = part_rows.to(gl.int64) * part_cols
-        gl.store(part_ptr + part * plane + offs, acc)
-        _cta_barrier()  # every thread's partial stores are ordered before the release ticket
-        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            gl.store(cnt_ptr + tile, 0)  # zero between launches
-            total = gl.load(part_ptr + offs, cache_modifier=".cg")
-            for s in gl.static_range(1, SPLIT):
-                total += gl.load(part_ptr + s * plane + offs, cache_modifier=".cg")  # L2: where the tickets made
-            _store_y(total, c_smem, y_ptr, b_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BM, BN, CW)  # them visible
+        last, total = publish_and_sum(acc, part_ptr + offs, plane, None, None, cnt_ptr + tile, part, SPLIT)
+        if last:
+            _store_y(total, c_smem, y_ptr, b_ptr, m0, n0, M, N, stride_ym, HAS_BIAS, BM, BN, CW)
 
 
 @gluon.jit
