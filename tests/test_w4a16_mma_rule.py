@@ -169,6 +169,10 @@ def test_ws_rule_takes_prefill_sizes_with_enough_tiles(monkeypatch: pytest.Monke
     costs = [ws.few_cost(replace(narrow, split=s), 96, 0.82) for s in (1, 2, 4, 8)]
     assert costs == sorted(costs, reverse=True)  # splitting a long K pays for its partials
     assert ws.few_cost(replace(wide, split=2), 8, 1.37) > ws.few_cost(wide, 8, 1.37) - 4 * 1.37  # short K: partials
+    monkeypatch.setattr(ws, "FEW_MIN_PROGRAMS", 129)  # the cached search follows the rule's values (A/Bs set them)
+    assert ws.engine_config(128, 4096, 4096) is None
+    monkeypatch.setattr(ws, "FEW_MIN_PROGRAMS", 100)
+    assert ws.engine_config(128, 4096, 4096) == replace(narrow, split=2)
     monkeypatch.setattr(ws, "FEW_MIN_ROWS", 0)
     assert ws.engine_config(128, 4096, 4096) is None
     monkeypatch.setattr(ws, "ENGINE_MIN_ROWS", 0)

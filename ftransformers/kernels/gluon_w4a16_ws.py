@@ -46,6 +46,7 @@ offline sm_90 build (both operands from shared memory, at most a few words spill
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -120,6 +121,7 @@ MAX_SHARED = 220 * 1024  # of the H100's / H200's 227 KB a program, leaving room
 ENGINE_MIN_ROWS = 256
 ENGINE_MIN_TILES = 80
 SMALL_MIN_TILES = 128
+LARGE = WsConfig()
 SMALL = WsConfig(128, 128, 64, 4)
 # Products of FEW_MIN_ROWS to 511 rows that the rule above leaves (few tiles: Qwen3-8B's o and down, Qwen3-30B-A3B's o)
 # run in one wave: of the FEW_TILES forms (the words ring on, x by TMA) and K splits of 1, 2, 4 or 8 that make
@@ -149,11 +151,18 @@ def engine_config(m: int, n: int, k: int) -> WsConfig | None:
     """The config w4a16_linear runs an int4 [M, K] x [N, K]^T product on here, or None (the rules above, by M, N and
     K alone; callers then check `supported`, which sees the group, the strides and the device)."""
     if ENGINE_MIN_ROWS and m >= ENGINE_MIN_ROWS:
-        for cfg, least in ((WsConfig(), ENGINE_MIN_TILES), (SMALL, SMALL_MIN_TILES)):
+        for cfg, least in ((LARGE, ENGINE_MIN_TILES), (SMALL, SMALL_MIN_TILES)):
             if cdiv(m, cfg.bm) * cdiv(n, cfg.bn) >= least:
                 return cfg
     if not FEW_MIN_ROWS or not FEW_MIN_ROWS <= m < 512:
         return None
+    # the search below is cached (eager calls repeat few shapes): keyed on the rule's values too, which A/Bs set
+    return _few_config(m, n, k, (FEW_TILES, FEW_PROGRAMS, FEW_MIN_PROGRAMS, FEW_MIN_K_TILES, FEW_FIXED_US, FEW_PART_US))
+
+
+@functools.lru_cache(maxsize=4096)
+def _few_config(m: int, n: int, k: int, rule: tuple) -> WsConfig | None:
+    # the few-tile form of least few_cost for the rule values of `rule` (the module's, when engine_config calls)
     best: tuple[float, WsConfig] | None = None
     for tile, per_k_tile_us in FEW_TILES:
         tiles, k_tiles = cdiv(m, tile.bm) * cdiv(n, tile.bn), k // tile.bk
