@@ -1,0 +1,327 @@
+"""int4 weight x 16-bit activation products at 1-128 rows on Hopper, the weights decoded in the wgmma's own warps as
+its register A operand (an "RS" wgmma), fed by a TMA producer warp: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the
+"int4" layout of kernels/quant_formats.py, W[n, k] = (code - zero[n, g]) * scale[n, g].
+
+Why: the other int4 kernels either decode W into shared memory for wgmma's B operand (gluon_w4a16_ws: 2 bytes of
+shared-memory stores an element, and at 128-row tiles that producer sets the pace, docs/performance.md session 78), or
+load the words straight into registers and wait for each chunk's wgmma (gluon_w4a16_wgmma: 16-44% of copy bandwidth at
+9-16 rows), or use mma.sync (gluon_w4a16_mma: x as B operands in every warp's registers). Here:
+
+- The product is y^T = W x^T: a program's BN = 16 x CW rows of W (CW consumer warps, one or two warpgroups) are
+  wgmma's M, x^T its N = NP >= M columns (a power of two, 8-128); x's rows past M are TMA's zero fill, never stored.
+- One producer warp streams each K tile by TMA into a ring of STAGES stages: x's [NP, BK] box (memory order, the
+  wgmma's B operand as it lands) and W's words [BN, BK / 8] as they lie in memory, both counted on the stage's
+  `ready` barrier. No register of the producer holds data; it only waits for `empty` and issues copies.
+- The consumer reads its words from shared memory and decodes them straight into A's register fragment. A thread of
+  wgmma's A holds k = 16 s + 8 u + 2 t + (0, 1) of its rows (t = lane % 4), that is byte t of word 2 s + u: so the
+  four lanes of a quad read the same 16 bytes (a broadcast), and each makes its pair with one PRMT (byte t of the word
+  and of the word >> 4 into the two halves), one LOP3 (offset + nibble, exact), and two packed 16-bit FMAs (minus
+  offset + zero, exact; times the scale, rounded once, as a 16-bit copy of W would be). K needs no permutation.
+- A K tile lies inside one quantization group (GROUP % BK == 0): one scale and zero a row a tile, loaded by the
+  consumer one tile ahead.
+- The accumulator [BN, NP] runs over the program's whole K; IN_FLIGHT = 1 leaves one tile's wgmmas in flight while the
+  next tile is decoded.
+- Splits of K: SPLIT programs per row tile publish float32 partials [SPLIT, M, N]; the last one out (an acq_rel ticket,
+  kernels/tickets.py's protocol) adds them in split order and stores y (gluon_w4a16_mma._split_store_y).
+
+tests/test_gluon_w4a16_rs.py checks it against quant_linear_ref on a Hopper GPU, tests/test_gluon_rs_compile.py its
+offline sm_90 build; benchmarks/bench_w4a16_mma.py `--rs` times it beside the engine's kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
+from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability
+from ftransformers.kernels.gluon_w4a16_mma import _split_store_y
+from ftransformers.kernels.launch import cached_launch, next_pow2
+from ftransformers.kernels.pdl import pdl_launch
+from ftransformers.kernels.tickets import split_scratch
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (Triton 3.6's name: the second)
+_GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+MAX_ROWS = 128
+PRODUCER_REGS = 40  # the producer warp's registers (setmaxnreg): it holds no data
+
+
+@dataclass(frozen=True)
+class RsConfig:
+    """CW consumer warps (4: one warpgroup, 64 rows of W; 8: two, 128 rows), K tiles of BK, a ring of STAGES stages,
+    SPLIT programs along K, and IN_FLIGHT tiles of wgmmas left in flight (0 or 1)."""
+
+    warps: int = 4
+    bk: int = 128
+    stages: int = 4
+    split: int = 1
+    in_flight: int = 1
+    regs: int = 2  # programs an SM the registers allow (`maxnreg`)
+
+    def rows(self) -> int:
+        return 16 * self.warps
+
+    def shared_bytes(self, np_: int) -> int:  # the ring: x's box and W's words a stage
+        return self.stages * (np_ * self.bk * 2 + self.rows() * self.bk // 2)
+
+
+# programs default_config aims for (two an SM of the H100's / H200's 132), the fewest K tiles a part, and the shared
+# memory it gives a program's ring (two programs an SM)
+AIM_PROGRAMS = 264
+MIN_PART_TILES = 4
+RING_BYTES = 96 * 1024
+
+
+def default_config(m: int, n: int, k: int, group: int, warps: int = 4, bk: int = 128) -> RsConfig:
+    """A starting point for the benchmark, not a measured rule: as many stages (2-8) as RING_BYTES holds, and K split
+    in the fewest powers of two that give AIM_PROGRAMS programs, each part at least MIN_PART_TILES K tiles."""
+    bk = min(bk, group)
+    cfg = RsConfig(warps, bk, 2, 1, regs=2 if warps == 4 else 1)
+    stages = max(2, min(8, RING_BYTES // max(1, cfg.shared_bytes(columns(m)) // 2)))
+    k_tiles, tiles, split = k // bk, max(1, n // cfg.rows()), 1
+    while tiles * split < AIM_PROGRAMS and k_tiles % (2 * split) == 0 and k_tiles // (2 * split) >= MIN_PART_TILES:
+        split *= 2
+    return replace(cfg, stages=stages, split=split)
+
+
+def columns(m: int) -> int:
+    """wgmma's N for M rows of x: the power of two >= M, at least 8."""
+    return max(8, next_pow2(m))
+
+
+def fits(m: int, n: int, k: int, group: int, cfg: RsConfig) -> bool:
+    """The shape part of `supported`: 1 <= M <= MAX_ROWS, N a multiple of a program's rows, K tiles inside a group,
+    K split into whole tiles, and the ring within one SM's shared memory."""
+    if not 1 <= m <= MAX_ROWS or cfg.warps not in (4, 8) or n % cfg.rows() or cfg.in_flight not in (0, 1):
+        return False
+    if cfg.bk % 32 or group % cfg.bk or k % group or cfg.split < 1 or (k // cfg.bk) % cfg.split:
+        return False
+    return cfg.shared_bytes(columns(m)) <= 200 * 1024
+
+
+def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: RsConfig) -> bool:
+    """Whether the kernel takes x [M, K] @ W^T for this int4 qweight [N, K // 8]: a Hopper GPU (wgmma, TMA), bf16 /
+    fp16 x with unit stride along K, 16-byte aligned bases and row strides (TMA), and `fits`."""
+    if x.device.type != "cuda" or x.dtype not in MAGIC or x.stride(1) != 1 or qweight.stride(1) != 1:
+        return False
+    if _capability(x.device.index or 0)[0] != 9:
+        return False
+    if x.data_ptr() % 16 or x.stride(0) * x.element_size() % 16 or qweight.data_ptr() % 16 or qweight.stride(0) % 4:
+        return False
+    return qweight.shape[1] * 8 == x.shape[1] and fits(x.shape[0], qweight.shape[0], x.shape[1], group, cfg)
+
+
+def layouts(warps: int, bk: int, np_: int) -> dict:
+    """The accumulator's wgmma layout [BN, NP], A's register fragment [BN, BK], and the words' layout [BN, 4 (t),
+    BK / 8 (word)] whose decoded pairs are that fragment with no data movement: lane 4 r + t holds rows r and r + 8 of
+    its warp's 16 and, of each word, the pair at k = 8 w + 2 t (module docstring)."""
+    bw = bk // 8
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, np_, 16])
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0]] + [[0, 0, 1 << i] for i in range(bw.bit_length() - 1)],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << i, 0, 0] for i in range(warps.bit_length() - 1)],
+        block_bases=[],
+        shape=[16 * warps, 4, bw],
+    )  # fmt: skip
+    return {"mma": mma, "a_l": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2), "w_l": words}
+
+
+# One pair of a word: $1 the word, $2 the lane's PRMT selector (byte t of the word to bits 0-7, byte t of word >> 4 to
+# bits 16-23), $3 -(offset + zero) and $4 the scale, each twice in one register, $5 the magic. LOP3 makes (offset +
+# nibble 2t, offset + nibble 2t + 1) exact; FMA by one adds -(offset + zero) (exact: small integers); FMA by the scale
+# with a -0 addend rounds the product once.
+_PAIR_BODY = """{ .reg .b32 s, p, one, nzero;
+mov.b32 one, ONE; mov.b32 nzero, 0x80008000;
+shr.u32 s, $1, 4; prmt.b32 p, $1, s, $2; lop3.b32 p, p, 0x000F000F, $5, 0xEA;
+FMA p, p, one, $3; FMA $0, p, $4, nzero; }"""
+_PAIR_BF16: gl.constexpr = gl.constexpr(_PAIR_BODY.replace("ONE", "0x3F803F80").replace("FMA", "fma.rn.bf16x2"))
+_PAIR_F16: gl.constexpr = gl.constexpr(_PAIR_BODY.replace("ONE", "0x3C003C00").replace("FMA", "fma.rn.f16x2"))
+
+
+@gluon.jit
+def _twice3(v):
+    # [BN] 16-bit -> [BN, 1, 1] int32 holding v's bits in both halves
+    b = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return gl.expand_dims(gl.expand_dims(b | (b << 16), 1), 2)
+
+
+@gluon.jit
+def _tile_params(s_ptrs, z_ptrs, g, offset, HAS_ZEROS: gl.constexpr, DT: gl.constexpr):
+    # [BN, 1, 1] int32: group g's scale and -(offset + zero), each twice (both exact in DT)
+    scale = gl.load(s_ptrs + g).to(DT)
+    if HAS_ZEROS:
+        nz = -(gl.load(z_ptrs + g).to(gl.float32) + offset)
+    else:
+        nz = gl.zeros_like(scale.to(gl.float32)) - (8.0 + offset)
+    return _twice3(scale), _twice3(nz.to(DT))
+
+
+@gluon.jit
+def _a_tile(q, sel, s2, nz2, magic, DT: gl.constexpr, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    # q [BN, 1, BW] words (each lane of a quad the same), sel [1, 4, 1] -> A [BN, BK] DT, k = 8 w + 2 t + h
+    asm: gl.constexpr = _PAIR_BF16 if DT == gl.bfloat16 else _PAIR_F16
+    p = gl.inline_asm_elementwise(asm, "=r,r,r,r,r,r", [q, sel, nz2, s2, magic], dtype=gl.int32, is_pure=True,
+                                  pack=1)  # fmt: skip
+    lo = p.to(gl.int16).to(DT, bitcast=True)
+    hi = (p >> 16).to(gl.int16).to(DT, bitcast=True)
+    c = gl.permute(gl.join(lo, hi), (0, 2, 1, 3))  # [BN, BW, t, h]
+    return gl.convert_layout(gl.reshape(c, [BN, BK]), a_l, assert_trivial=True)
+
+
+@gluon.jit
+def _producer(x_desc, q_desc, xs, qs, ready, empty, n0, k0, k_tiles, BK: gl.constexpr, STAGES: gl.constexpr):
+    # stage i % STAGES gets x's box [NP, BK] and W's words [BN, BK / 8] of K tile k0 + i, once the consumer freed it
+    nbytes: gl.constexpr = xs.dtype.primitive_bitwidth // 8 * xs.shape[1] * xs.shape[2] + qs.shape[1] * qs.shape[2] * 4
+    for i in range(k_tiles):
+        st = i % STAGES
+        mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        mbarrier.expect(ready.index(st), nbytes)
+        _tma_load(x_desc, [0, (k0 + i) * BK], ready.index(st), xs.index(st))
+        _tma_load(q_desc, [n0, (k0 + i) * (BK // 8)], ready.index(st), qs.index(st))
+
+
+@gluon.jit
+def _consumer(xs, qs, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
+              stride_sn, stride_zn, stride_ym, n0, k0, k_tiles,
+              GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr,
+              BK: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+              IN_FLIGHT: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr):  # fmt: skip
+    # The default partition: per tile, its words decoded into A and y^T += A x^T (one tile's wgmmas in flight with
+    # IN_FLIGHT), the stage handed back once its wgmmas are done; then the epilogue (split K: the last one out's)
+    DT: gl.constexpr = xs.dtype
+    q_l: gl.constexpr = gl.SliceLayout(1, w_l)  # [BN, BW]: the quad's lanes read the same words
+    p_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, w_l))  # [BN]
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_l)))
+    sel = gl.expand_dims(gl.expand_dims(t * 0x11 + (t + 4) * 0x1100, 0), 2)  # [1, 4, 1] PRMT selectors
+    rows = gl.arange(0, BN, layout=p_l)
+    s_ptrs = s_ptr + (n0 + rows).to(gl.int64) * stride_sn
+    z_ptrs = z_ptr + (n0 + rows).to(gl.int64) * stride_zn
+    s2, nz2 = _tile_params(s_ptrs, z_ptrs, k0 * BK // GROUP, offset, HAS_ZEROS, DT)
+    acc = gl.zeros([BN, NP], gl.float32, mma)
+    for i in range(k_tiles):
+        st = i % STAGES
+        s_c, nz_c = s2, nz2
+        nxt = gl.minimum(i + 1, k_tiles - 1)
+        s2, nz2 = _tile_params(s_ptrs, z_ptrs, (k0 + nxt) * BK // GROUP, offset, HAS_ZEROS, DT)
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        q = gl.expand_dims(qs.index(st).load(q_l), 1)
+        a = _a_tile(q, sel, s_c, nz_c, magic, DT, a_l, BN, BK)
+        acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
+        if IN_FLIGHT == 1:
+            acc = warpgroup_mma_wait(1, deps=[acc])  # tile i - 1's wgmmas are done
+            if i > 0:
+                _cta_barrier()
+                mbarrier.arrive(empty.index((i - 1) % STAGES))
+        else:
+            acc, a = warpgroup_mma_wait(0, deps=[acc, a])
+            _cta_barrier()
+            mbarrier.arrive(empty.index(st))
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    n_idx = gl.expand_dims(n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), 1)  # [BN, 1]
+    toks = gl.expand_dims(gl.arange(0, NP, layout=gl.SliceLayout(0, mma)), 0)  # [1, NP]
+    _split_store_y(acc, y_ptr, bias_ptr, part_ptr, cnt_ptr, n_idx, toks, M, N, stride_ym, HAS_BIAS, SPLIT)
+
+
+@cached_launch
+@gluon.jit
+def _w4a16_rs_kernel(
+    x_desc, q_desc, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N, K,
+    stride_sn, stride_zn, stride_ym,
+    GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, CW: gl.constexpr, BK: gl.constexpr,
+    NP: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, IN_FLIGHT: gl.constexpr, PREGS: gl.constexpr,
+    mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
+):  # fmt: skip
+    pdl_enter(USE_PDL)  # first (tests/test_pdl.py): nothing of another kernel's is read or written before it
+    BN: gl.constexpr = 16 * CW
+    DT: gl.constexpr = y_ptr.dtype.element_ty
+    n0 = gl.program_id(0) * BN
+    k_tiles = K // BK // SPLIT
+    k0 = gl.program_id(1) * k_tiles
+    xs = gl.allocate_shared_memory(DT, [STAGES, NP, BK], x_desc.layout)
+    qs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (_consumer, (xs, qs, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
+                         stride_sn, stride_zn, stride_ym, n0, k0, k_tiles, GROUP, HAS_ZEROS, HAS_BIAS, BN, BK, NP,
+                         STAGES, SPLIT, IN_FLIGHT, mma, a_l, w_l)),
+            (_producer, (x_desc, q_desc, xs, qs, ready, empty, n0, k0, k_tiles, BK, STAGES)),
+        ],
+        [1],
+        [PREGS],
+    )  # fmt: skip
+
+
+def constexprs(m: int, group: int, has_zeros: bool, has_bias: bool, cfg: RsConfig) -> dict:
+    """The kernel's compile-time arguments for M rows of x."""
+    np_ = columns(m)
+    return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "CW": cfg.warps, "BK": cfg.bk, "NP": np_,
+            "STAGES": cfg.stages, "SPLIT": cfg.split, "IN_FLIGHT": cfg.in_flight, "PREGS": PRODUCER_REGS,
+            **layouts(cfg.warps, cfg.bk, np_)}  # fmt: skip
+
+
+def descriptors(x: torch.Tensor, qweight: torch.Tensor, cfg: RsConfig) -> tuple:
+    """TMA descriptors of x [M, K] in [NP, BK] boxes (rows past M zero-filled) and of the words [N, K // 8] in
+    [BN, BK // 8] boxes, in the layouts of the kernel's ring."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    np_, dt = columns(x.shape[0]), _GL_DTYPE[x.dtype]
+    x_l = gl.NVMMASharedLayout.get_default_for([np_, cfg.bk], dt)
+    q_l = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return (TensorDescriptor.from_tensor(x, [np_, cfg.bk], x_l),
+            TensorDescriptor.from_tensor(qweight, [cfg.rows(), cfg.bk // 8], q_l))  # fmt: skip
+
+
+def maxnreg(cfg: RsConfig) -> int:
+    """Registers a thread at launch. The producer's warp takes a warpgroup of its own (setmaxnreg works by
+    warpgroups), which gives back all but PRODUCER_REGS a thread to the consumer's: so a program holds
+    maxnreg x (CW + 4) x 32 registers of the SM's 64K, and its consumer threads (maxnreg (CW + 4) - 4 PRODUCER_REGS) /
+    CW, at most 256. `cfg.regs` programs an SM."""
+    return 65536 // cfg.regs // ((cfg.warps + 4) * 32) // 8 * 8
+
+
+def w4a16_rs(
+    x: torch.Tensor,  # [M, K] bf16 / fp16, unit stride along K, 1 <= M <= 128
+    qweight: torch.Tensor,  # int32 [N, K // 8]
+    scales: torch.Tensor,  # [N, K // G]
+    zeros: torch.Tensor | None,  # uint8 [N, K // G] or None (zero 8)
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+    cfg: RsConfig | None = None,
+) -> torch.Tensor:  # [M, N] x.dtype
+    cfg = cfg or RsConfig()
+    assert supported(x, qweight, group, cfg), (tuple(x.shape), group, cfg)
+    assert scales.stride(1) == 1 and (zeros is None or zeros.stride(1) == 1)
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tiles = n // cfg.rows()
+    split, cnt, part = split_scratch(x.device, "w4a16_rs", tiles, cfg.split, m, n)
+    if split != cfg.split:
+        cfg = replace(cfg, split=split)
+    magic, offset = MAGIC[x.dtype]
+    x_desc, q_desc = descriptors(x, qweight, cfg)
+    _w4a16_rs_kernel[(tiles, split)](
+        x_desc, q_desc, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        part if part is not None else y, cnt if cnt is not None else qweight, magic, offset, m, n, k,
+        scales.stride(0), zeros.stride(0) if zeros is not None else 0, y.stride(0),
+        **constexprs(m, group, zeros is not None, bias is not None, cfg),
+        num_warps=cfg.warps, maxnreg=maxnreg(cfg), **pdl_launch(x.device),
+    )  # fmt: skip
+    return y
