@@ -4,7 +4,7 @@ rows, beside the kernel `w4a16_linear` takes today and cuBLAS on a bf16 copy of 
 Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros + x + y; floor = bytes / the copy
 bandwidth measured in this run; each time is the median of a CUDA graph of products over enough weight copies to
 exceed L2 several times. Every timed config is first checked against quant_linear_ref (||y - ref|| / ||ref|| < 1e-2).
-`--rs W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS]],..` names the configs (SPLIT 0: default_config's split; STAGES 0: its
+`--rs W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]],..` names the configs (SPLIT 0: default_config's split; STAGES 0: its
 stages); kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_rs.py --out $OUT/w4a16_rs.json --rows 1,8,16,32,64,128
@@ -36,11 +36,12 @@ Job = tuple[str, int, int, int, rs.RsConfig]
 
 
 def parse_rs(spec: str) -> rs.RsConfig:
-    """W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS]] as a config (0 = default_config's stages or split, resolved per shape)."""
+    """W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]] as a config (0 = default_config's stages or split, resolved per
+    shape; AFTER 1 = scale_after)."""
     f = [int(v) for v in spec.split(":")]
-    if not 4 <= len(f) <= 6:
-        raise ValueError(f"--rs {spec!r}: want W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS]]")
-    return rs.RsConfig(*f[:4], *(f[4:5] or [1]), *(f[5:6] or [2 if f[0] == 4 else 1]))
+    if not 4 <= len(f) <= 7:
+        raise ValueError(f"--rs {spec!r}: want W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]]")
+    return rs.RsConfig(*f[:4], *(f[4:5] or [1]), *(f[5:6] or [2 if f[0] == 4 else 1]), bool((f[6:7] or [0])[0]))
 
 
 def resolved(cfg: rs.RsConfig, m: int, n: int, k: int, group: int) -> rs.RsConfig:
@@ -87,7 +88,9 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--variants", default="int4-asym")
     p.add_argument("--rows", default="1,8,16,32,64,128")
-    p.add_argument("--rs", default="4:128:0:0,4:128:0:0:0,8:128:0:0", metavar="W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS]],..")
+    p.add_argument(
+        "--rs", default="4:128:0:0,4:128:0:0:0,8:128:0:0", metavar="W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]],.."
+    )
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()
     try:
@@ -138,7 +141,7 @@ def main() -> None:
                     )
                     row["rs"].append({"config": asdict(c), "ms": t})
                     line += (
-                        f"  | rs w{c.warps} bk{c.bk} s{c.stages} p{c.split} f{c.in_flight} r{c.regs} "
+                        f"  | rs w{c.warps} bk{c.bk} s{c.stages} p{c.split} f{c.in_flight} r{c.regs} a{int(c.scale_after)} "
                         f"{cell(nbytes, t, bw)}"
                     )
                 out["rows"].append(row)

@@ -27,9 +27,11 @@ TOL = 1e-2
 # (group, zeros, scale dtype)
 WEIGHTS = [(128, True, torch.float16), (128, False, torch.bfloat16), (256, True, torch.float32),
            (64, True, torch.bfloat16), (32, False, torch.float16)]  # fmt: skip
-# one warpgroup in flight / waited, two warpgroups, split K 2 and 4 ways, K tiles of 64 and 32
+# one warpgroup in flight / waited, two warpgroups, split K 2 and 4 ways, K tiles of 64 and 32, the scale after each
+# tile (three programs an SM's registers, split)
 CONFIGS = [rs.RsConfig(4, 128, 4, 1), rs.RsConfig(4, 128, 3, 1, in_flight=0), rs.RsConfig(8, 128, 4, 1, regs=1),
-           rs.RsConfig(4, 128, 4, 2), rs.RsConfig(8, 64, 6, 4, regs=1), rs.RsConfig(4, 32, 8, 2)]  # fmt: skip
+           rs.RsConfig(4, 128, 4, 2), rs.RsConfig(8, 64, 6, 4, regs=1), rs.RsConfig(4, 32, 8, 2),
+           rs.RsConfig(4, 128, 3, 1, 0, scale_after=True), rs.RsConfig(4, 64, 4, 2, 0, 3, True)]  # fmt: skip
 
 
 def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros: bool, sdt: torch.dtype,

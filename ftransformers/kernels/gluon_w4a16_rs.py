@@ -67,6 +67,9 @@ class RsConfig:
     split: int = 1
     in_flight: int = 1
     regs: int = 2  # programs an SM the registers allow (`maxnreg`)
+    # each tile's wgmmas on code - zero into a fresh accumulator, waited, then added times each row's float32 scale:
+    # one packed FMA a pair fewer (no weight is rounded to 16 bits), the tile's wgmmas never left in flight
+    scale_after: bool = False
 
     def rows(self) -> int:
         return 16 * self.warps
@@ -137,16 +140,33 @@ def layouts(warps: int, bk: int, np_: int) -> dict:
     return {"mma": mma, "a_l": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2), "w_l": words}
 
 
-# One pair of a word: $1 the word, $2 the lane's PRMT selector (byte t of the word to bits 0-7, byte t of word >> 4 to
-# bits 16-23), $3 -(offset + zero) and $4 the scale, each twice in one register, $5 the magic. LOP3 makes (offset +
-# nibble 2t, offset + nibble 2t + 1) exact; FMA by one adds -(offset + zero) (exact: small integers); FMA by the scale
-# with a -0 addend rounds the product once.
+# One pair of a word, as one 32-bit register of two 16-bit weights ($0; pack 2: each operand is given twice, $1 / $3 / $5
+# / $7 / $9 are read): $1 the word, $3 the lane's PRMT selector (byte t of the word to bits 0-7, byte t of word >> 4 to
+# bits 16-23), $5 -(offset + zero) twice, $7 the scale twice, $9 the magic. LOP3 makes (offset + nibble 2t, offset +
+# nibble 2t + 1) exact; FMA by one adds -(offset + zero) (exact: small integers); FMA by the scale with a -0 addend
+# rounds the product once. The scale-after form (_CODE_*) stops before the scale: code - zero, exact.
+_CODE_BODY = """{ .reg .b32 s, p, one;
+mov.b32 one, ONE;
+shr.u32 s, $1, 4; prmt.b32 p, $1, s, $3; lop3.b32 p, p, 0x000F000F, $9, 0xEA;
+FMA $0, p, one, $5; }"""
 _PAIR_BODY = """{ .reg .b32 s, p, one, nzero;
 mov.b32 one, ONE; mov.b32 nzero, 0x80008000;
-shr.u32 s, $1, 4; prmt.b32 p, $1, s, $2; lop3.b32 p, p, 0x000F000F, $5, 0xEA;
-FMA p, p, one, $3; FMA $0, p, $4, nzero; }"""
-_PAIR_BF16: gl.constexpr = gl.constexpr(_PAIR_BODY.replace("ONE", "0x3F803F80").replace("FMA", "fma.rn.bf16x2"))
-_PAIR_F16: gl.constexpr = gl.constexpr(_PAIR_BODY.replace("ONE", "0x3C003C00").replace("FMA", "fma.rn.f16x2"))
+shr.u32 s, $1, 4; prmt.b32 p, $1, s, $3; lop3.b32 p, p, 0x000F000F, $9, 0xEA;
+FMA p, p, one, $5; FMA $0, p, $7, nzero; }"""
+_BF16 = {"ONE": "0x3F803F80", "FMA": "fma.rn.bf16x2"}
+_F16 = {"ONE": "0x3C003C00", "FMA": "fma.rn.f16x2"}
+
+
+def _asm(body: str, names: dict[str, str]) -> str:
+    for name, value in names.items():
+        body = body.replace(name, value)
+    return body
+
+
+_PAIR_BF16: gl.constexpr = gl.constexpr(_asm(_PAIR_BODY, _BF16))
+_PAIR_F16: gl.constexpr = gl.constexpr(_asm(_PAIR_BODY, _F16))
+_CODE_BF16: gl.constexpr = gl.constexpr(_asm(_CODE_BODY, _BF16))
+_CODE_F16: gl.constexpr = gl.constexpr(_asm(_CODE_BODY, _F16))
 
 
 @gluon.jit
@@ -158,24 +178,33 @@ def _twice3(v):
 
 @gluon.jit
 def _tile_params(s_ptrs, z_ptrs, g, offset, HAS_ZEROS: gl.constexpr, DT: gl.constexpr):
-    # [BN, 1, 1] int32: group g's scale and -(offset + zero), each twice (both exact in DT)
-    scale = gl.load(s_ptrs + g).to(DT)
+    # group g's scale [BN] float32 and [BN, 1, 1] int32 the scale and -(offset + zero), each twice (exact in DT)
+    scale = gl.load(s_ptrs + g).to(gl.float32)
     if HAS_ZEROS:
         nz = -(gl.load(z_ptrs + g).to(gl.float32) + offset)
     else:
-        nz = gl.zeros_like(scale.to(gl.float32)) - (8.0 + offset)
-    return _twice3(scale), _twice3(nz.to(DT))
+        nz = gl.zeros_like(scale) - (8.0 + offset)
+    return scale, _twice3(scale.to(DT)), _twice3(nz.to(DT))
 
 
 @gluon.jit
-def _a_tile(q, sel, s2, nz2, magic, DT: gl.constexpr, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
-    # q [BN, 1, BW] words (each lane of a quad the same), sel [1, 4, 1] -> A [BN, BK] DT, k = 8 w + 2 t + h
-    asm: gl.constexpr = _PAIR_BF16 if DT == gl.bfloat16 else _PAIR_F16
-    p = gl.inline_asm_elementwise(asm, "=r,r,r,r,r,r", [q, sel, nz2, s2, magic], dtype=gl.int32, is_pure=True,
-                                  pack=1)  # fmt: skip
-    lo = p.to(gl.int16).to(DT, bitcast=True)
-    hi = (p >> 16).to(gl.int16).to(DT, bitcast=True)
-    c = gl.permute(gl.join(lo, hi), (0, 2, 1, 3))  # [BN, BW, t, h]
+def _a_tile(q, sel, s2, nz2, magic, DT: gl.constexpr, a_l: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+            SCALE_AFTER: gl.constexpr):  # fmt: skip
+    # q [BN, 1, BW] words (each lane of a quad the same), sel [1, 4, 1] -> A [BN, BK] DT, k = 8 w + 2 t + h: the
+    # weights, or (SCALE_AFTER) code - zero
+    if SCALE_AFTER:
+        asm: gl.constexpr = _CODE_BF16 if DT == gl.bfloat16 else _CODE_F16
+    else:
+        asm: gl.constexpr = _PAIR_BF16 if DT == gl.bfloat16 else _PAIR_F16
+    qb, sb = gl.broadcast(q, sel)
+    qb, zb = gl.broadcast(qb, nz2)
+    qb, cb = gl.broadcast(qb, s2)
+    m2 = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [qb * 0 + magic], dtype=gl.int32, is_pure=True, pack=1)
+    c = gl.inline_asm_elementwise(
+        asm, "=r,r,r,r,r,r,r,r,r,r,r", [gl.join(qb, qb), gl.join(sb, sb), gl.join(zb, zb), gl.join(cb, cb),
+                                        gl.join(m2, m2)], dtype=DT.value, is_pure=True, pack=2,
+    )  # fmt: skip
+    c = gl.permute(c, (0, 2, 1, 3))  # [BN, BW, t, h]
     return gl.convert_layout(gl.reshape(c, [BN, BK]), a_l, assert_trivial=True)
 
 
@@ -196,7 +225,7 @@ def _consumer(xs, qs, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt
               stride_sn, stride_zn, stride_ym, n0, k0, k_tiles,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-              IN_FLIGHT: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr):  # fmt: skip
+              IN_FLIGHT: gl.constexpr, SCALE_AFTER: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr):  # fmt: skip
     # The default partition: per tile, its words decoded into A and y^T += A x^T (one tile's wgmmas in flight with
     # IN_FLIGHT), the stage handed back once its wgmmas are done; then the epilogue (split K: the last one out's)
     DT: gl.constexpr = xs.dtype
@@ -207,23 +236,33 @@ def _consumer(xs, qs, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt
     rows = gl.arange(0, BN, layout=p_l)
     s_ptrs = s_ptr + (n0 + rows).to(gl.int64) * stride_sn
     z_ptrs = z_ptr + (n0 + rows).to(gl.int64) * stride_zn
-    s2, nz2 = _tile_params(s_ptrs, z_ptrs, k0 * BK // GROUP, offset, HAS_ZEROS, DT)
+    sc, s2, nz2 = _tile_params(s_ptrs, z_ptrs, k0 * BK // GROUP, offset, HAS_ZEROS, DT)
     acc = gl.zeros([BN, NP], gl.float32, mma)
+    zero = gl.zeros([BN, NP], gl.float32, mma)  # the accumulator a scale-after tile's first wgmma ignores
+    a_prev = gl.zeros([BN, BK], DT, a_l)  # tile i - 1's A, live until its wgmmas are waited (IN_FLIGHT)
     for i in range(k_tiles):
         st = i % STAGES
-        s_c, nz_c = s2, nz2
+        sc_c, s_c, nz_c = sc, s2, nz2
         nxt = gl.minimum(i + 1, k_tiles - 1)
-        s2, nz2 = _tile_params(s_ptrs, z_ptrs, (k0 + nxt) * BK // GROUP, offset, HAS_ZEROS, DT)
+        sc, s2, nz2 = _tile_params(s_ptrs, z_ptrs, (k0 + nxt) * BK // GROUP, offset, HAS_ZEROS, DT)
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         q = gl.expand_dims(qs.index(st).load(q_l), 1)
-        a = _a_tile(q, sel, s_c, nz_c, magic, DT, a_l, BN, BK)
-        acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
-        if IN_FLIGHT == 1:
-            acc = warpgroup_mma_wait(1, deps=[acc])  # tile i - 1's wgmmas are done
+        a = _a_tile(q, sel, s_c, nz_c, magic, DT, a_l, BN, BK, SCALE_AFTER)
+        if SCALE_AFTER:  # this tile's sum of (code - zero) x, times each row's scale in float32
+            part = warpgroup_mma(a, xs.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part, a = warpgroup_mma_wait(0, deps=[part, a])
+            acc += gl.expand_dims(gl.convert_layout(sc_c, gl.SliceLayout(1, mma)), 1) * part
+            _cta_barrier()
+            mbarrier.arrive(empty.index(st))
+        elif IN_FLIGHT == 1:
+            acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(1, deps=[acc, a_prev])  # tile i - 1's wgmmas are done: its A may go
+            a_prev = a
             if i > 0:
                 _cta_barrier()
                 mbarrier.arrive(empty.index((i - 1) % STAGES))
         else:
+            acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
             acc, a = warpgroup_mma_wait(0, deps=[acc, a])
             _cta_barrier()
             mbarrier.arrive(empty.index(st))
@@ -239,7 +278,8 @@ def _w4a16_rs_kernel(
     x_desc, q_desc, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N, K,
     stride_sn, stride_zn, stride_ym,
     GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, CW: gl.constexpr, BK: gl.constexpr,
-    NP: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, IN_FLIGHT: gl.constexpr, PREGS: gl.constexpr,
+    NP: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, IN_FLIGHT: gl.constexpr, SCALE_AFTER: gl.constexpr,
+    PREGS: gl.constexpr,
     mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)  # first (tests/test_pdl.py): nothing of another kernel's is read or written before it
@@ -260,7 +300,7 @@ def _w4a16_rs_kernel(
         [
             (_consumer, (xs, qs, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt_ptr, magic, offset, M, N,
                          stride_sn, stride_zn, stride_ym, n0, k0, k_tiles, GROUP, HAS_ZEROS, HAS_BIAS, BN, BK, NP,
-                         STAGES, SPLIT, IN_FLIGHT, mma, a_l, w_l)),
+                         STAGES, SPLIT, IN_FLIGHT, SCALE_AFTER, mma, a_l, w_l)),
             (_producer, (x_desc, q_desc, xs, qs, ready, empty, n0, k0, k_tiles, BK, STAGES)),
         ],
         [1],
@@ -272,7 +312,8 @@ def constexprs(m: int, group: int, has_zeros: bool, has_bias: bool, cfg: RsConfi
     """The kernel's compile-time arguments for M rows of x."""
     np_ = columns(m)
     return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "CW": cfg.warps, "BK": cfg.bk, "NP": np_,
-            "STAGES": cfg.stages, "SPLIT": cfg.split, "IN_FLIGHT": cfg.in_flight, "PREGS": PRODUCER_REGS,
+            "STAGES": cfg.stages, "SPLIT": cfg.split, "IN_FLIGHT": cfg.in_flight,
+            "SCALE_AFTER": cfg.scale_after, "PREGS": PRODUCER_REGS,
             **layouts(cfg.warps, cfg.bk, np_)}  # fmt: skip
 
 
