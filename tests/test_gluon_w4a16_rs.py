@@ -49,6 +49,8 @@ def run(m: int, n: int, k: int, dtype: torch.dtype, seed: int, group: int, zeros
 @pytest.mark.parametrize("m", [1, 5, 8, 16, 23, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_matches_reference(cfg: rs.RsConfig, m: int, dtype: torch.dtype) -> None:
+    if not rs.fits(m, 1024, 2048, 128, cfg):
+        pytest.skip(f"{cfg} does not take {m} rows")
     for w, (group, zeros, sdt) in enumerate(WEIGHTS):
         if group % cfg.bk == 0:
             assert run(m, 1024, 2048, dtype, 10 * w + m, group, zeros, sdt, cfg) <= TOL, (group, zeros, sdt)
@@ -86,3 +88,5 @@ def test_fits_rejects_what_it_cannot_take() -> None:
     assert not rs.fits(16, 1000, 2048, 128, rs.RsConfig())  # N not whole programs
     assert not rs.fits(16, 1024, 2048, 64, rs.RsConfig(bk=128))  # a K tile across groups
     assert not rs.fits(16, 1024, 2048, 128, rs.RsConfig(split=32))  # K not in whole tiles a part
+    assert not rs.fits(128, 1024, 2048, 128, rs.RsConfig(regs=3))  # too few registers for N = 128
+    assert not rs.fits(16, 1024, 2048, 128, rs.RsConfig(8, regs=2))  # two warpgroups: one program an SM

@@ -109,6 +109,10 @@ def fits(m: int, n: int, k: int, group: int, cfg: RsConfig) -> bool:
         return False
     if cfg.bk % 32 or group % cfg.bk or k % group or cfg.split < 1 or (k // cfg.bk) % cfg.split:
         return False
+    # the registers `maxnreg` leaves a consumer thread: two warpgroups take a program an SM, three programs an SM
+    # leave too few for wgmma's N past 64 (offline ptxas: C7602 at 80 a thread)
+    if cfg.regs not in (1, 2, 3) or (cfg.warps == 8 and cfg.regs > 1) or (cfg.regs == 3 and columns(m) > 64):
+        return False
     return cfg.shared_bytes(columns(m)) <= 200 * 1024
 
 
