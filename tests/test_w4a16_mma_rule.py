@@ -203,3 +203,33 @@ def test_ws_split_leaves_no_part_empty() -> None:
             parts = ws.effective_split(k_tiles, asked)
             per = cdiv(k_tiles, parts)
             assert 1 <= parts <= min(asked, k_tiles) and (parts - 1) * per < k_tiles <= parts * per
+
+
+def test_rs_rule_takes_large_weights_at_17_to_128_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gluon_w4a16_rs.engine_config: the register-operand kernel takes the weights and row counts it measured faster
+    on (session 79), with a config that fits every row count it takes, and none past its bounds or with it off."""
+    from ftransformers.kernels import gluon_w4a16_rs as rs
+
+    taken = {name for name, (n, k) in LINEARS.items() if rs.engine_config(32, n, k, 128) is not None}
+    assert taken == {"qwen3-8b gate_up", "qwen3-8b down", "dsv3 o", "dsv3 dense gate_up", "dsv3 dense down"}
+    wide = {name for name, (n, k) in LINEARS.items() if rs.engine_config(128, n, k, 128) is not None}
+    assert wide == {"qwen3-8b gate_up", "dsv3 o", "dsv3 dense gate_up", "dsv3 dense down"}
+    for name, (n, k) in LINEARS.items():
+        for m in range(1, 140):
+            cfg = rs.engine_config(m, n, k, 128)
+            if cfg is not None:
+                assert 17 <= m <= 128 and rs.fits(m, n, k, 128, cfg) and cfg.scale_after and not cfg.in_flight
+                assert cfg.regs == (3 if m <= 64 else 2), (name, m, cfg)
+        assert rs.engine_config(32, n, k, 32) is None  # K tiles of 128 need groups of 128
+    monkeypatch.setattr(rs, "ENGINE_MIN_ROWS", 0)
+    assert rs.engine_config(32, 24576, 4096, 128) is None
+
+
+def test_rs_fits_only_the_register_and_in_flight_forms_that_built_right() -> None:
+    from ftransformers.kernels import gluon_w4a16_rs as rs
+
+    assert rs.fits(64, 1024, 2048, 128, rs.RsConfig(regs=3)) and not rs.fits(65, 1024, 2048, 128, rs.RsConfig(regs=3))
+    assert not rs.fits(16, 1024, 2048, 128, rs.RsConfig(8, regs=2)) and rs.fits(16, 1024, 2048, 128, rs.RsConfig(8, regs=1))
+    assert rs.fits(32, 1024, 2048, 128, rs.RsConfig(in_flight=1))
+    assert not rs.fits(33, 1024, 2048, 128, rs.RsConfig(in_flight=1))  # wrong on the H200 at 64-128 columns
+    assert not rs.fits(16, 1000, 2048, 128, rs.RsConfig()) and not rs.fits(16, 1024, 2048, 64, rs.RsConfig(bk=128))

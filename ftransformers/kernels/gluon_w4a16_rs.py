@@ -65,7 +65,9 @@ class RsConfig:
     bk: int = 128
     stages: int = 4
     split: int = 1
-    in_flight: int = 1
+    # 1: a tile's wgmmas left in flight while the next is decoded. Only to 32 columns (`fits`): on the H200 it gave
+    # wrong results (NaN) at 64 and 128, and no gain where it was right (session 79)
+    in_flight: int = 0
     regs: int = 2  # programs an SM the registers allow (`maxnreg`)
     # each tile's wgmmas on code - zero into a fresh accumulator, waited, then added times each row's float32 scale:
     # one packed FMA a pair fewer (no weight is rounded to 16 bits), the tile's wgmmas never left in flight
@@ -97,6 +99,32 @@ def default_config(m: int, n: int, k: int, group: int, warps: int = 4, bk: int =
     return replace(cfg, stages=stages, split=split)
 
 
+# w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 64 rows here (0: never) for weights of
+# at least ENGINE_MIN_NK elements, and of 65 to ENGINE_MAX_ROWS rows for weights of at least ENGINE_MIN_NK_WIDE, on
+# `engine_config`. H200, session 79 (bench_w4a16_rs.py, rs_after_s79_h200.*), against the kernel w4a16_linear took:
+# Qwen3-8B gate_up (100M elements) at 32 / 64 / 128 rows 32.0 / 38.4 / 63.3 us against 42.5 / 47.6 / 83.6, its down
+# (50M) at 32 / 64 24.7 / 30.0 against 26.4 / 32.2 (at 128 53.1 against 46.9, so not taken), DeepSeek-V3 o (117M)
+# 42.9 / 55.1 / 88.0 against 54.2 / 82.3 / 100.5, its dense gate_up (264M) 80.7 / 102.3 / 163.4 against 109.5 / 137.1
+# / 217.4; smaller weights (Qwen3-8B qkv and o, Qwen3-30B-A3B qkv) were slower here at 64-128 rows, and at 16 rows
+# DeepSeek-V3 o (42.8 against 32.7 us).
+ENGINE_MIN_ROWS = 17
+ENGINE_MAX_ROWS = 128
+ENGINE_MIN_NK = 48 << 20
+ENGINE_MIN_NK_WIDE = 96 << 20
+
+
+def engine_config(m: int, n: int, k: int, group: int) -> RsConfig | None:
+    """The config w4a16_linear runs M rows of an int4 [N, K] weight with here, or None (the rule above): each K
+    tile's scale applied after its wgmmas, three programs an SM up to 64 columns (two at 128), default_config's stages
+    and split."""
+    if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= ENGINE_MAX_ROWS or group % 128:
+        return None
+    if n * k < (ENGINE_MIN_NK if m <= 64 else ENGINE_MIN_NK_WIDE):
+        return None
+    cfg = replace(default_config(m, n, k, group), scale_after=True, regs=3 if columns(m) <= 64 else 2)
+    return cfg if fits(m, n, k, group, cfg) else None
+
+
 def columns(m: int) -> int:
     """wgmma's N for M rows of x: the power of two >= M, at least 8."""
     return max(8, next_pow2(m))
@@ -112,6 +140,8 @@ def fits(m: int, n: int, k: int, group: int, cfg: RsConfig) -> bool:
     # the registers `maxnreg` leaves a consumer thread: two warpgroups take a program an SM, three programs an SM
     # leave too few for wgmma's N past 64 (offline ptxas: C7602 at 80 a thread)
     if cfg.regs not in (1, 2, 3) or (cfg.warps == 8 and cfg.regs > 1) or (cfg.regs == 3 and columns(m) > 64):
+        return False
+    if cfg.in_flight and columns(m) > 32:
         return False
     return cfg.shared_bytes(columns(m)) <= 200 * 1024
 

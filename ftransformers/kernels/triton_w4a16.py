@@ -3,7 +3,8 @@ and "nvfp4" layouts of kernels/quant_formats.py, dequantizing W in registers (no
 
 int4 with 16-bit x at decode sizes goes first to kernels/gluon_w4a16_mma.py (mma.sync, the weights
 decoded straight into operand registers) where its `takes` says it measured faster (and before that, at 9-16 rows
-on the weights of its `engine_config`, to the wgmma kernel kernels/gluon_w4a16_wgmma.py); elsewhere three
+on the weights of its `engine_config`, to the wgmma kernel kernels/gluon_w4a16_wgmma.py; at 17-128 rows on large
+weights, to kernels/gluon_w4a16_rs.py, which decodes them as wgmma's register operand); elsewhere three
 kernels, chosen by `w4a16_config` from M, the format and the weight size:
 
 - `_w4a16_gemv_kernel` (decode, M <= 2, or <= 4 on small weights; two words a thread): CUDA cores. Tensors are
@@ -48,6 +49,7 @@ import triton
 import triton.language as tl
 
 from ftransformers.kernels import gluon_w4a16_mma as mma_path
+from ftransformers.kernels import gluon_w4a16_rs as rs_path
 from ftransformers.kernels import gluon_w4a16_wgmma as wgmma_path
 from ftransformers.kernels import gluon_w4a16_ws as ws_path
 from ftransformers.kernels.launch import cached_launch, cdiv, next_pow2
@@ -525,6 +527,9 @@ def w4a16_linear(
     if cfg_wg is not None and wgmma_path.runs_now(x, qw.qweight, qw.group_size, cfg_wg):  # 9-16 rows (its module)
         y = wgmma_path.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_wg)
         return y.reshape(*lead, N)
+    cfg_rs = rs_path.engine_config(M, N, K, qw.group_size) if config is None and qw.fmt == "int4" else None
+    if cfg_rs is not None and rs_path.supported(x, qw.qweight, qw.group_size, cfg_rs):  # 17-128 rows (its module)
+        return rs_path.w4a16_rs(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_rs).reshape(*lead, N)
     cfg_ws = ws_path.engine_config(M, N, K) if config is None and qw.fmt == "int4" else None
     if cfg_ws is not None and ws_path.supported(x, qw.qweight, qw.group_size, cfg_ws):  # prefill sizes (its module)
         return ws_path.w4a16_ws(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias, cfg_ws).reshape(*lead, N)
