@@ -88,13 +88,16 @@ RING_BYTES = 96 * 1024
 
 
 def default_config(m: int, n: int, k: int, group: int, warps: int = 4, bk: int = 128) -> RsConfig:
-    """A starting point for the benchmark, not a measured rule: as many stages (2-8) as RING_BYTES holds, and K split
-    in the fewest powers of two that give AIM_PROGRAMS programs, each part at least MIN_PART_TILES K tiles."""
+    """A starting point for the benchmark, not a measured rule: two programs an SM with one consumer warpgroup, one
+    with two; as many stages (2-8) as the SM's share of RING_BYTES x 2 holds, and K split in the fewest powers of two
+    that give AIM_PROGRAMS / 2 programs per program an SM, each part at least MIN_PART_TILES K tiles."""
     bk = min(bk, group)
     cfg = RsConfig(warps, bk, 2, 1, regs=2 if warps == 4 else 1)
-    stages = max(2, min(8, RING_BYTES // max(1, cfg.shared_bytes(columns(m)) // 2)))
+    ring = RING_BYTES * 2 // cfg.regs
+    stages = max(2, min(8, ring // max(1, cfg.shared_bytes(columns(m)) // 2)))
     k_tiles, tiles, split = k // bk, max(1, n // cfg.rows()), 1
-    while tiles * split < AIM_PROGRAMS and k_tiles % (2 * split) == 0 and k_tiles // (2 * split) >= MIN_PART_TILES:
+    aim = AIM_PROGRAMS // 2 * cfg.regs
+    while tiles * split < aim and k_tiles % (2 * split) == 0 and k_tiles // (2 * split) >= MIN_PART_TILES:
         split *= 2
     return replace(cfg, stages=stages, split=split)
 
