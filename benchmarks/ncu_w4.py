@@ -2,10 +2,10 @@
 int4 product (kernels/gluon_w4a16_mma.py) and of the int4 MoE pair path at one token goes, by hardware
 counters (the issue 5 targets they miss). Dummy weights of the benches' shapes; the first calls compile.
 
-    ncu --clock-control none --kernel-name regex:'w4a16_mma|w4a16_wgmma|_pair_' --launch-skip 4 --launch-count 2 \
+    ncu --clock-control none --kernel-name regex:'w4a16_mma|w4a16_wgmma|w4a16_rs|_pair_' --launch-skip 4 --launch-count 2 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy \
-        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1", "wgmma:qwen3-8b qkv:16",
+        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1", "wgmma:qwen3-8b qkv:16", "rs:qwen3-8b gate_up:32",
                                                                   # "gate-up:qwen3-30b-a3b:16", "gate-up-8:qwen3-30b-a3b:16"
 
 (`--clock-control none` leaves the GPU's clocks as they are; benchmarks/results/ncu_w4_*_h100.txt.)
@@ -38,7 +38,8 @@ def main() -> None:
         "--case",
         required=True,
         help="dense:<bench_w4a16 shape>:<rows>, wgmma:<the same>:<rows>, moe:<bench_moe_w4 shape>:<T>, or "
-        "gate-up:<the same>:<T> (the mma path's gate-up) / gate-up-S:... (its grouped form, S spans a chunk)",
+        "gate-up:<the same>:<T> (the mma path's gate-up) / gate-up-S:... (its grouped form, S spans a chunk), or "
+        "rs:<bench_w4a16 shape>:<rows> (kernels/gluon_w4a16_rs.py on its engine config)",
     )
     kind, shape, rows = p.parse_args().case.split(":")
     m = int(rows)
@@ -58,6 +59,16 @@ def main() -> None:
         print(f"wgmma {shape} M={m}: {cfg}", flush=True)
         for _ in range(CALLS):
             wg.w4a16_wgmma(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, None, cfg)
+    elif kind == "rs":  # the register-operand kernel on the engine's config (kernels/gluon_w4a16_rs.py)
+        from ftransformers.kernels import gluon_w4a16_rs as rs
+
+        n, k = DENSE_SHAPES[shape]
+        qw = make_weight("int4-asym", n, k, gen)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cfg = rs.engine_config(m, n, k, qw.group_size) or rs.default_config(m, n, k, qw.group_size)
+        print(f"rs {shape} M={m}: {cfg}", flush=True)
+        for _ in range(CALLS):
+            rs.w4a16_rs(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, None, cfg)
     elif kind == "moe":
         d, inter, e, top_k = MOE_SHAPES[shape]
         w13 = random_qw("int4", 128, True, e, 2 * inter, d)
@@ -80,7 +91,7 @@ def main() -> None:
             else:
                 moe_mma.gate_up(x, w13, ti.contiguous(), cfg)
     else:
-        raise SystemExit(f"ncu_w4: unknown case kind {kind!r} (dense, wgmma, moe, gate-up or gate-up-S)")
+        raise SystemExit(f"ncu_w4: unknown case kind {kind!r} (dense, wgmma, rs, moe, gate-up or gate-up-S)")
     torch.cuda.synchronize()
 
 
