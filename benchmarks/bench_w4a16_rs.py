@@ -1,5 +1,5 @@
 """The dense int4 product with the weights decoded as wgmma's register operand (kernels/gluon_w4a16_rs.py) at 1-128
-rows, beside the kernel `w4a16_linear` takes today and cuBLAS on a bf16 copy of the weight, in the same process.
+rows, beside the kernel `w4a16_linear` takes, the one it takes with this kernel's rule off, and cuBLAS on a bf16 copy of the weight, in the same process.
 
 Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros + x + y; floor = bytes / the copy
 bandwidth measured in this run; each time is the median of a CUDA graph of products over enough weight copies to
@@ -51,6 +51,16 @@ def resolved(cfg: rs.RsConfig, m: int, n: int, k: int, group: int) -> rs.RsConfi
 
 def run_rs(x: torch.Tensor, qw: QuantizedWeight, cfg: rs.RsConfig) -> torch.Tensor:
     return rs.w4a16_rs(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, None, cfg)
+
+
+def before(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """w4a16_linear with this kernel's rule off: the kernel it took before."""
+    rows = rs.ENGINE_MIN_ROWS
+    rs.ENGINE_MIN_ROWS = 0
+    try:
+        return w4a16_linear(x, qw)
+    finally:
+        rs.ENGINE_MIN_ROWS = rows
 
 
 def _compile_job(job: Job) -> str:
@@ -126,11 +136,12 @@ def main() -> None:
                 nbytes = probe.nbytes() + 2 * m * (k + n)
                 t_cublas = time_per_call(lambda i, x=x, w=w16: F.linear(x, w[i]), len(w16))
                 t_engine = checked(x, qws, lambda x, qw: w4a16_linear(x, qw))
+                t_before = checked(x, qws, before)
                 row = {"shape": name, "N": n, "K": k, "M": m, "fmt": v, "bytes": nbytes, "floor_ms": nbytes / bw / 1e6,
-                       "cublas_bf16_ms": t_cublas, "engine_ms": t_engine, "rs": []}  # fmt: skip
+                       "cublas_bf16_ms": t_cublas, "engine_ms": t_engine, "before_ms": t_before, "rs": []}  # fmt: skip
                 line = (
                     f"{name:20s} {v:9s} M={m:<4d} floor {nbytes / bw / 1e6:.4f}  cuBLAS bf16 {t_cublas:.4f}  "
-                    f"engine {cell(nbytes, t_engine, bw)}"
+                    f"engine {cell(nbytes, t_engine, bw)}  without rs {cell(nbytes, t_before, bw)}"
                 )
                 for c in configs:
                     c = resolved(c, m, n, k, probe.group_size)

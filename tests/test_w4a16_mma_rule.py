@@ -211,7 +211,16 @@ def test_rs_rule_takes_large_weights_at_17_to_128_rows(monkeypatch: pytest.Monke
     from ftransformers.kernels import gluon_w4a16_rs as rs
 
     taken = {name for name, (n, k) in LINEARS.items() if rs.engine_config(32, n, k, 128) is not None}
-    assert taken == {"qwen3-8b gate_up", "qwen3-8b down", "dsv3 o", "dsv3 dense gate_up", "dsv3 dense down"}
+    assert taken == {
+        "qwen3-8b qkv",
+        "qwen3-8b gate_up",
+        "qwen3-8b down",
+        "dsv3 q_b",
+        "dsv3 o",
+        "dsv3 shared gate_up",
+        "dsv3 dense gate_up",
+        "dsv3 dense down",
+    }
     wide = {name for name, (n, k) in LINEARS.items() if rs.engine_config(128, n, k, 128) is not None}
     assert wide == {"qwen3-8b gate_up", "dsv3 o", "dsv3 dense gate_up", "dsv3 dense down"}
     for name, (n, k) in LINEARS.items():
@@ -219,7 +228,8 @@ def test_rs_rule_takes_large_weights_at_17_to_128_rows(monkeypatch: pytest.Monke
             cfg = rs.engine_config(m, n, k, 128)
             if cfg is not None:
                 assert 17 <= m <= 128 and rs.fits(m, n, k, 128, cfg) and cfg.scale_after and not cfg.in_flight
-                assert cfg.regs == (3 if m <= 64 else 2), (name, m, cfg)
+                assert (cfg.regs, cfg.stages == rs.ENGINE_STAGES) == ((3, True) if m <= 64 else (2, False)), (name, m)
+                assert cfg.shared_bytes(rs.columns(m)) * cfg.regs <= 227 * 1024, (name, m, cfg)  # its programs fit
         assert rs.engine_config(32, n, k, 32) is None  # K tiles of 128 need groups of 128
     monkeypatch.setattr(rs, "ENGINE_MIN_ROWS", 0)
     assert rs.engine_config(32, 24576, 4096, 128) is None
@@ -229,7 +239,9 @@ def test_rs_fits_only_the_register_and_in_flight_forms_that_built_right() -> Non
     from ftransformers.kernels import gluon_w4a16_rs as rs
 
     assert rs.fits(64, 1024, 2048, 128, rs.RsConfig(regs=3)) and not rs.fits(65, 1024, 2048, 128, rs.RsConfig(regs=3))
-    assert not rs.fits(16, 1024, 2048, 128, rs.RsConfig(8, regs=2)) and rs.fits(16, 1024, 2048, 128, rs.RsConfig(8, regs=1))
+    assert not rs.fits(16, 1024, 2048, 128, rs.RsConfig(8, regs=2)) and rs.fits(
+        16, 1024, 2048, 128, rs.RsConfig(8, regs=1)
+    )
     assert rs.fits(32, 1024, 2048, 128, rs.RsConfig(in_flight=1))
     assert not rs.fits(33, 1024, 2048, 128, rs.RsConfig(in_flight=1))  # wrong on the H200 at 64-128 columns
     assert not rs.fits(16, 1000, 2048, 128, rs.RsConfig()) and not rs.fits(16, 1024, 2048, 64, rs.RsConfig(bk=128))

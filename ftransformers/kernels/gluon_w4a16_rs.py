@@ -104,27 +104,34 @@ def default_config(m: int, n: int, k: int, group: int, warps: int = 4, bk: int =
 
 # w4a16_linear (without a config) sends an int4 product of ENGINE_MIN_ROWS to 64 rows here (0: never) for weights of
 # at least ENGINE_MIN_NK elements, and of 65 to ENGINE_MAX_ROWS rows for weights of at least ENGINE_MIN_NK_WIDE, on
-# `engine_config`. H200, session 79 (bench_w4a16_rs.py, rs_after_s79_h200.*), against the kernel w4a16_linear took:
-# Qwen3-8B gate_up (100M elements) at 32 / 64 / 128 rows 32.0 / 38.4 / 63.3 us against 42.5 / 47.6 / 83.6, its down
-# (50M) at 32 / 64 24.7 / 30.0 against 26.4 / 32.2 (at 128 53.1 against 46.9, so not taken), DeepSeek-V3 o (117M)
-# 42.9 / 55.1 / 88.0 against 54.2 / 82.3 / 100.5, its dense gate_up (264M) 80.7 / 102.3 / 163.4 against 109.5 / 137.1
-# / 217.4; smaller weights (Qwen3-8B qkv and o, Qwen3-30B-A3B qkv) were slower here at 64-128 rows, and at 16 rows
-# DeepSeek-V3 o (42.8 against 32.7 us).
+# `engine_config`. H200, session 79 (bench_w4a16_rs.py), against the kernels w4a16_linear took before:
+# - to 64 rows, three programs an SM on ENGINE_STAGES stages (rs_stages_s79_h200.*; 72 KB of ring a program): Qwen3-8B
+#   gate_up (100M elements) at 32 / 64 rows 27.4 / 32.6 us against 42.5 / 47.6, its down (50M) 20.1 / 33.6 against
+#   26.4 / 32.2, its qkv (25M) 11.3 / 15.9 against 19.4 / 17.7, DeepSeek-V3 o (117M) 42.2 / 57.2 against 54.2 / 82.3,
+#   its dense gate_up (264M) 73.1 / 98.4 against 109.5 / 137.1. At 16 rows the kernels before won on DeepSeek-V3 o
+#   and Qwen3-8B down (32.8 / 16.8 us against 39.1 / 19.6), at 1-8 rows everywhere (the mma kernel: 17.0 against 24.1
+#   us on Qwen3-8B gate_up at one row);
+# - 65-128 rows, two programs an SM (rs_after_s79_h200.*): Qwen3-8B gate_up at 128 rows 63.3 us against 83.6,
+#   DeepSeek-V3 o 88.0 against 100.5, its dense gate_up 163.4 against 217.4; Qwen3-8B down (53.1 against 46.9) and
+#   the smaller weights lost there.
 ENGINE_MIN_ROWS = 17
 ENGINE_MAX_ROWS = 128
-ENGINE_MIN_NK = 48 << 20
+ENGINE_MIN_NK = 24 << 20
 ENGINE_MIN_NK_WIDE = 96 << 20
+ENGINE_STAGES = 3
 
 
 def engine_config(m: int, n: int, k: int, group: int) -> RsConfig | None:
     """The config w4a16_linear runs M rows of an int4 [N, K] weight with here, or None (the rule above): each K
-    tile's scale applied after its wgmmas, three programs an SM up to 64 columns (two at 128), default_config's stages
-    and split."""
+    tile's scale applied after its wgmmas, three programs an SM on ENGINE_STAGES stages up to 64 columns (two at 128,
+    on default_config's stages), default_config's split."""
     if not ENGINE_MIN_ROWS or not ENGINE_MIN_ROWS <= m <= ENGINE_MAX_ROWS or group % 128:
         return None
     if n * k < (ENGINE_MIN_NK if m <= 64 else ENGINE_MIN_NK_WIDE):
         return None
-    cfg = replace(default_config(m, n, k, group), scale_after=True, regs=3 if columns(m) <= 64 else 2)
+    cfg = replace(default_config(m, n, k, group), scale_after=True)
+    if columns(m) <= 64:
+        cfg = replace(cfg, regs=3, stages=ENGINE_STAGES)
     return cfg if fits(m, n, k, group, cfg) else None
 
 
