@@ -43,10 +43,11 @@ if [[ " $groups " == *" gluon "* ]]; then  # Hopper-only Gluon kernels, MLA pref
   shards gluon 8 tests/test_gluon_moe_w4_mma.py tests/test_gluon_w4a16_mma.py tests/test_gluon_mla_compile.py \
     tests/test_gluon_mma_compile.py tests/test_w4a16_mma_rule.py tests/test_mla_prefill.py tests/test_triton_greedy.py \
     tests/test_triton_sampling.py tests/test_triton_moe_w4_gemv.py tests/test_quant_formats.py \
-    tests/test_gluon_w4a16_wgmma.py tests/test_gluon_wgmma_compile.py
+    tests/test_gluon_w4a16_wgmma.py tests/test_gluon_wgmma_compile.py tests/test_gluon_w4a16_rs.py \
+    tests/test_gluon_rs_compile.py
 fi
 if [[ " $groups " == *" w4a16 "* ]]; then  # the dense 4-bit linear alone (in kernels too): for a change to its routing
-  shards w4a16 8 tests/test_triton_w4a16.py
+  shards w4a16 8 tests/test_triton_w4a16.py tests/test_gluon_w4a16_rs.py
 fi
 if [[ " $groups " == *" wgmma "* ]]; then  # the int4 wgmma kernel alone (in gluon too): for a change to it
   shards wgmma 8 tests/test_gluon_w4a16_wgmma.py tests/test_gluon_wgmma_compile.py
