@@ -19,13 +19,25 @@ load the words straight into registers and wait for each chunk's wgmma (gluon_w4
   offset + zero, exact; times the scale, rounded once, as a 16-bit copy of W would be). K needs no permutation.
 - A K tile lies inside one quantization group (GROUP % BK == 0): one scale and zero a row a tile, loaded by the
   consumer one tile ahead.
-- The accumulator [BN, NP] runs over the program's whole K; IN_FLIGHT = 1 leaves one tile's wgmmas in flight while the
-  next tile is decoded.
+- The accumulator [BN, NP] runs over the program's whole K. With `scale_after` (the engine's form) A holds code - zero
+  (exact) and each tile's wgmmas go into a fresh float32 sum, waited, then added times the row's scale: one packed FMA
+  a pair fewer, and no weight rounded to 16 bits. Without it the scale is decoded in (as a 16-bit copy of W would be
+  rounded), and IN_FLIGHT = 1 may leave one tile's wgmmas in flight while the next tile is decoded: only to 32 columns
+  (`fits`), as at 64-128 it gave wrong results on the H200 (session 79; not understood), and it was no faster.
 - Splits of K: SPLIT programs per row tile publish float32 partials [SPLIT, M, N]; the last one out (an acq_rel ticket,
   kernels/tickets.py's protocol) adds them in split order and stores y (gluon_w4a16_mma._split_store_y).
 
+Measured on the H200 (session 79, benchmarks/bench_w4a16_rs.py; docs/performance.md): with three one-warpgroup
+programs an SM (`regs` 3, 3 stages) it runs Qwen3-8B's int4 gate_up at 32 rows in 27.0 us (the kernels before: 42.4;
+cuBLAS on the bf16 weight 50.3) and DeepSeek-V3's o at 64 rows in 57.4 (82.6), at 26-48% of copy bandwidth; a
+Qwen3-8B W4A16 decode step at B=32 went 5.620 -> 4.268 ms. At 1-16 rows the mma.sync kernel stays faster (at one row
+17.0 against 24.1 us on Qwen3-8B gate_up). Nsight Compute at 32 rows (8 stages then: two programs an SM by shared
+memory) put 46% of the warps' stall cycles at CTA barriers (the consumer's one a tile, and the producer warpgroup's
+three idle warps) and issued 0.44 instructions a cycle a scheduler. Two consumer warpgroups a program (`warps` 8),
+half the reads of x from L2 a weight row, were slower at every shape measured.
+
 tests/test_gluon_w4a16_rs.py checks it against quant_linear_ref on a Hopper GPU, tests/test_gluon_rs_compile.py its
-offline sm_90 build; benchmarks/bench_w4a16_mma.py `--rs` times it beside the engine's kernels.
+offline sm_90 build; benchmarks/bench_w4a16_rs.py times its configs beside the engine's kernels.
 """
 
 from __future__ import annotations
@@ -184,11 +196,11 @@ def layouts(warps: int, bk: int, np_: int) -> dict:
     return {"mma": mma, "a_l": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2), "w_l": words}
 
 
-# One pair of a word, as one 32-bit register of two 16-bit weights ($0; pack 2: each operand is given twice, $1 / $3 / $5
-# / $7 / $9 are read): $1 the word, $3 the lane's PRMT selector (byte t of the word to bits 0-7, byte t of word >> 4 to
-# bits 16-23), $5 -(offset + zero) twice, $7 the scale twice, $9 the magic. LOP3 makes (offset + nibble 2t, offset +
-# nibble 2t + 1) exact; FMA by one adds -(offset + zero) (exact: small integers); FMA by the scale with a -0 addend
-# rounds the product once. The scale-after form (_CODE_*) stops before the scale: code - zero, exact.
+# One pair of a word, as one 32-bit register of two 16-bit weights ($0; pack 2: each operand is given twice, and
+# $1 / $3 / $5 / $7 / $9 are read): $1 the word, $3 the lane's PRMT selector (byte t of the word to bits 0-7, byte t of
+# word >> 4 to bits 16-23), $5 -(offset + zero) twice, $7 the scale twice, $9 the magic. LOP3 makes (offset + nibble
+# 2t, offset + nibble 2t + 1) exact; FMA by one adds -(offset + zero) (exact: small integers); FMA by the scale with a
+# -0 addend rounds the product once. The scale-after form (_CODE_*) stops before the scale: code - zero, exact.
 _CODE_BODY = """{ .reg .b32 s, p, one;
 mov.b32 one, ONE;
 shr.u32 s, $1, 4; prmt.b32 p, $1, s, $3; lop3.b32 p, p, 0x000F000F, $9, 0xEA;
@@ -269,7 +281,8 @@ def _consumer(xs, qs, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt
               stride_sn, stride_zn, stride_ym, n0, k0, k_tiles,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, BN: gl.constexpr,
               BK: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-              IN_FLIGHT: gl.constexpr, SCALE_AFTER: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr, w_l: gl.constexpr):  # fmt: skip
+              IN_FLIGHT: gl.constexpr, SCALE_AFTER: gl.constexpr, mma: gl.constexpr, a_l: gl.constexpr,
+              w_l: gl.constexpr):  # fmt: skip
     # The default partition: per tile, its words decoded into A and y^T += A x^T (one tile's wgmmas in flight with
     # IN_FLIGHT), the stage handed back once its wgmmas are done; then the epilogue (split K: the last one out's)
     DT: gl.constexpr = xs.dtype
