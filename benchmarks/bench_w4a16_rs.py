@@ -25,11 +25,12 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, rel_err, run_pool, time_per_call
+from bench_w4a16 import DEV, DT, L2_BYTES, SHAPES, make_weight, run_pool, time_per_call
+from bench_w4a16_mma import checked
 from ceilings import copy_bandwidth
 
 from ftransformers.kernels import gluon_w4a16_rs as rs
-from ftransformers.kernels.quant_formats import QuantizedWeight, quant_linear_ref
+from ftransformers.kernels.quant_formats import QuantizedWeight
 from ftransformers.kernels.triton_w4a16 import w4a16_linear
 
 Job = tuple[str, int, int, int, rs.RsConfig]
@@ -75,17 +76,6 @@ def _compile_job(job: Job) -> str:
         return ""
     except Exception as e:  # noqa: BLE001 - reported, then timed as an error string
         return f"{v} {n}x{k} M={m} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-
-
-def checked(x: torch.Tensor, qws: list[QuantizedWeight], fn: Any) -> float | str:
-    """ms per product of fn(x, qw), after checking it on qws[0]; a string says why it was not timed."""
-    try:
-        err = rel_err(fn(x, qws[0]), quant_linear_ref(x, qws[0]))
-        if not err < 1e-2:
-            return f"rel err {err:.3g}"
-        return time_per_call(lambda i: fn(x, qws[i]), len(qws))
-    except Exception as e:  # noqa: BLE001 - a failed config is a row of the table, not the end of the run
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
 def cell(nbytes: int, t: float | str, bw: float) -> str:

@@ -50,7 +50,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -58,12 +57,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ftransformers.kernels.gluon_mla_decode import _cta_barrier, pdl_enter
 from ftransformers.kernels.gluon_w4_mma_tiles import MAGIC, _capability
 from ftransformers.kernels.gluon_w4a16_mma import _split_store_y
+from ftransformers.kernels.gluon_w4a16_ws import _GL_DTYPE, _tma_load
 from ftransformers.kernels.launch import cached_launch, next_pow2
 from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
 
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (Triton 3.6's name: the second)
-_GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 MAX_ROWS = 128
 PRODUCER_REGS = 40  # the producer warp's registers (setmaxnreg): it holds no data
 
