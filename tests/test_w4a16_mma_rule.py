@@ -231,6 +231,8 @@ def test_rs_rule_takes_large_weights_at_17_to_128_rows(monkeypatch: pytest.Monke
                 assert (cfg.regs, cfg.stages == rs.ENGINE_STAGES) == ((3, True) if m <= 64 else (2, False)), (name, m)
                 assert cfg.shared_bytes(rs.columns(m)) * cfg.regs <= 227 * 1024, (name, m, cfg)  # its programs fit
         assert rs.engine_config(32, n, k, 32) is None  # K tiles of 128 need groups of 128
+    monkeypatch.setattr(rs, "ENGINE_STAGES", 2)  # the cached configs follow the rule's values
+    assert rs.engine_config(32, 24576, 4096, 128).stages == 2
     monkeypatch.setattr(rs, "ENGINE_MIN_ROWS", 0)
     assert rs.engine_config(32, 24576, 4096, 128) is None
 

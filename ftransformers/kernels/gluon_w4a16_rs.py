@@ -42,6 +42,7 @@ offline sm_90 build; benchmarks/bench_w4a16_rs.py times its configs beside the e
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -139,6 +140,12 @@ def engine_config(m: int, n: int, k: int, group: int) -> RsConfig | None:
         return None
     if n * k < (ENGINE_MIN_NK if m <= 64 else ENGINE_MIN_NK_WIDE):
         return None
+    # cached (eager calls repeat few shapes; the search cost ~15 us a call), keyed on the values A/Bs set too
+    return _engine_config(m, n, k, group, (ENGINE_STAGES, AIM_PROGRAMS, MIN_PART_TILES, RING_BYTES))
+
+
+@functools.lru_cache(maxsize=4096)
+def _engine_config(m: int, n: int, k: int, group: int, rule: tuple) -> RsConfig | None:
     cfg = replace(default_config(m, n, k, group), scale_after=True)
     if columns(m) <= 64:
         cfg = replace(cfg, regs=3, stages=ENGINE_STAGES)
@@ -364,12 +371,15 @@ def _w4a16_rs_kernel(
 
 
 def constexprs(m: int, group: int, has_zeros: bool, has_bias: bool, cfg: RsConfig) -> dict:
-    """The kernel's compile-time arguments for M rows of x."""
-    np_ = columns(m)
+    """The kernel's compile-time arguments for M rows of x (a fresh dict; the layouts behind it are built once)."""
+    return dict(_constexprs(columns(m), group, has_zeros, has_bias, cfg))
+
+
+@functools.lru_cache(maxsize=1024)
+def _constexprs(np_: int, group: int, has_zeros: bool, has_bias: bool, cfg: RsConfig) -> dict:
     return {"GROUP": group, "HAS_ZEROS": has_zeros, "HAS_BIAS": has_bias, "CW": cfg.warps, "BK": cfg.bk, "NP": np_,
-            "STAGES": cfg.stages, "SPLIT": cfg.split, "IN_FLIGHT": cfg.in_flight,
-            "SCALE_AFTER": cfg.scale_after, "PREGS": PRODUCER_REGS,
-            **layouts(cfg.warps, cfg.bk, np_)}  # fmt: skip
+            "STAGES": cfg.stages, "SPLIT": cfg.split, "IN_FLIGHT": cfg.in_flight, "SCALE_AFTER": cfg.scale_after,
+            "PREGS": PRODUCER_REGS, **layouts(cfg.warps, cfg.bk, np_)}  # fmt: skip
 
 
 def descriptors(x: torch.Tensor, qweight: torch.Tensor, cfg: RsConfig) -> tuple:
@@ -377,11 +387,17 @@ def descriptors(x: torch.Tensor, qweight: torch.Tensor, cfg: RsConfig) -> tuple:
     [BN, BK // 8] boxes, in the layouts of the kernel's ring."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    np_, dt = columns(x.shape[0]), _GL_DTYPE[x.dtype]
-    x_l = gl.NVMMASharedLayout.get_default_for([np_, cfg.bk], dt)
-    q_l = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    np_ = columns(x.shape[0])
+    x_l, q_l = _ring_layouts(np_, cfg.bk, x.dtype)
     return (TensorDescriptor.from_tensor(x, [np_, cfg.bk], x_l),
             TensorDescriptor.from_tensor(qweight, [cfg.rows(), cfg.bk // 8], q_l))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_layouts(np_: int, bk: int, dtype: torch.dtype) -> tuple:
+    # x's box [NP, BK] (the default swizzle for wgmma's B) and the words' [BN, BK / 8] unswizzled
+    x_l = gl.NVMMASharedLayout.get_default_for([np_, bk], _GL_DTYPE[dtype])
+    return x_l, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def maxnreg(cfg: RsConfig) -> int:
