@@ -1,5 +1,6 @@
 """The dense int4 product with the weights decoded as wgmma's register operand (kernels/gluon_w4a16_rs.py) at 1-128
-rows, beside the kernel `w4a16_linear` takes, the one it takes with this kernel's rule off, and cuBLAS on a bf16 copy of the weight, in the same process.
+rows, beside the kernel `w4a16_linear` takes, the one it takes with this kernel's rule off, and cuBLAS on a bf16 copy
+of the weight, in the same process.
 
 Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros + x + y; floor = bytes / the copy
 bandwidth measured in this run; each time is the median of a CUDA graph of products over enough weight copies to
@@ -142,7 +143,8 @@ def main() -> None:
                     )
                     row["rs"].append({"config": asdict(c), "ms": t})
                     line += (
-                        f"  | rs w{c.warps} bk{c.bk} s{c.stages} p{c.split} f{c.in_flight} r{c.regs} a{int(c.scale_after)} "
+                        f"  | rs w{c.warps} bk{c.bk} s{c.stages} p{c.split} f{c.in_flight} r{c.regs} "
+                        f"a{int(c.scale_after)} "
                         f"{cell(nbytes, t, bw)}"
                     )
                 out["rows"].append(row)

@@ -2,11 +2,13 @@
 int4 product (kernels/gluon_w4a16_mma.py) and of the int4 MoE pair path at one token goes, by hardware
 counters (the issue 5 targets they miss). Dummy weights of the benches' shapes; the first calls compile.
 
-    ncu --clock-control none --kernel-name regex:'w4a16_mma|w4a16_wgmma|w4a16_rs|_pair_' --launch-skip 4 --launch-count 2 \
+    ncu --clock-control none --kernel-name regex:'w4a16_mma|w4a16_wgmma|w4a16_rs|_pair_' \
+        --launch-skip 4 --launch-count 2 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy \
-        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1", "wgmma:qwen3-8b qkv:16", "rs:qwen3-8b gate_up:32",
-                                                                  # "gate-up:qwen3-30b-a3b:16", "gate-up-8:qwen3-30b-a3b:16"
+        python benchmarks/ncu_w4.py --case "dense:dsv3 o:16"      # or "moe:qwen3-30b-a3b:1", "wgmma:qwen3-8b qkv:16",
+                                                                  # "gate-up:qwen3-30b-a3b:16", "gate-up-8:qwen3-30b-a3b:16",
+                                                                  # "rs:qwen3-8b gate_up:32"
 
 (`--clock-control none` leaves the GPU's clocks as they are; benchmarks/results/ncu_w4_*_h100.txt.)
 """

@@ -22,7 +22,8 @@ from test_gluon_mma_compile import compile_for_hopper, compiled_in_child
 # its scale per pair, two warpgroups, and the in-flight form with K tiles of 64
 JOBS = [(32, {"regs": 3, "scale_after": True, "stages": 8}, "bf16"), (64, {"regs": 3, "scale_after": True}, "bf16"),
         (128, {"regs": 2, "scale_after": True, "stages": 2}, "bf16"), (1, {"split": 4, "stages": 8}, "fp16"),
-        (16, {"warps": 8, "regs": 1, "split": 2}, "bf16"), (32, {"bk": 64, "in_flight": 1, "stages": 6}, "bf16")]  # fmt: skip
+        (16, {"warps": 8, "regs": 1, "split": 2}, "bf16"),
+        (32, {"bk": 64, "in_flight": 1, "stages": 6}, "bf16")]  # fmt: skip
 
 
 def _compile() -> list[dict]:  # in this process, per job: its name, config, PTX and ptxas log
