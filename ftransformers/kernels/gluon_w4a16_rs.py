@@ -23,7 +23,8 @@ load the words straight into registers and wait for each chunk's wgmma (gluon_w4
   (exact) and each tile's wgmmas go into a fresh float32 sum, waited, then added times the row's scale: one packed FMA
   a pair fewer, and no weight rounded to 16 bits. Without it the scale is decoded in (as a 16-bit copy of W would be
   rounded), and IN_FLIGHT = 1 may leave one tile's wgmmas in flight while the next tile is decoded: only to 32 columns
-  (`fits`), as at 64-128 it gave wrong results on the H200 (session 79; not understood), and it was no faster.
+  (`fits`), as at 64-128 it gave wrong results on the H200 (session 79), and it was no faster. Its SASS shows the next
+  tile's A decoded into the registers the HGMMAs in flight still read (docs/performance.md, session 79).
 - Splits of K: SPLIT programs per row tile publish float32 partials [SPLIT, M, N]; the last one out (an acq_rel ticket,
   kernels/tickets.py's protocol) adds them in split order and stores y (gluon_w4a16_mma._split_store_y).
 
@@ -77,7 +78,8 @@ class RsConfig:
     stages: int = 4
     split: int = 1
     # 1: a tile's wgmmas left in flight while the next is decoded. Only to 32 columns (`fits`): on the H200 it gave
-    # wrong results (NaN) at 64 and 128, and no gain where it was right (session 79)
+    # wrong results (NaN) at 64 and 128 (ptxas puts the next A in the registers the wgmmas in flight read), and no
+    # gain where it was right (session 79)
     in_flight: int = 0
     regs: int = 2  # programs an SM the registers allow (`maxnreg`)
     # each tile's wgmmas on code - zero into a fresh accumulator, waited, then added times each row's float32 scale:
