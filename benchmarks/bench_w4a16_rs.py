@@ -6,7 +6,8 @@ Same measurement as benchmarks/bench_w4a16.py: bytes = qweight + scales + zeros 
 bandwidth measured in this run; each time is the median of a CUDA graph of products over enough weight copies to
 exceed L2 several times. Every timed config is first checked against quant_linear_ref (||y - ref|| / ||ref|| < 1e-2).
 `--rs W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]],..` names the configs (SPLIT 0: default_config's split; STAGES 0: its
-stages); kernels are compiled first in a process pool.
+stages); the default, the engine's two forms (`engine_config`: 3 stages and three programs an SM to 64 rows, two at
+128). Kernels are compiled first in a process pool.
 
     PYTHONPATH=$PWD python benchmarks/bench_w4a16_rs.py --out $OUT/w4a16_rs.json --rows 1,8,16,32,64,128
 """
@@ -39,11 +40,11 @@ Job = tuple[str, int, int, int, rs.RsConfig]
 
 def parse_rs(spec: str) -> rs.RsConfig:
     """W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]] as a config (0 = default_config's stages or split, resolved per
-    shape; AFTER 1 = scale_after)."""
+    shape; IN_FLIGHT 0 unless given, REGS 2 with one warpgroup and 1 with two; AFTER 1 = scale_after)."""
     f = [int(v) for v in spec.split(":")]
     if not 4 <= len(f) <= 7:
         raise ValueError(f"--rs {spec!r}: want W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]]")
-    return rs.RsConfig(*f[:4], *(f[4:5] or [1]), *(f[5:6] or [2 if f[0] == 4 else 1]), bool((f[6:7] or [0])[0]))
+    return rs.RsConfig(*f[:4], *(f[4:5] or [0]), *(f[5:6] or [2 if f[0] == 4 else 1]), bool((f[6:7] or [0])[0]))
 
 
 def resolved(cfg: rs.RsConfig, m: int, n: int, k: int, group: int) -> rs.RsConfig:
@@ -90,7 +91,7 @@ def main() -> None:
     p.add_argument("--variants", default="int4-asym")
     p.add_argument("--rows", default="1,8,16,32,64,128")
     p.add_argument(
-        "--rs", default="4:128:0:0,4:128:0:0:0,8:128:0:0", metavar="W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]],.."
+        "--rs", default="4:128:3:0:0:3:1,4:128:0:0:0:2:1", metavar="W:BK:STAGES:SPLIT[:IN_FLIGHT[:REGS[:AFTER]]],.."
     )
     p.add_argument("--workers", type=int, default=14)
     args = p.parse_args()

@@ -65,6 +65,7 @@ from ftransformers.kernels.pdl import pdl_launch
 from ftransformers.kernels.tickets import split_scratch
 
 MAX_ROWS = 128
+MAX_SHARED = 200 * 1024  # a program's ring at most (of the H100's / H200's 227 KB an SM)
 PRODUCER_REGS = 40  # the producer warp's registers (setmaxnreg): it holds no data
 
 
@@ -107,7 +108,7 @@ def default_config(m: int, n: int, k: int, group: int, warps: int = 4, bk: int =
     bk = min(bk, group)
     cfg = RsConfig(warps, bk, 2, 1, regs=2 if warps == 4 else 1)
     ring = RING_BYTES * 2 // cfg.regs
-    stages = max(2, min(8, ring // max(1, cfg.shared_bytes(columns(m)) // 2)))
+    stages = max(2, min(8, ring // replace(cfg, stages=1).shared_bytes(columns(m))))
     k_tiles, tiles, split = k // bk, max(1, n // cfg.rows()), 1
     aim = AIM_PROGRAMS // 2 * cfg.regs
     while tiles * split < aim and k_tiles % (2 * split) == 0 and k_tiles // (2 * split) >= MIN_PART_TILES:
@@ -129,6 +130,7 @@ def default_config(m: int, n: int, k: int, group: int, warps: int = 4, bk: int =
 #   the smaller weights lost there.
 ENGINE_MIN_ROWS = 17
 ENGINE_MAX_ROWS = 128
+MAX_SHARED = 200 * 1024  # a program's ring at most (of the H100's / H200's 227 KB an SM)
 ENGINE_MIN_NK = 24 << 20
 ENGINE_MIN_NK_WIDE = 96 << 20
 ENGINE_STAGES = 3
@@ -172,7 +174,7 @@ def fits(m: int, n: int, k: int, group: int, cfg: RsConfig) -> bool:
         return False
     if cfg.in_flight and columns(m) > 32:
         return False
-    return cfg.shared_bytes(columns(m)) <= 200 * 1024
+    return cfg.shared_bytes(columns(m)) <= MAX_SHARED
 
 
 def supported(x: torch.Tensor, qweight: torch.Tensor, group: int, cfg: RsConfig) -> bool:
@@ -303,7 +305,9 @@ def _consumer(xs, qs, ready, empty, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, cnt
     sc, s2, nz2 = _tile_params(s_ptrs, z_ptrs, k0 * BK // GROUP, offset, HAS_ZEROS, DT)
     acc = gl.zeros([BN, NP], gl.float32, mma)
     zero = gl.zeros([BN, NP], gl.float32, mma)  # the accumulator a scale-after tile's first wgmma ignores
-    a_prev = gl.zeros([BN, BK], DT, a_l)  # tile i - 1's A, live until its wgmmas are waited (IN_FLIGHT)
+    # tile i - 1's A carried to its wait (IN_FLIGHT): meant to keep its registers from the next decode, which it does
+    # not (the SASS reuses them; module docstring), hence `fits`' bound on that form
+    a_prev = gl.zeros([BN, BK], DT, a_l)
     for i in range(k_tiles):
         st = i % STAGES
         sc_c, s_c, nz_c = sc, s2, nz2
